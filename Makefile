@@ -1,0 +1,33 @@
+# Two commands on a fresh machine: `make demo` and `make test`. Both build .venv first.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+export HF_HUB_OFFLINE := 1
+export HF_DATASETS_OFFLINE := 1
+
+.PHONY: venv demo test bench clean
+
+venv: $(STAMP)
+
+$(STAMP): requirements/base.txt requirements/test.txt requirements/constraints.txt pyproject.toml
+	$(PY) -m venv $(VENV)
+	# torch 2.13.0 CPU under a constraint: speculators' unpinned torchvision/torchaudio would
+	# otherwise pull a CUDA torch (REFERENCE.md §3.1). Nothing here imports those three.
+	$(BIN)/pip install -q -c requirements/constraints.txt -r requirements/base.txt -r requirements/test.txt
+	$(BIN)/pip uninstall -q -y torchvision torchaudio torchcodec triton || true
+	$(BIN)/pip install -q --no-deps --no-build-isolation -e .
+	$(BIN)/python -c "import torch, speculators, transformers; assert torch.__version__.startswith('2.13.0'), torch.__version__"
+	touch $(STAMP)
+
+demo: venv
+	$(BIN)/eagle3-console run demo --no-tui
+
+test: venv
+	$(BIN)/python -m pytest -q
+
+bench: venv
+	$(BIN)/python bench/demo_stages.py
+
+clean:
+	rm -rf $(VENV) runs

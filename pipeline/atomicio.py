@@ -1,0 +1,92 @@
+"""Crash-safe file writes: write-then-rename with fsync, and fsync'd JSON-lines appends.
+
+Every file the pipeline records goes through here, so a SIGKILL at any moment leaves
+either the old complete file or the new complete file, never a torn one.
+"""
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any, Iterator
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(data)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    fsync_dir(path.parent)
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    atomic_write_bytes(path, text.encode())
+
+
+def atomic_write_json(path: Path, obj: Any) -> None:
+    atomic_write_text(path, json.dumps(obj, indent=2) + "\n")
+
+
+def atomic_write_with(path: Path, writer) -> None:
+    """Let `writer(tmp_path)` produce the file (for libraries that only write to a path)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.parent / f".{path.name}.{os.getpid()}.tmp"
+    try:
+        writer(tmp)
+        with open(tmp, "rb") as fh:
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    fsync_dir(path.parent)
+
+
+def append_jsonl(path: Path, record: dict) -> None:
+    """Append one JSON line and fsync. A torn last line left by a crash is sealed off
+    with a newline first, so it stays one unreadable line instead of corrupting this one."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    line = json.dumps(record, sort_keys=True, default=str) + "\n"
+    with open(path, "ab+") as fh:
+        fh.seek(0, os.SEEK_END)
+        if fh.tell() > 0:
+            fh.seek(-1, os.SEEK_END)
+            if fh.read(1) != b"\n":
+                fh.write(b"\n")
+        fh.write(line.encode())
+        fh.flush()
+        os.fsync(fh.fileno())
+
+
+def read_jsonl(path: Path) -> Iterator[dict]:
+    """Complete records only: a torn line (crash mid-append) is skipped, never raised."""
+    path = Path(path)
+    if not path.exists():
+        return
+    with open(path, "rb") as fh:
+        for raw in fh:
+            if not raw.endswith(b"\n"):
+                continue
+            try:
+                yield json.loads(raw)
+            except json.JSONDecodeError:
+                continue

@@ -1,0 +1,163 @@
+"""eagle3-console command line. Every bad input is one line on stderr and a non-zero exit."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+EXIT_FAILED, EXIT_USAGE = 1, 2
+
+
+def _die(message: str, code: int = EXIT_USAGE) -> int:
+    print(f"eagle3-console: error: {message}", file=sys.stderr)
+    return code
+
+
+def _setup_env() -> None:
+    # No hub at run time: models, tokenizers and data sets come from local paths only.
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def cmd_run(args) -> int:
+    from pipeline.profile import ProfileError, load_profile
+    from pipeline.rundir import RunDir, RunDirError
+    from pipeline.runner import RunnerError, run_stages, select
+    from pipeline.progress import ProgressPrinter
+
+    if not args.no_tui:
+        return _die("the console is not built yet; run with --no-tui", EXIT_USAGE)
+    try:
+        if args.resume:
+            if args.profile:
+                return _die("give either PROFILE or --resume RUN_DIR, not both")
+            run = RunDir.open(Path(args.resume))
+            profile = run.profile()
+        else:
+            if not args.profile:
+                return _die("PROFILE is required (or --resume RUN_DIR)")
+            profile = load_profile(args.profile)
+            select(profile, args.start, args.until)  # validate the range before creating anything
+            run = RunDir.create(profile, Path(args.run_dir) if args.run_dir else None)
+        os.environ.setdefault("HF_HOME", str(run.root / ".cache" / "hf"))
+        print(f"run directory: {run.root}", flush=True)
+        run_stages(run, args.start, args.until, on_event=ProgressPrinter())
+    except (ProfileError, RunDirError, RunnerError) as exc:
+        return _die(str(exc))
+    except KeyboardInterrupt:
+        return _die("interrupted; resume with: eagle3-console run --resume " + str(run.root), 130)
+    except Exception as exc:  # noqa: BLE001 - the stage already recorded it; one line here
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        return _die(f"{first}\n  logs: {run.logs_dir}  resume: eagle3-console run --resume {run.root}", EXIT_FAILED)
+    _print_summary(run)
+    return 0
+
+
+def _print_summary(run) -> None:
+    state = run.read_state()
+    ev = state["stages"].get("evaluate-offline", {}).get("figures")
+    if ev:
+        acc = " / ".join(f"{a:.2f}" for a in ev["acceptance_per_position"])
+        print(f"offline evaluation: tau = {ev['tau']:.3f} (k={len(ev['acceptance_per_position'])}, "
+              f"per-position acceptance {acc}), lossless = {ev['lossless']}")
+    print(f"all stages done: {run.root}")
+
+
+def cmd_status(args) -> int:
+    from pipeline.rundir import RunDir, RunDirError
+    from pipeline.runner import is_done
+    from pipeline.stages import STAGES
+
+    try:
+        run = RunDir.open(Path(args.run_dir))
+        profile = run.profile()
+    except RunDirError as exc:
+        return _die(str(exc))
+    state = run.read_state()
+    rows = []
+    for stage in STAGES:
+        entry = state["stages"].get(stage.name, {})
+        status = entry.get("status", "pending") if stage.applies(profile) else "n/a"
+        if status == "done" and not is_done(run, stage):
+            status = "stale"  # recorded done, but its outputs changed or vanished: it will re-run
+        rows.append({"stage": stage.name, "status": status, "seconds": entry.get("seconds"),
+                     "figures": entry.get("figures", {}), "error": entry.get("error")})
+    if args.json:
+        print(json.dumps({"run": str(run.root), "profile": profile.name, "stages": rows}, indent=2))
+        return 0
+    print(f"run {run.root}  (profile {profile.name})")
+    for r in rows:
+        secs = f"{r['seconds']:>8.1f}s" if r["seconds"] is not None else " " * 9
+        extra = r["error"] or ", ".join(f"{k}={v}" for k, v in r["figures"].items()
+                                        if isinstance(v, (int, float)) and not isinstance(v, bool))
+        print(f"  {r['stage']:<17} {r['status']:<8} {secs}  {extra}")
+    return 0
+
+
+def cmd_notes(args) -> int:
+    from pipeline import notes
+    from pipeline.atomicio import atomic_write_text
+    from pipeline.rundir import RunDir, RunDirError
+
+    try:
+        run = RunDir.open(Path(args.run_dir))
+    except RunDirError as exc:
+        return _die(str(exc))
+    if args.notes_cmd == "add":
+        if not args.text.strip():
+            return _die("note text is empty")
+        rec = notes.add(run, args.text)
+        print(f"noted at {rec['ts']}")
+        return 0
+    text = notes.export(run, args.format)
+    if args.output:
+        atomic_write_text(Path(args.output), text)
+        print(f"wrote {args.output}")
+    else:
+        sys.stdout.write(text)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from pipeline.stages import stage_names
+
+    parser = argparse.ArgumentParser(prog="eagle3-console",
+                                     description="Train, deploy and measure an EAGLE-3 draft head for a served target.")
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    run = sub.add_parser("run", help="run (or resume) the pipeline")
+    run.add_argument("profile", nargs="?", help="profile TOML file or name in profiles/")
+    run.add_argument("--resume", metavar="RUN_DIR", help="finish an existing run")
+    run.add_argument("--run-dir", help="where to create the run (default runs/<profile>-<UTC time>)")
+    run.add_argument("--from", dest="start", metavar="STAGE", help=f"first stage ({', '.join(stage_names())})")
+    run.add_argument("--until", metavar="STAGE", help="last stage")
+    run.add_argument("--no-tui", action="store_true", help="headless: progress on stdout")
+    run.set_defaults(func=cmd_run)
+    st = sub.add_parser("status", help="show a run's stages")
+    st.add_argument("run_dir")
+    st.add_argument("--json", action="store_true")
+    st.set_defaults(func=cmd_status)
+    nt = sub.add_parser("notes", help="the run's notes log")
+    nsub = nt.add_subparsers(dest="notes_cmd", required=True)
+    na = nsub.add_parser("add", help="append an operator note")
+    na.add_argument("run_dir")
+    na.add_argument("text")
+    ne = nsub.add_parser("export", help="export notes as Markdown or JSON")
+    ne.add_argument("run_dir")
+    ne.add_argument("--format", choices=["md", "json"], default="md")
+    ne.add_argument("-o", "--output")
+    nt.set_defaults(func=cmd_notes)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    _setup_env()
+    args = build_parser().parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,112 @@
+"""Reading the operator's data: chat conversations or pre-tokenized rows, one JSON object per line.
+
+Accepted rows: {"messages": [{"role", "content"}, ...]} (alias "conversations"; roles system/user/
+assistant; at least one assistant turn), or {"input_ids": [...], "loss_mask": [...]} of equal length.
+A malformed row is skipped and counted, with its line number and reason in the stage log; a file
+with no usable row is an error.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROLES = {"system", "user", "assistant"}
+
+
+@dataclass
+class Loaded:
+    conversations: list[dict] = field(default_factory=list)  # {"id", "messages"}
+    token_rows: list[dict] = field(default_factory=list)  # {"input_ids", "loss_mask"}
+    bad: list[tuple[int, str]] = field(default_factory=list)  # (line number, reason)
+
+
+def _check_messages(messages) -> str | None:
+    if not isinstance(messages, list) or not messages:
+        return "'messages' must be a non-empty list"
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("content"), str):
+            return f"turn {i}: needs a string 'content'"
+        if m.get("role") not in ROLES:
+            return f"turn {i}: role {m.get('role')!r} is not one of system/user/assistant"
+    if not any(m["role"] == "assistant" for m in messages):
+        return "no assistant turn"
+    return None
+
+
+def _check_tokens(row: dict) -> str | None:
+    ids, mask = row.get("input_ids"), row.get("loss_mask")
+    if not isinstance(ids, list) or not all(isinstance(t, int) and t >= 0 for t in ids):
+        return "'input_ids' must be a list of non-negative integers"
+    if not isinstance(mask, list) or len(mask) != len(ids) or not all(v in (0, 1) for v in mask):
+        return "'loss_mask' must be a 0/1 list as long as 'input_ids'"
+    return None
+
+
+def load(path: Path) -> Loaded:
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: conversations file not found")
+    out = Loaded()
+    with open(path, encoding="utf-8") as fh:
+        for lineno, line in enumerate(fh, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as exc:
+                out.bad.append((lineno, f"not JSON ({exc.msg})"))
+                continue
+            if not isinstance(row, dict):
+                out.bad.append((lineno, "not a JSON object"))
+                continue
+            if "input_ids" in row or "loss_mask" in row:
+                reason = _check_tokens(row)
+                if reason is None:
+                    out.token_rows.append({"input_ids": row["input_ids"], "loss_mask": row["loss_mask"]})
+                else:
+                    out.bad.append((lineno, reason))
+                continue
+            messages = row.get("messages", row.get("conversations"))
+            reason = _check_messages(messages) if messages is not None else "no 'messages' or 'input_ids'"
+            if reason is None:
+                out.conversations.append({"id": str(row.get("id", f"line{lineno}")), "messages": messages})
+            else:
+                out.bad.append((lineno, reason))
+    return out
+
+
+def split_heldout(conversations: list[dict], heldout: int) -> tuple[list[dict], list[dict]]:
+    """The last `heldout` conversations never reach training: they are the evaluation prompts."""
+    if heldout >= len(conversations):
+        raise ValueError(f"{len(conversations)} valid conversations leave none for training "
+                         f"after holding out {heldout}")
+    cut = len(conversations) - heldout
+    return conversations[:cut], conversations[cut:]
+
+
+def first_prompt(messages: list[dict]) -> list[dict]:
+    """The turns before the first assistant turn: what an evaluation sends to the model."""
+    idx = next(i for i, m in enumerate(messages) if m["role"] == "assistant")
+    return messages[:idx]
+
+
+def render_ids(tokenizer, messages: list[dict], add_generation_prompt: bool) -> list[int]:
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def assistant_rows(tokenizer, messages: list[dict]) -> list[dict]:
+    """One row per assistant turn: the history rendered with the chat template, loss on that turn only.
+    The mask boundary is the rendered prompt's length, as speculators' prepare-data computes it."""
+    rows = []
+    for i, m in enumerate(messages):
+        if m["role"] != "assistant":
+            continue
+        prompt = render_ids(tokenizer, messages[:i], add_generation_prompt=True)
+        full = render_ids(tokenizer, messages[: i + 1], add_generation_prompt=False)
+        if full[: len(prompt)] != prompt:
+            raise ValueError("chat template is not prefix-stable: the rendered prompt is not a prefix "
+                             "of the rendered conversation")
+        rows.append({"input_ids": full, "loss_mask": [0] * len(prompt) + [1] * (len(full) - len(prompt))})
+    return rows

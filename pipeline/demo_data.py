@@ -1,0 +1,64 @@
+"""Offline text for the demo: tokenizer training files and conversations, both from Python's stdlib.
+
+No hub, no network: the standard library's own source is text every machine has.
+"""
+from __future__ import annotations
+
+import ast
+import random
+import sysconfig
+from pathlib import Path
+
+QUESTION_TEMPLATES = (
+    "What does `{name}` in `{module}` do?",
+    "Explain `{module}.{name}` briefly.",
+    "How would I use `{name}` from the `{module}` module?",
+    "Summarise the purpose of `{module}.{name}`.",
+)
+FOLLOW_UPS = ("Can you give an example?", "What should I watch out for?", "Is there an alternative?")
+
+
+def stdlib_sources(limit: int) -> list[Path]:
+    """The first `limit` stdlib modules by sorted path: deterministic on a given Python."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = sorted(p for p in root.glob("*.py") if p.stat().st_size > 2000)
+    if not files:
+        raise RuntimeError(f"no stdlib sources under {root}")
+    return files[:limit]
+
+
+def _documented_functions(path: Path) -> list[tuple[str, str]]:
+    try:
+        tree = ast.parse(path.read_text(encoding="utf-8", errors="replace"))
+    except SyntaxError:
+        return []
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.ClassDef)) and not node.name.startswith("_"):
+            doc = ast.get_docstring(node)
+            if doc and len(doc) > 40:
+                found.append((node.name, " ".join(doc.split())[:400]))
+    return found
+
+
+def conversations(count: int, seed: int) -> list[dict]:
+    """`count` chat conversations (some two-turn) about documented stdlib functions."""
+    rng = random.Random(seed)
+    pool = []
+    for path in stdlib_sources(400):
+        pool += [(path.stem, name, doc) for name, doc in _documented_functions(path)]
+    rng.shuffle(pool)
+    if len(pool) < count:
+        raise RuntimeError(f"only {len(pool)} documented stdlib functions, {count} conversations asked")
+    out = []
+    for module, name, doc in pool[:count]:
+        messages = [
+            {"role": "system", "content": "You are a concise Python assistant."},
+            {"role": "user", "content": rng.choice(QUESTION_TEMPLATES).format(name=name, module=module)},
+            {"role": "assistant", "content": doc},
+        ]
+        if rng.random() < 0.3:
+            messages += [{"role": "user", "content": rng.choice(FOLLOW_UPS)},
+                         {"role": "assistant", "content": f"See the documentation of {module}.{name}: {doc[:160]}"}]
+        out.append({"id": f"{module}.{name}", "messages": messages})
+    return out

@@ -1,0 +1,268 @@
+"""Profiles: TOML files with `extends` inheritance, validated into frozen dataclasses.
+
+Layering follows speculators: command-line override > profile file (> the files it extends) > default.
+Every error is one line naming the file, the dotted key and the offending value.
+"""
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+PROFILES_DIR = Path(__file__).resolve().parent.parent / "profiles"
+
+
+class ProfileError(ValueError):
+    """A bad profile: the message is the one line the operator sees."""
+
+
+@dataclass(frozen=True)
+class TargetSection:
+    source: Literal["demo", "path"] = "demo"
+    model_path: str = ""  # source = "path": a local HF model directory
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+
+
+@dataclass(frozen=True)
+class DemoTargetSection:
+    """The tiny Llama target and BPE tokenizer that the demo builds offline (REFERENCE.md §3.2)."""
+    vocab_size: int = 2048
+    hidden_size: int = 128
+    intermediate_size: int = 256
+    num_layers: int = 4
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    max_position_embeddings: int = 2048
+    tokenizer_source_files: int = 200
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class DataSection:
+    conversations: str = "demo"  # "demo" = generated from offline text; else a JSONL path
+    num_conversations: int = 96  # demo generator only
+    heldout: int = 16  # conversations kept out of training for evaluation
+    seq_length: int = 512
+    regenerate: bool = False  # replace assistant turns with the target's own greedy output
+    regenerate_max_tokens: int = 96
+    regenerate_batch_size: int = 16
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class ExtractSection:
+    backend: Literal["transformers"] = "transformers"
+    layer_ids: list[int] = field(default_factory=list)  # vLLM-style, last = final layer; [] = default
+    batch_size: int = 8
+    batch_tokens: int = 16384
+    writer_threads: int = 2
+
+
+@dataclass(frozen=True)
+class VocabSection:
+    draft_vocab_size: int = 32000
+
+
+@dataclass(frozen=True)
+class TrainSection:
+    epochs: int = 3
+    total_seq_len: int = 8192
+    lr: float = 1e-4
+    optimizer: Literal["adamw", "muon"] = "muon"
+    ttt_steps: int = 3
+    num_layers: int = 1
+    draft_attn_impl: Literal["auto", "simple_flex_attention", "sdpa", "eager"] = "auto"
+    loss_implementation: Literal["auto", "fused", "eager"] = "auto"
+    hidden_states_dtype: Literal["auto", "bfloat16", "float32"] = "auto"
+    nproc_per_node: int = 1
+    num_workers: int = 0
+    seed: int = 42
+    extra_args: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class EvaluateSection:
+    k: int = 3
+    num_prompts: int = 16
+    max_new_tokens: int = 64
+
+
+@dataclass(frozen=True)
+class RunSection:
+    runs_dir: str = "runs"
+    cache_dir: str = "runs/.cache"
+
+
+@dataclass(frozen=True)
+class Profile:
+    name: str
+    description: str = ""
+    target: TargetSection = field(default_factory=TargetSection)
+    demo_target: DemoTargetSection = field(default_factory=DemoTargetSection)
+    data: DataSection = field(default_factory=DataSection)
+    extract: ExtractSection = field(default_factory=ExtractSection)
+    vocab: VocabSection = field(default_factory=VocabSection)
+    train: TrainSection = field(default_factory=TrainSection)
+    evaluate: EvaluateSection = field(default_factory=EvaluateSection)
+    run: RunSection = field(default_factory=RunSection)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+# --------------------------------------------------------------------------- loading
+
+def _merge(base: dict, over: dict) -> dict:
+    out = dict(base)
+    for key, value in over.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def _read_toml(path: Path, chain: tuple[Path, ...] = ()) -> dict:
+    if path in chain:
+        raise ProfileError(f"{chain[0]}: key 'extends': cycle through {path}")
+    if not path.is_file():
+        where = f"{chain[-1]}: key 'extends': " if chain else ""
+        raise ProfileError(f"{where}profile file not found: {path}")
+    try:
+        data = tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as exc:
+        raise ProfileError(f"{path}: not valid TOML: {exc}") from None
+    parent = data.pop("extends", None)
+    if parent is None:
+        return data
+    if not isinstance(parent, str):
+        raise ProfileError(f"{path}: key 'extends': expected a file name, got {parent!r}")
+    base = _read_toml((path.parent / parent).resolve(), chain + (path,))
+    return _merge(base, data)
+
+
+def _type_name(tp: Any) -> str:
+    if typing.get_origin(tp) is Literal:
+        return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
+    if typing.get_origin(tp) is list:
+        return f"a list of {typing.get_args(tp)[0].__name__}"
+    return getattr(tp, "__name__", str(tp))
+
+
+def _check_value(tp: Any, value: Any) -> bool:
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        return value in typing.get_args(tp)
+    if origin is list:
+        (item,) = typing.get_args(tp)
+        return isinstance(value, list) and all(_check_value(item, v) for v in value)
+    if tp is bool:
+        return isinstance(value, bool)
+    if tp is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if tp is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if tp is str:
+        return isinstance(value, str)
+    raise TypeError(f"unsupported profile field type {tp}")
+
+
+def _build(cls: type, data: dict, source: Path, prefix: str) -> Any:
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    for key in data:
+        if key not in fields:
+            raise ProfileError(f"{source}: unknown key '{prefix}{key}' (value {data[key]!r})")
+    kwargs = {}
+    for name, f in fields.items():
+        tp = hints[name]
+        dotted = f"{prefix}{name}"
+        if name not in data:
+            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+                raise ProfileError(f"{source}: missing required key '{dotted}'")
+            continue
+        value = data[name]
+        if dataclasses.is_dataclass(tp):
+            if not isinstance(value, dict):
+                raise ProfileError(f"{source}: key '{dotted}': expected a table, got {value!r}")
+            kwargs[name] = _build(tp, value, source, dotted + ".")
+            continue
+        if not _check_value(tp, value):
+            raise ProfileError(f"{source}: key '{dotted}': expected {_type_name(tp)}, got {value!r}")
+        if tp is float:
+            value = float(value)
+        kwargs[name] = value
+    return cls(**kwargs)
+
+
+def _check_semantics(p: Profile, source: Path) -> None:
+    def bad(key: str, value: Any, why: str) -> None:
+        raise ProfileError(f"{source}: key '{key}': {why}, got {value!r}")
+
+    positive = {
+        "data.seq_length": p.data.seq_length, "vocab.draft_vocab_size": p.vocab.draft_vocab_size,
+        "train.epochs": p.train.epochs, "train.total_seq_len": p.train.total_seq_len,
+        "train.ttt_steps": p.train.ttt_steps, "train.num_layers": p.train.num_layers,
+        "train.nproc_per_node": p.train.nproc_per_node, "evaluate.k": p.evaluate.k,
+        "evaluate.max_new_tokens": p.evaluate.max_new_tokens, "extract.batch_size": p.extract.batch_size,
+        "extract.writer_threads": p.extract.writer_threads,
+    }
+    for key, value in positive.items():
+        if value < 1:
+            bad(key, value, "must be >= 1")
+    if p.train.lr <= 0:
+        bad("train.lr", p.train.lr, "must be > 0")
+    if p.target.source == "path" and not p.target.model_path:
+        raise ProfileError(f"{source}: missing required key 'target.model_path' (target.source = 'path')")
+    if p.data.heldout < 0:
+        bad("data.heldout", p.data.heldout, "must be >= 0")
+    if p.evaluate.num_prompts > p.data.heldout:
+        bad("evaluate.num_prompts", p.evaluate.num_prompts, f"must be <= data.heldout ({p.data.heldout})")
+    ids = p.extract.layer_ids
+    if ids and (sorted(set(ids)) != ids or ids[0] < 0 or len(ids) < 2):
+        bad("extract.layer_ids", ids, "must be >= 2 strictly increasing layer ids >= 0")
+
+
+def load_profile(path: str | Path, overrides: dict | None = None) -> Profile:
+    """Load a profile file (a bare name is looked up in profiles/), apply dotted overrides."""
+    path = Path(path)
+    if not path.suffix and not path.exists():
+        path = PROFILES_DIR / f"{path}.toml"
+    path = path.resolve()
+    data = _read_toml(path)
+    for dotted, value in (overrides or {}).items():
+        node = data
+        *parents, leaf = dotted.split(".")
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = value
+    if "name" not in data:
+        data["name"] = path.stem
+    profile = _build(Profile, data, path, "")
+    _check_semantics(profile, path)
+    return profile
+
+
+# --------------------------------------------------------------------------- saving
+
+def _toml_scalar(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, str):
+        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(value, list):
+        return "[" + ", ".join(_toml_scalar(v) for v in value) + "]"
+    raise TypeError(f"cannot write {value!r} as TOML")
+
+
+def dump_toml(data: dict) -> str:
+    lines = [f"{k} = {_toml_scalar(v)}" for k, v in data.items() if not isinstance(v, dict)]
+    for key, table in data.items():
+        if isinstance(table, dict):
+            lines += ["", f"[{key}]"] + [f"{k} = {_toml_scalar(v)}" for k, v in table.items()]
+    return "\n".join(lines) + "\n"

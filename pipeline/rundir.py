@@ -1,0 +1,109 @@
+"""A run is a directory: resolved profile, atomic state file, append-only events and notes, logs, outputs."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+
+from pipeline import atomicio
+from pipeline.profile import Profile, ProfileError, dump_toml, load_profile
+
+PROFILE_FILE = "profile.toml"
+
+
+class RunDirError(ValueError):
+    pass
+
+
+def utc_stamp() -> str:
+    return datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+
+
+def now_iso() -> str:
+    return datetime.now(timezone.utc).isoformat(timespec="milliseconds")
+
+
+@dataclass(frozen=True)
+class RunDir:
+    root: Path
+
+    # ---- layout
+    @property
+    def profile_path(self) -> Path: return self.root / PROFILE_FILE
+    @property
+    def state_path(self) -> Path: return self.root / "state.json"
+    @property
+    def events_path(self) -> Path: return self.root / "events.jsonl"
+    @property
+    def notes_path(self) -> Path: return self.root / "notes.jsonl"
+    @property
+    def logs_dir(self) -> Path: return self.root / "logs"
+    @property
+    def data_dir(self) -> Path: return self.root / "data"
+    @property
+    def prepared_dir(self) -> Path: return self.data_dir / "prepared"
+    @property
+    def hidden_states_dir(self) -> Path: return self.prepared_dir / "hidden_states"
+    @property
+    def checkpoints_dir(self) -> Path: return self.root / "checkpoints"
+    @property
+    def eval_dir(self) -> Path: return self.root / "eval"
+
+    def log_path(self, stage: str) -> Path:
+        return self.logs_dir / f"{stage}.log"
+
+    # ---- creation / opening
+    @classmethod
+    def create(cls, profile: Profile, run_dir: Path | None = None) -> "RunDir":
+        root = Path(run_dir) if run_dir else Path(profile.run.runs_dir) / f"{profile.name}-{utc_stamp()}"
+        root = root.resolve()
+        if (root / PROFILE_FILE).exists():
+            raise RunDirError(f"{root}: already holds a run; use `run --resume {root}`")
+        root.mkdir(parents=True, exist_ok=True)
+        run = cls(root)
+        run.logs_dir.mkdir(exist_ok=True)
+        atomicio.atomic_write_text(run.profile_path, dump_toml(profile.to_dict()))
+        atomicio.atomic_write_json(run.state_path, {"created": now_iso(), "profile": profile.name, "stages": {}})
+        return run
+
+    @classmethod
+    def open(cls, root: Path) -> "RunDir":
+        root = Path(root).resolve()
+        if not (root / PROFILE_FILE).is_file():
+            raise RunDirError(f"{root}: not a run directory (no {PROFILE_FILE})")
+        return cls(root)
+
+    def profile(self) -> Profile:
+        try:
+            return load_profile(self.profile_path)
+        except ProfileError as exc:
+            raise RunDirError(str(exc)) from None
+
+    # ---- state (whole-file atomic rewrite)
+    def read_state(self) -> dict:
+        import json
+        try:
+            return json.loads(self.state_path.read_text())
+        except FileNotFoundError:
+            return {"stages": {}}
+
+    def stage_state(self, stage: str) -> dict:
+        return self.read_state()["stages"].get(stage, {})
+
+    def update_stage(self, stage: str, **fields) -> dict:
+        state = self.read_state()
+        entry = state["stages"].setdefault(stage, {})
+        entry.update(fields)
+        state["updated"] = now_iso()
+        atomicio.atomic_write_json(self.state_path, state)
+        return entry
+
+    # ---- events (append-only JSON lines)
+    def emit(self, stage: str | None, kind: str, **data) -> dict:
+        record = {"ts": now_iso(), "t": time.time(), "stage": stage, "kind": kind, **data}
+        atomicio.append_jsonl(self.events_path, record)
+        return record
+
+    def events(self):
+        return atomicio.read_jsonl(self.events_path)

@@ -1,0 +1,14 @@
+"""The stages, in run order. Each is one module with the same small interface (stages.base.Stage)."""
+from pipeline.stages.build_target import BuildTarget
+from pipeline.stages.evaluate_offline import EvaluateOffline
+from pipeline.stages.extract import Extract
+from pipeline.stages.prepare import Prepare
+from pipeline.stages.regenerate import Regenerate
+from pipeline.stages.train import Train
+from pipeline.stages.vocab import Vocab
+
+STAGES = [BuildTarget(), Regenerate(), Prepare(), Extract(), Vocab(), Train(), EvaluateOffline()]
+
+
+def stage_names() -> list[str]:
+    return [s.name for s in STAGES]

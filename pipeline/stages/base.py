@@ -1,0 +1,76 @@
+"""The one small interface every stage implements, and the context a stage runs in."""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from pipeline.profile import Profile
+from pipeline.rundir import RunDir
+
+
+class StageError(RuntimeError):
+    """A stage failed for a reason the operator can act on; the message is one line."""
+
+
+@dataclass
+class StageContext:
+    run: RunDir
+    profile: Profile
+    log: logging.Logger
+    on_event: Callable[[dict], None] = lambda record: None
+    _last_progress: float = field(default=0.0, repr=False)
+
+    def emit(self, kind: str, stage: str, **data) -> None:
+        self.on_event(self.run.emit(stage, kind, **data))
+
+    def progress(self, stage: str, done: int, total: int | None, unit: str = "", force: bool = False, **figures) -> None:
+        """Record progress; throttled to 4 events/s so a tight loop cannot flood the event log."""
+        now = time.monotonic()
+        if not force and total is not None and done < total and now - self._last_progress < 0.25:
+            return
+        self._last_progress = now
+        self.emit("progress", stage, done=done, total=total, unit=unit, **figures)
+
+    # Paths shared between stages (one place decides where a stage's inputs are).
+    def target_dir(self) -> Path:
+        if self.profile.target.source == "path":
+            return Path(self.profile.target.model_path)
+        recorded = self.run.stage_state("build-target").get("figures", {}).get("target_dir")
+        if not recorded:
+            raise StageError("build-target has not run: no demo target recorded in state.json")
+        return Path(recorded)
+
+    def source_conversations(self) -> Path:
+        spec = self.profile.data.conversations
+        return self.run.data_dir / "demo_conversations.jsonl" if spec == "demo" else Path(spec)
+
+    def training_conversations(self) -> Path:
+        if self.profile.data.regenerate:
+            return self.run.data_dir / "conversations.regenerated.jsonl"
+        return self.source_conversations()
+
+    def draft_checkpoint(self) -> Path:
+        recorded = self.run.stage_state("train").get("figures", {}).get("checkpoint")
+        if not recorded:
+            raise StageError("train has not finished: no checkpoint recorded in state.json")
+        return Path(recorded)
+
+
+class Stage:
+    """name: the CLI name. outputs(): what the stage writes (recorded with sizes when it finishes;
+    the stage counts as done only while they are all still there, unchanged). run(): does the work
+    and returns the key figures that go into the state, the events and the notes."""
+
+    name: str = ""
+
+    def applies(self, profile: Profile) -> bool:
+        return True
+
+    def outputs(self, ctx: StageContext) -> list[Path]:
+        raise NotImplementedError
+
+    def run(self, ctx: StageContext) -> dict:
+        raise NotImplementedError

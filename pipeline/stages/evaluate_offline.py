@@ -1,0 +1,73 @@
+"""evaluate-offline: greedy chain speculative decoding with the target (transformers) and the trained
+head on the held-out prompts: mean acceptance length τ, per-position acceptance, and the lossless
+check — every output must equal the target's own greedy output, or the stage fails."""
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+from pipeline import atomicio, conversations, speculative, target
+from pipeline.stages.base import Stage, StageContext, StageError
+from pipeline.stages.prepare import heldout_path
+
+
+def result_path(ctx: StageContext) -> Path:
+    return ctx.run.eval_dir / "offline.json"
+
+
+def eos_ids(model) -> set[int]:
+    eos = model.generation_config.eos_token_id
+    return set(eos if isinstance(eos, list) else [eos]) if eos is not None else set()
+
+
+class EvaluateOffline(Stage):
+    name = "evaluate-offline"
+
+    def outputs(self, ctx: StageContext) -> list[Path]:
+        return [result_path(ctx)]
+
+    def run(self, ctx: StageContext) -> dict:
+        ev = ctx.profile.evaluate
+        prompts = [json.loads(l) for l in heldout_path(ctx).read_text().splitlines() if l.strip()][: ev.num_prompts]
+        if not prompts:
+            raise StageError(f"{heldout_path(ctx)}: no held-out prompts (data.heldout = 0?)")
+        tok = target.load_tokenizer(ctx.target_dir())
+        model = target.load_model(ctx.target_dir(), ctx.profile.target.dtype)
+        draft = speculative.load_draft(ctx.draft_checkpoint())
+        proposer = speculative.DraftProposer(draft)
+        reader = target.HiddenStateReader(model, proposer.aux_ids)
+        eos = eos_ids(model)
+        total = speculative.SpecStats(k=ev.k)
+        per_prompt, mismatches = [], []
+        t_spec = t_ref = 0.0
+        for i, p in enumerate(prompts):
+            ids = conversations.render_ids(tok, p["messages"], add_generation_prompt=True)
+            t0 = time.perf_counter()
+            out, stats = speculative.speculative_generate(reader, proposer, ids, ev.k, ev.max_new_tokens, eos)
+            t1 = time.perf_counter()
+            ref = speculative.greedy_reference(model, ids, ev.max_new_tokens, eos)
+            t_ref += time.perf_counter() - t1
+            t_spec += t1 - t0
+            total.merge(stats)
+            same = out == ref
+            if not same:
+                first = next((j for j, (a, b) in enumerate(zip(out, ref)) if a != b), min(len(out), len(ref)))
+                mismatches.append({"id": p["id"], "first_difference": first})
+            per_prompt.append({"id": p["id"], "tau": round(stats.tau, 4), "tokens": len(out), "lossless": same})
+            ctx.progress(self.name, i + 1, len(prompts), "prompts", tau=round(total.tau, 3))
+        result = {
+            "k": ev.k, "prompts": len(prompts), "tau": round(total.tau, 4),
+            "acceptance_per_position": [round(a, 4) for a in total.acceptance()],
+            "rounds": total.rounds, "accepted": total.accepted, "generated_tokens": total.generated,
+            "target_forwards": total.target_forwards,
+            "tokens_per_target_forward": round(total.generated / total.target_forwards, 4),
+            "lossless": not mismatches, "mismatches": mismatches, "per_prompt": per_prompt,
+            "seconds_speculative": round(t_spec, 3), "seconds_greedy_reference": round(t_ref, 3),
+        }
+        atomicio.atomic_write_json(result_path(ctx), result)
+        if mismatches:
+            raise StageError(f"lossless check failed: {len(mismatches)}/{len(prompts)} outputs differ from the "
+                             f"target's greedy output (first: {mismatches[0]}); see {result_path(ctx)}")
+        return {k: result[k] for k in ("tau", "acceptance_per_position", "prompts", "generated_tokens",
+                                       "tokens_per_target_forward", "lossless")}

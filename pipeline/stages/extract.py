@@ -1,0 +1,108 @@
+"""extract (transformers backend): hidden states of the target at the profile's layer ids, written in
+speculators' `hs_{i}.safetensors` format (token_ids int64 [T]; hidden_states [T, n_aux+1, H], the last
+slot the pre-norm final layer). File writes run in a thread pool, overlapped with the next forward.
+Each file is written to a temp name and renamed, so a killed run leaves only complete files, and a
+resumed run skips them."""
+from __future__ import annotations
+
+import os
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+
+from pipeline import target
+from pipeline.stages.base import Stage, StageContext, StageError
+
+
+def hs_path(hs_dir: Path, index: int) -> Path:
+    return hs_dir / f"hs_{index}.safetensors"
+
+
+def write_hs_file(path: Path, token_ids: torch.Tensor, hidden_states: torch.Tensor) -> int:
+    from safetensors.torch import save_file
+
+    tmp = path.with_name(f".{path.name}.tmp")
+    save_file({"token_ids": token_ids.contiguous(), "hidden_states": hidden_states.contiguous()}, str(tmp))
+    with open(tmp, "rb") as fh:
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+    return path.stat().st_size
+
+
+def plan_batches(lengths: dict[int, int], batch_size: int, batch_tokens: int) -> list[list[int]]:
+    """Length-sorted batches (little padding), capped by count and by padded tokens."""
+    order = sorted(lengths, key=lambda i: lengths[i])
+    batches, current = [], []
+    for idx in order:
+        width = lengths[idx]  # sorted ascending: the newest is the longest
+        if current and (len(current) == batch_size or width * (len(current) + 1) > batch_tokens):
+            batches.append(current)
+            current = []
+        current.append(idx)
+    if current:
+        batches.append(current)
+    return batches
+
+
+def extract(model, dataset, hs_dir: Path, layer_ids: list[int], batch_size: int, batch_tokens: int,
+            writer_threads: int, on_progress=lambda done, total, tokens: None) -> dict:
+    hs_dir.mkdir(parents=True, exist_ok=True)
+    for stale in hs_dir.glob(".hs_*.tmp"):
+        stale.unlink()
+    dataset = dataset.with_format(None)  # plain lists; the saved format is torch
+    lengths = {i: n for i, n in enumerate(dataset["seq_len"]) if not hs_path(hs_dir, i).exists()}
+    total, already = len(dataset), len(dataset) - len(lengths)
+    reader = target.HiddenStateReader(model, layer_ids)
+    pad = 0
+    done, tokens, written = already, 0, 0
+    start = time.perf_counter()
+    pending: list[Future] = []
+    with ThreadPoolExecutor(max_workers=writer_threads, thread_name_prefix="hs-writer") as pool:
+        for batch in plan_batches(lengths, batch_size, batch_tokens):
+            rows = [dataset[i]["input_ids"] for i in batch]
+            width = max(len(r) for r in rows)
+            ids = torch.tensor([r + [pad] * (width - len(r)) for r in rows], dtype=torch.long)
+            mask = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in rows], dtype=torch.long)
+            _, states = reader(ids, mask)  # right padding: causal attention keeps real positions exact
+            for b, idx in enumerate(batch):
+                n = len(rows[b])
+                pending.append(pool.submit(write_hs_file, hs_path(hs_dir, idx), ids[b, :n].clone(),
+                                           states[b, :n].clone()))
+                tokens += n
+            # Bound the queue: at most two batches of tensors wait for the disk.
+            while len(pending) > 2 * max(batch_size, writer_threads):
+                written += pending.pop(0).result()
+            done += len(batch)
+            on_progress(done, total, tokens)
+        for fut in pending:
+            written += fut.result()
+    seconds = time.perf_counter() - start
+    return {"samples": total, "extracted": total - already, "resumed_from": already, "tokens": tokens,
+            "bytes_written": written, "seconds": round(seconds, 3),
+            "tokens_per_s": round(tokens / seconds, 1) if seconds > 0 and tokens else 0.0,
+            "layer_ids": layer_ids}
+
+
+class Extract(Stage):
+    name = "extract"
+
+    def outputs(self, ctx: StageContext) -> list[Path]:
+        return [ctx.run.hidden_states_dir]
+
+    def run(self, ctx: StageContext) -> dict:
+        from datasets import load_from_disk
+
+        if ctx.profile.extract.backend != "transformers":
+            raise StageError(f"extract.backend {ctx.profile.extract.backend!r} is not available")
+        ds = load_from_disk(str(ctx.run.prepared_dir))
+        model = target.load_model(ctx.target_dir(), ctx.profile.target.dtype)
+        layer_ids = target.resolve_layer_ids(ctx.profile.extract.layer_ids, target.num_layers(model))
+        ctx.log.info("extracting %d samples, layer ids %s", len(ds), layer_ids)
+        ex = ctx.profile.extract
+        figures = extract(model, ds, ctx.run.hidden_states_dir, layer_ids, ex.batch_size, ex.batch_tokens,
+                          ex.writer_threads,
+                          on_progress=lambda d, t, n: ctx.progress(self.name, d, t, "samples", tokens=n))
+        ctx.log.info("extracted %s", figures)
+        return figures

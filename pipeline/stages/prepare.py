@@ -1,0 +1,106 @@
+"""prepare: conversations JSONL -> speculators' prepared dataset (arrow: input_ids, loss_mask, seq_len),
+chat template applied, loss on assistant turns only, plus token_freq.pt for the draft vocabulary and
+the held-out evaluation prompts."""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+from pipeline import atomicio, conversations, target
+from pipeline.stages.base import Stage, StageContext, StageError
+
+
+def dataset_features():
+    # Explicit int64: a plain from_dict stores int32, and the trainer compares input_ids with the
+    # int64 token_ids of the hidden-state files using torch.equal (REFERENCE.md §7).
+    from datasets import Features, Sequence, Value
+    return Features({"input_ids": Sequence(Value("int64")), "loss_mask": Sequence(Value("int64")),
+                     "seq_len": Value("int64")})
+
+
+def heldout_path(ctx: StageContext) -> Path:
+    return ctx.run.data_dir / "heldout_prompts.jsonl"
+
+
+def token_freq_path(ctx: StageContext) -> Path:
+    return ctx.run.prepared_dir / "token_freq.pt"
+
+
+class Prepare(Stage):
+    name = "prepare"
+
+    def outputs(self, ctx: StageContext) -> list[Path]:
+        return [ctx.run.prepared_dir / "dataset_info.json", ctx.run.prepared_dir / "state.json",
+                token_freq_path(ctx), heldout_path(ctx)]
+
+    def run(self, ctx: StageContext) -> dict:
+        from datasets import Dataset
+
+        data = ctx.profile.data
+        source = ctx.source_conversations()
+        try:
+            loaded = conversations.load(source)
+        except FileNotFoundError as exc:
+            raise StageError(str(exc)) from None
+        for lineno, reason in loaded.bad:
+            ctx.log.warning("%s:%d: skipped malformed row: %s", source, lineno, reason)
+        try:
+            train, heldout = conversations.split_heldout(loaded.conversations, data.heldout) \
+                if loaded.conversations else ([], [])
+        except ValueError as exc:
+            raise StageError(f"{source}: {exc}") from None
+        tok = target.load_tokenizer(ctx.target_dir())
+        if data.regenerate:
+            regenerated = conversations.load(ctx.training_conversations())
+            rows = regenerated.token_rows
+        else:
+            rows = list(loaded.token_rows)
+            for conv in train:
+                try:
+                    rows += conversations.assistant_rows(tok, conv["messages"])
+                except ValueError as exc:
+                    raise StageError(f"{source}: conversation {conv['id']}: {exc}") from None
+        columns = {"input_ids": [], "loss_mask": [], "seq_len": []}
+        truncated = unsupervised = 0
+        for row in rows:
+            ids, mask = row["input_ids"][: data.seq_length], row["loss_mask"][: data.seq_length]
+            truncated += len(ids) < len(row["input_ids"])
+            if sum(mask) == 0:
+                unsupervised += 1
+                continue
+            columns["input_ids"].append(ids)
+            columns["loss_mask"].append(mask)
+            columns["seq_len"].append(len(ids))
+        if not columns["input_ids"]:
+            raise StageError(f"{source}: no usable training row ({len(loaded.bad)} malformed, "
+                             f"{unsupervised} without assistant tokens after truncation to {data.seq_length})")
+        ds = Dataset.from_dict(columns, features=dataset_features())
+        ds.set_format(type="torch")  # as speculators' prepare-data saves it; its loader relies on it
+        out = ctx.run.prepared_dir
+        tmp = out.with_name(out.name + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        ds.save_to_disk(str(tmp))
+        # Hidden states of an earlier, different dataset must not survive a re-prepare.
+        shutil.rmtree(out, ignore_errors=True)
+        tmp.rename(out)
+        atomicio.fsync_dir(out.parent)
+        _write_token_freq(ds, token_freq_path(ctx))
+        prompts = [{"id": c["id"], "messages": conversations.first_prompt(c["messages"])} for c in heldout]
+        atomicio.atomic_write_text(heldout_path(ctx), "".join(json.dumps(p) + "\n" for p in prompts))
+        n_tokens = sum(columns["seq_len"])
+        return {"rows": len(columns["seq_len"]), "tokens": n_tokens,
+                "loss_tokens": sum(sum(m) for m in columns["loss_mask"]),
+                "skipped_malformed": len(loaded.bad), "skipped_unsupervised": unsupervised,
+                "truncated": truncated, "heldout_prompts": len(prompts)}
+
+
+def _write_token_freq(ds, path: Path) -> None:
+    """speculators' own counter (same keys and semantics the trainer expects), written atomically;
+    it refuses to overwrite, so it writes into a fresh temp path that is then renamed."""
+    from speculators.train.vocab_mapping import save_token_frequency_distribution
+
+    tmp = path.with_name(f".{path.name}.tmp.pt")
+    tmp.unlink(missing_ok=True)
+    atomicio.atomic_write_with(path, lambda p: (save_token_frequency_distribution(ds.with_format("torch"), tmp),
+                                                 tmp.replace(p)))

@@ -1,0 +1,192 @@
+"""train: `speculators train` as a subprocess (torchrun when the profile asks for more than one
+process per node), in its own process group, its output in logs/train.log, its progress parsed into
+events. speculators resumes from the highest epoch directory by itself; before a relaunch, epoch
+directories that a kill left half-written are moved aside so that resume never reads them."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from pipeline.stages.base import Stage, StageContext, StageError
+from pipeline.target import resolve_layer_ids
+from pipeline.stages.vocab import mapping_paths
+
+# speculators logs metrics as "key=value" pairs, e.g. "train/loss_0=1.23 ... train/full_acc_0=0.41".
+_PAIR = re.compile(r"([A-Za-z_]+/[A-Za-z0-9_]+|epoch|global_step)=([-+]?[0-9.]+(?:e[-+]?[0-9]+)?)")
+
+
+def parse_metrics(line: str) -> dict[str, float]:
+    return {k: float(v) for k, v in _PAIR.findall(line)}
+
+
+def accelerator_available() -> bool:
+    import torch
+    return torch.accelerator.is_available()
+
+
+def build_command(ctx: StageContext, *, python: str = sys.executable) -> list[str]:
+    """The argv (never a shell string) that trains the draft with this profile."""
+    p, t = ctx.profile, ctx.profile.train
+    gpu = accelerator_available()
+    from transformers import AutoConfig
+    n_layers = AutoConfig.from_pretrained(str(ctx.target_dir())).num_hidden_layers
+    layer_ids = resolve_layer_ids(p.extract.layer_ids, n_layers)
+    d2t, t2d = mapping_paths(ctx)
+    flags = [
+        "--speculator-type", "eagle3",
+        "--verifier-name-or-path", str(ctx.target_dir()),
+        "--data-path", str(ctx.run.prepared_dir),
+        "--save-path", str(ctx.run.checkpoints_dir),
+        # vLLM-style ids end with the final layer, which the trainer takes as its target, not an aux id.
+        "--target-layer-ids", *[str(i) for i in layer_ids[:-1]],
+        "--draft-vocab-size", str(p.vocab.draft_vocab_size),
+        "--d2t-path", str(d2t), "--t2d-path", str(t2d),
+        "--epochs", str(t.epochs), "--total-seq-len", str(t.total_seq_len),
+        "--lr", str(t.lr), "--optimizer", t.optimizer, "--ttt-steps", str(t.ttt_steps),
+        "--num-layers", str(t.num_layers), "--num-workers", str(t.num_workers), "--seed", str(t.seed),
+        "--draft-attn-impl", t.draft_attn_impl if t.draft_attn_impl != "auto"
+        else ("simple_flex_attention" if gpu else "sdpa"),  # flex has no CPU backward
+        "--loss-implementation", t.loss_implementation if t.loss_implementation != "auto"
+        else ("fused" if gpu else "eager"),  # the fused loss is Triton
+        "--on-missing", "raise",  # offline: every hidden-state file must already exist
+        "--log-freq", "1",
+    ]
+    if t.hidden_states_dtype != "auto":
+        flags += ["--hidden-states-dtype", t.hidden_states_dtype]
+    flags += list(t.extra_args)
+    if t.nproc_per_node > 1:
+        return [python, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={t.nproc_per_node}",
+                "-m", "speculators.train", *flags]
+    if gpu:
+        return [python, "-m", "speculators", "train", *flags]
+    return [python, "-m", "pipeline.compat.speculators_cpu", "train", *flags]
+
+
+def epoch_dirs(save_path: Path) -> list[Path]:
+    if not save_path.is_dir():
+        return []
+    return sorted((p for p in save_path.iterdir() if p.is_dir() and not p.is_symlink() and p.name.isdigit()),
+                  key=lambda p: int(p.name))
+
+
+def epoch_complete(path: Path) -> bool:
+    """speculators writes training_state.json after the weights, optimizer and scheduler, so a
+    parsable one marks the directory complete; weights must also be a readable safetensors file."""
+    try:
+        state = json.loads((path / "training_state.json").read_text())
+        from safetensors import safe_open
+        with safe_open(str(path / "model.safetensors"), framework="pt") as fh:
+            fh.keys()
+    except Exception:  # noqa: BLE001 - any unreadable piece means incomplete
+        return False
+    return "epoch" in state and (path / "optimizer_state_dict.pt").is_file()
+
+
+def quarantine_incomplete(save_path: Path, log) -> list[str]:
+    moved = []
+    for path in epoch_dirs(save_path):
+        if not epoch_complete(path):
+            dest = save_path / "incomplete" / f"{path.name}-{int(time.time())}"
+            dest.parent.mkdir(exist_ok=True)
+            path.rename(dest)
+            log.warning("moved half-written checkpoint %s aside to %s", path, dest)
+            moved.append(path.name)
+    return moved
+
+
+def final_checkpoint(save_path: Path) -> Path | None:
+    done = [p for p in epoch_dirs(save_path) if epoch_complete(p)]
+    return done[-1] if done else None
+
+
+def child_env(ctx: StageContext) -> dict:
+    env = dict(os.environ)
+    env.setdefault("HF_HUB_OFFLINE", "1")
+    env["PYTHONUNBUFFERED"] = "1"
+    env["NO_COLOR"] = "1"
+    env["COLUMNS"] = "1000"  # speculators logs through rich, which wraps "key=value" pairs at 80 columns
+    env.setdefault("TORCHINDUCTOR_CACHE_DIR", str(ctx.run.root / ".cache" / "inductor"))
+    env.setdefault("TRITON_CACHE_DIR", str(ctx.run.root / ".cache" / "triton"))
+    # The compat launcher is this repo's module: make it importable whatever the child's cwd.
+    root = str(Path(__file__).resolve().parents[2])
+    env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    return env
+
+
+class Train(Stage):
+    name = "train"
+
+    def outputs(self, ctx: StageContext) -> list[Path]:
+        ckpt = final_checkpoint(ctx.run.checkpoints_dir)
+        return [ckpt] if ckpt else [ctx.run.checkpoints_dir / "missing-final-epoch"]
+
+    def run(self, ctx: StageContext) -> dict:
+        save = ctx.run.checkpoints_dir
+        moved = quarantine_incomplete(save, ctx.log)
+        resumed = final_checkpoint(save)
+        cmd = build_command(ctx)
+        ctx.log.info("command: %s", " ".join(cmd))
+        ctx.emit("command", self.name, argv=cmd, resumed_from=resumed.name if resumed else None)
+        epochs = ctx.profile.train.epochs
+        last: dict[str, float] = {}
+        steps = 0
+        epoch = int(resumed.name) + 1 if resumed else 0
+        with open(ctx.run.log_path(self.name), "a", buffering=1) as log_fh:
+            proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                    env=child_env(ctx), cwd=ctx.run.root, start_new_session=True)
+            try:
+                for line in proc.stdout:  # type: ignore[union-attr]
+                    log_fh.write(line)
+                    metrics = parse_metrics(line)
+                    epoch = int(metrics.pop("epoch", epoch))
+                    metrics.pop("global_step", None)
+                    if any(k.startswith("train/") for k in metrics):
+                        steps += 1
+                        last.update(metrics)
+                        ctx.emit("metric", self.name, step=steps, epoch=epoch, **metrics)
+                        ctx.progress(self.name, epoch, epochs, "epochs", step=steps,
+                                     loss=metrics.get("train/loss"))
+                    elif any(k.startswith("val/") for k in metrics):
+                        last.update(metrics)
+                        ctx.emit("metric", self.name, epoch=epoch, **metrics)
+                rc = proc.wait()
+            except BaseException:
+                _stop_group(proc)
+                raise
+        if rc != 0:
+            raise StageError(f"speculators train exited with {rc}; see {ctx.run.log_path(self.name)}: "
+                             f"{_last_error(ctx.run.log_path(self.name))}")
+        ckpt = final_checkpoint(save)
+        if ckpt is None or int(ckpt.name) != epochs - 1:
+            raise StageError(f"speculators train exited 0 but the last complete epoch is "
+                             f"{ckpt.name if ckpt else 'none'}, expected {epochs - 1}")
+        figures = {"checkpoint": str(ckpt), "epochs": epochs, "logged_steps": steps,
+                   "resumed_from_epoch": int(resumed.name) if resumed else None, "quarantined": moved}
+        figures.update({k.replace("/", "_"): round(v, 4) for k, v in last.items()
+                        if k == "train/loss" or (k.startswith("val/") and re.search(r"(loss|acc)", k))})
+        return figures
+
+
+def _stop_group(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=30)
+    except (ProcessLookupError, subprocess.TimeoutExpired):
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def _last_error(log: Path) -> str:
+    lines = [l.strip() for l in log.read_text(errors="replace").splitlines() if l.strip()]
+    for line in reversed(lines):
+        if re.search(r"(Error|Exception)\b", line):
+            return line[:300]
+    return lines[-1][:300] if lines else "no output"

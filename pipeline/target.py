@@ -1,0 +1,66 @@
+"""Loading the target with transformers and reading its hidden states the way vLLM numbers layers.
+
+Layer id k is the residual stream after k decoder layers (0 = embeddings); id L (the last layer) is
+taken *before* the final norm. transformers 5.x hands back hidden_states[L] after the norm
+(REFERENCE.md §7), so the pre-norm state is captured with a hook on the final norm's input.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def load_tokenizer(path: Path):
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(str(path))
+
+
+def load_model(path: Path, dtype: str):
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=DTYPES[dtype])
+    return model.eval()
+
+
+def num_layers(model) -> int:
+    return model.config.num_hidden_layers
+
+
+def default_layer_ids(n: int) -> list[int]:
+    """speculators' default aux ids [2, n//2, n-3] plus the final layer; for tiny targets where that
+    is not strictly increasing, evenly spread ids instead (REFERENCE.md §3.2)."""
+    ids = [2, n // 2, n - 3, n]
+    if sorted(set(ids)) == ids:
+        return ids
+    return sorted({max(1, round(n * f)) for f in (0.25, 0.5, 0.75)} | {n})
+
+
+def resolve_layer_ids(configured: list[int], n: int) -> list[int]:
+    """The profile's vLLM-style ids (last = final layer), or the default for an n-layer target."""
+    return list(configured) or default_layer_ids(n)
+
+
+class HiddenStateReader:
+    """Run the target and return logits plus the hidden states at `layer_ids` as [B, T, len(ids), H]."""
+
+    def __init__(self, model, layer_ids: list[int]):
+        n = num_layers(model)
+        if max(layer_ids) > n:
+            raise ValueError(f"layer id {max(layer_ids)} > number of layers {n}")
+        self.model = model
+        self.layer_ids = list(layer_ids)
+        self._prenorm: torch.Tensor | None = None
+        self._final = n
+        model.model.norm.register_forward_pre_hook(self._capture)
+
+    def _capture(self, module, args):
+        self._prenorm = args[0]
+
+    @torch.no_grad()
+    def __call__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None):
+        out = self.model(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True,
+                         use_cache=False)
+        layers = [self._prenorm if i == self._final else out.hidden_states[i] for i in self.layer_ids]
+        return out.logits, torch.stack(layers, dim=2)
