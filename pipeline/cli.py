@@ -21,6 +21,10 @@ def _setup_env() -> None:
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    # Library progress bars would interleave with ours; the stage logs keep the detail.
+    os.environ.setdefault("TQDM_DISABLE", "1")
+    os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 
 def cmd_run(args) -> int:
@@ -40,7 +44,7 @@ def cmd_run(args) -> int:
         else:
             if not args.profile:
                 return _die("PROFILE is required (or --resume RUN_DIR)")
-            profile = load_profile(args.profile)
+            profile = load_profile(args.profile, _overrides(args.set))
             select(profile, args.start, args.until)  # validate the range before creating anything
             run = RunDir.create(profile, Path(args.run_dir) if args.run_dir else None)
         os.environ.setdefault("HF_HOME", str(run.root / ".cache" / "hf"))
@@ -55,6 +59,24 @@ def cmd_run(args) -> int:
         return _die(f"{first}\n  logs: {run.logs_dir}  resume: eagle3-console run --resume {run.root}", EXIT_FAILED)
     _print_summary(run)
     return 0
+
+
+def _overrides(pairs: list[str]) -> dict:
+    """`--set train.epochs=3`: the value is read as TOML (numbers, booleans, lists), else a string."""
+    import tomllib
+
+    from pipeline.profile import ProfileError
+
+    out = {}
+    for pair in pairs or []:
+        key, sep, raw = pair.partition("=")
+        if not sep or not key.strip():
+            raise ProfileError(f"--set {pair!r}: expected KEY=VALUE")
+        try:
+            out[key.strip()] = tomllib.loads(f"v = {raw}")["v"]
+        except tomllib.TOMLDecodeError:
+            out[key.strip()] = raw
+    return out
 
 
 def _print_summary(run) -> None:
@@ -134,6 +156,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--run-dir", help="where to create the run (default runs/<profile>-<UTC time>)")
     run.add_argument("--from", dest="start", metavar="STAGE", help=f"first stage ({', '.join(stage_names())})")
     run.add_argument("--until", metavar="STAGE", help="last stage")
+    run.add_argument("--set", action="append", metavar="KEY=VALUE",
+                     help="override a profile value, e.g. --set train.epochs=3 (repeatable)")
     run.add_argument("--no-tui", action="store_true", help="headless: progress on stdout")
     run.set_defaults(func=cmd_run)
     st = sub.add_parser("status", help="show a run's stages")

@@ -7,12 +7,14 @@ from __future__ import annotations
 import json
 import os
 import re
-import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+import psutil
+
+from pipeline import procs
 from pipeline.stages.base import Stage, StageContext, StageError
 from pipeline.target import resolve_layer_ids
 from pipeline.stages.vocab import mapping_paths
@@ -128,6 +130,7 @@ class Train(Stage):
 
     def run(self, ctx: StageContext) -> dict:
         save = ctx.run.checkpoints_dir
+        _stop_orphan(ctx)
         moved = quarantine_incomplete(save, ctx.log)
         resumed = final_checkpoint(save)
         cmd = build_command(ctx)
@@ -140,6 +143,9 @@ class Train(Stage):
         with open(ctx.run.log_path(self.name), "a", buffering=1) as log_fh:
             proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                     env=child_env(ctx), cwd=ctx.run.root, start_new_session=True)
+            # Recorded so that a resume after this process was SIGKILLed can stop the orphaned trainer
+            # (it runs in its own session and would keep writing checkpoints).
+            ctx.run.update_stage(self.name, child_pgid=proc.pid, child_cmd=cmd[:4])
             try:
                 for line in proc.stdout:  # type: ignore[union-attr]
                     log_fh.write(line)
@@ -157,7 +163,7 @@ class Train(Stage):
                         ctx.emit("metric", self.name, epoch=epoch, **metrics)
                 rc = proc.wait()
             except BaseException:
-                _stop_group(proc)
+                procs.stop_group(proc.pid)
                 raise
         if rc != 0:
             raise StageError(f"speculators train exited with {rc}; see {ctx.run.log_path(self.name)}: "
@@ -173,15 +179,24 @@ class Train(Stage):
         return figures
 
 
-def _stop_group(proc: subprocess.Popen) -> None:
+def _stop_orphan(ctx: StageContext) -> None:
+    """A trainer left running by a killed pipeline process is stopped (SIGTERM: speculators saves
+    `interrupted/`; then SIGKILL) before a new one starts on the same save path."""
+    entry = ctx.run.stage_state("train")
+    pgid = entry.get("child_pgid")
+    if not pgid:
+        return
+    members = procs.group_members(pgid)
+    if not members:
+        return
     try:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(timeout=30)
-    except (ProcessLookupError, subprocess.TimeoutExpired):
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        leader_cmd = psutil.Process(pgid).cmdline()[:4]
+    except psutil.Error:
+        leader_cmd = None
+    if leader_cmd is not None and leader_cmd != entry.get("child_cmd"):
+        return  # the pid was reused by something else
+    ctx.log.warning("stopping trainer process group %d left by an earlier attempt", pgid)
+    procs.stop_group(pgid)
 
 
 def _last_error(log: Path) -> str:

@@ -1,0 +1,33 @@
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+TINY = ROOT / "tests" / "profiles" / "tiny.toml"
+
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ["HF_DATASETS_OFFLINE"] = "1"
+os.environ.setdefault("TQDM_DISABLE", "1")
+
+
+def cli(*args, cwd=None, timeout=600, env=None) -> subprocess.CompletedProcess:
+    """Run the real CLI in a subprocess."""
+    return subprocess.run([sys.executable, "-m", "pipeline", *map(str, args)], cwd=cwd or ROOT, text=True,
+                          capture_output=True, timeout=timeout, env={**os.environ, **(env or {})})
+
+
+@pytest.fixture(scope="session")
+def cache_dir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("cache")
+
+
+@pytest.fixture(scope="session")
+def finished_run(tmp_path_factory, cache_dir) -> Path:
+    """One complete tiny pipeline run through the real CLI, shared by the read-only tests."""
+    run_dir = tmp_path_factory.mktemp("runs") / "tiny-complete"
+    proc = cli("run", TINY, "--no-tui", "--run-dir", run_dir, "--set", f'run.cache_dir="{cache_dir}"')
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return run_dir

@@ -1,0 +1,50 @@
+"""Fail loudly if a speculators release renames what the CPU compatibility layer adapts."""
+import importlib
+import inspect
+
+import pytest
+
+from pipeline.compat import speculators_cpu
+
+
+@pytest.mark.parametrize("module,attr", speculators_cpu.ADAPTED)
+def test_adapted_names_still_exist(module, attr):
+    assert hasattr(importlib.import_module(module), attr), f"{module}.{attr} is gone: update the compat layer"
+
+
+def test_the_adapted_code_still_needs_adapting():
+    trainer = importlib.import_module("speculators.train.trainer")
+    # .to(self.local_rank) and the synchronising step timer are what break on a CPU.
+    assert "self.local_rank" in inspect.getsource(trainer.Trainer.setup_model)
+    assert "torch.accelerator.synchronize" in inspect.getsource(trainer._StepTimer)
+    ckpt = importlib.import_module("speculators.train.checkpointer")
+    assert "get_current_device()" in inspect.getsource(ckpt.SingleGPUCheckpointer.load_model_state_dict)
+
+
+def test_adapt_on_cpu_and_not_on_gpu(monkeypatch):
+    import torch
+    trainer = importlib.import_module("speculators.train.trainer")
+    monkeypatch.setattr(torch.accelerator, "is_available", lambda: True)
+    original = trainer.get_local_rank
+    assert speculators_cpu.adapt() == []  # on an accelerator nothing is touched
+    assert trainer.get_local_rank is original
+    monkeypatch.setattr(torch.accelerator, "is_available", lambda: False)
+    ckpt = importlib.import_module("speculators.train.checkpointer")
+    saved = (trainer.get_local_rank, ckpt.get_current_device, trainer._StepTimer.mark, trainer._StepTimer.now)
+    try:
+        assert len(speculators_cpu.adapt()) == len(speculators_cpu.ADAPTED)
+        assert trainer.get_local_rank() == "cpu" and ckpt.get_current_device() == "cpu"
+        timer = trainer._StepTimer(enabled=True)
+        timer.mark("start")  # would raise "Cannot access accelerator device" unadapted
+        assert timer.now() is not None
+    finally:
+        trainer.get_local_rank, ckpt.get_current_device, trainer._StepTimer.mark, trainer._StepTimer.now = saved
+
+
+def test_train_log_line_parsing():
+    from pipeline.stages.train import parse_metrics
+    line = ("[19:36:54] INFO train/loss_0=0.062, train/full_acc_0=0.006, train/full_acc_1=0.00e+00, "
+            "profile/step_ms=1.74e+03, epoch=2, lr=0.00e+00, global_step=40  trainer.py:587")
+    m = parse_metrics(line)
+    assert m["train/loss_0"] == 0.062 and m["train/full_acc_1"] == 0.0
+    assert m["profile/step_ms"] == 1740.0 and m["epoch"] == 2 and m["global_step"] == 40

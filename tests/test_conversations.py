@@ -1,0 +1,58 @@
+import json
+
+import pytest
+
+from pipeline import conversations
+from pipeline.profile import load_profile
+from pipeline.rundir import RunDir
+from pipeline.runner import run_stages
+from tests.conftest import TINY
+
+
+def test_malformed_rows_are_skipped_and_counted(tmp_path):
+    path = tmp_path / "c.jsonl"
+    good = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}
+    lines = [json.dumps(good), "{not json", json.dumps({"messages": [{"role": "robot", "content": "x"}]}),
+             json.dumps({"messages": [{"role": "user", "content": "no answer"}]}),
+             json.dumps({"input_ids": [1, 2], "loss_mask": [0]}), json.dumps([1, 2]),
+             json.dumps({"input_ids": [1, 2, 3], "loss_mask": [0, 1, 1]}), ""]
+    path.write_text("\n".join(lines))
+    loaded = conversations.load(path)
+    assert len(loaded.conversations) == 1 and len(loaded.token_rows) == 1
+    assert [n for n, _ in loaded.bad] == [2, 3, 4, 5, 6]
+    assert "role 'robot'" in dict(loaded.bad)[3]
+
+
+def test_assistant_only_loss_mask(cache_dir):
+    from pipeline.stages.build_target import build_target
+    from pipeline.target import load_tokenizer
+
+    tok = load_tokenizer(build_target(load_profile(TINY).demo_target, cache_dir))
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2+2?"},
+            {"role": "assistant", "content": "four"}, {"role": "user", "content": "And 3+3?"},
+            {"role": "assistant", "content": "six"}]
+    rows = conversations.assistant_rows(tok, msgs)
+    assert len(rows) == 2  # one row per assistant turn
+    for row, answer in zip(rows, ["four", "six"]):
+        learned = [t for t, m in zip(row["input_ids"], row["loss_mask"]) if m]
+        assert tok.decode(learned) == answer + "<|end|>"
+    assert rows[0]["input_ids"] == rows[1]["input_ids"][: len(rows[0]["input_ids"])]
+
+
+def test_prepare_reports_malformed_rows_and_fails_when_nothing_is_usable(tmp_path, cache_dir):
+    conv = tmp_path / "c.jsonl"
+    good = {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "an answer"}]}
+    conv.write_text("\n".join([json.dumps(good)] * 6 + ["garbage"]) + "\n")
+    profile = load_profile(TINY, {"data.conversations": str(conv), "data.regenerate": False, "data.heldout": 2,
+                                  "evaluate.num_prompts": 2, "run.cache_dir": str(cache_dir)})
+    run = RunDir.create(profile, tmp_path / "run")
+    run_stages(run, until="prepare")
+    figs = run.stage_state("prepare")["figures"]
+    assert figs["skipped_malformed"] == 1 and figs["rows"] == 4 and figs["heldout_prompts"] == 2
+    assert "c.jsonl:7: skipped malformed row: not JSON" in run.log_path("prepare").read_text()
+
+    conv.write_text("garbage\n[]\n")
+    run2 = RunDir.create(profile, tmp_path / "run2")
+    with pytest.raises(Exception, match="valid conversations leave none|no usable training row"):
+        run_stages(run2, until="prepare")
+    assert run2.stage_state("prepare")["status"] == "failed"

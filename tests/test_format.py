@@ -1,0 +1,65 @@
+"""The files the pipeline writes are the ones speculators' own code reads."""
+import numpy as np
+import torch
+from safetensors.torch import load_file
+
+from pipeline import target
+from pipeline.rundir import RunDir
+
+
+def test_prepared_data_and_hidden_states_pass_speculators_loader(finished_run):
+    from speculators.train.data import ArrowDataset
+
+    run = RunDir.open(finished_run)
+    ds = ArrowDataset(max_len=512, datapath=run.prepared_dir, on_missing="raise", train_ratio=1.0)
+    assert len(ds) == run.stage_state("prepare")["figures"]["rows"]
+    hidden = 128
+    for i in range(len(ds)):
+        item = ds[i]
+        assert not type(item).__name__ == "SampleUnavailable", f"sample {i} rejected"
+        n = item["input_ids"].shape[0]
+        assert item["input_ids"].dtype == torch.int64
+        assert item["hidden_states"].shape == (n, 3 * hidden)  # three aux layers, flattened
+        assert item["verifier_last_hidden_states"].shape == (n, hidden)
+        assert item["loss_mask"].shape == (n,)
+
+
+def test_hidden_state_file_layout_and_prenorm_last_layer(finished_run):
+    run = RunDir.open(finished_run)
+    tdir = run.stage_state("build-target")["figures"]["target_dir"]
+    model = target.load_model(tdir, "float32")
+    f = load_file(str(run.hidden_states_dir / "hs_0.safetensors"))
+    assert set(f) == {"token_ids", "hidden_states"} and f["token_ids"].dtype == torch.int64
+    ids = f["token_ids"].unsqueeze(0)
+    with torch.no_grad():
+        out = model(input_ids=ids, output_hidden_states=True)
+    hs = f["hidden_states"]
+    assert hs.shape == (ids.shape[1], 4, 128)
+    for slot, layer in enumerate([1, 2, 3]):
+        torch.testing.assert_close(hs[:, slot], out.hidden_states[layer][0], rtol=1e-5, atol=1e-5)
+    # Slot 4 is the last layer before the final norm; normalising it gives what transformers returns.
+    assert not torch.allclose(hs[:, 3], out.hidden_states[4][0], atol=1e-3)
+    with torch.no_grad():
+        torch.testing.assert_close(model.model.norm(hs[:, 3]), out.hidden_states[4][0], rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(model.lm_head(model.model.norm(hs[:, 3])), out.logits[0], rtol=1e-4, atol=1e-4)
+
+
+def test_vocab_files_equal_speculators_mapping(finished_run):
+    from speculators.train.vocab_mapping import build_vocab_mappings_from_distribution
+
+    run = RunDir.open(finished_run)
+    freq = torch.load(run.prepared_dir / "token_freq.pt", weights_only=True)
+    d2t, t2d = build_vocab_mappings_from_distribution(freq, 512, 2048)
+    assert np.array_equal(np.load(run.prepared_dir / "d2t-512.npy"), d2t.numpy())
+    assert np.array_equal(np.load(run.prepared_dir / "t2d-512.npy"), t2d.numpy())
+    # every counted (assistant) token is reachable by the draft when D exceeds the distinct count
+    assert all(t2d[t] for t in freq)
+
+
+def test_checkpoint_is_a_speculators_eagle3_model(finished_run):
+    run = RunDir.open(finished_run)
+    ckpt = run.stage_state("train")["figures"]["checkpoint"]
+    from pipeline.speculative import load_draft
+    draft = load_draft(ckpt)
+    assert draft.target_layer_ids == [1, 2, 3]
+    assert draft.lm_head.weight.shape[0] == 512

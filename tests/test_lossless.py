@@ -1,0 +1,82 @@
+"""Speculative output must equal the target's greedy output; the stage must catch it when not."""
+import json
+
+import pytest
+import torch
+
+from pipeline import conversations, speculative, target
+from pipeline.rundir import RunDir
+from pipeline.runner import run_stages
+from pipeline.stages import evaluate_offline
+
+
+def load(finished_run):
+    run = RunDir.open(finished_run)
+    tdir = run.stage_state("build-target")["figures"]["target_dir"]
+    model = target.load_model(tdir, "float32")
+    tok = target.load_tokenizer(tdir)
+    draft = speculative.load_draft(run.stage_state("train")["figures"]["checkpoint"])
+    prompts = [json.loads(l)["messages"] for l in (run.data_dir / "heldout_prompts.jsonl").read_text().splitlines()]
+    return run, model, tok, draft, prompts
+
+
+def test_offline_evaluation_result(finished_run):
+    run = RunDir.open(finished_run)
+    res = json.loads((run.eval_dir / "offline.json").read_text())
+    assert res["lossless"] and res["mismatches"] == []
+    assert 1.0 <= res["tau"] <= 1 + res["k"]
+    assert res["tau"] == pytest.approx(1 + res["accepted"] / res["rounds"], abs=1e-3)
+    acc = res["acceptance_per_position"]
+    assert all(a >= b for a, b in zip(acc, acc[1:]))  # a chain: position i+1 needs position i
+    assert sum(acc) == pytest.approx(res["tau"] - 1, abs=1e-3)
+
+
+@pytest.mark.parametrize("k", [1, 4])
+def test_trained_and_untrained_heads_are_lossless(finished_run, k):
+    _, model, tok, draft, prompts = load(finished_run)
+    eos = evaluate_offline.eos_ids(model)
+    untrained = speculative.load_draft(RunDir.open(finished_run).stage_state("train")["figures"]["checkpoint"])
+    torch.manual_seed(0)
+    for p in untrained.fc.parameters():
+        torch.nn.init.normal_(p, std=1.0)  # scramble: acceptance collapses, correctness must not
+    for head in (draft, untrained):
+        proposer = speculative.DraftProposer(head)
+        reader = target.HiddenStateReader(model, proposer.aux_ids)
+        for msgs in prompts[:2]:
+            ids = conversations.render_ids(tok, msgs, add_generation_prompt=True)
+            out, stats = speculative.speculative_generate(reader, proposer, ids, k, 20, eos)
+            assert out == speculative.greedy_reference(model, ids, 20, eos)
+            assert stats.rounds > 0 and len(stats.per_position) == k
+
+
+def test_draft_step0_matches_speculators_forward(finished_run):
+    """The proposer's first step is speculators' own Eagle3DraftModel.forward on the same inputs."""
+    _, model, tok, draft, prompts = load(finished_run)
+    proposer = speculative.DraftProposer(draft)
+    reader = target.HiddenStateReader(model, proposer.aux_ids)
+    ids = conversations.render_ids(tok, prompts[0], add_generation_prompt=True)
+    _, states = reader(torch.tensor([ids]))
+    aux = states.flatten(2)[:, :-1]
+    nxt = ids[1:]
+    ref_model = speculative.load_draft(RunDir.open(finished_run).stage_state("train")["figures"]["checkpoint"])
+    with torch.no_grad():
+        tokens = ref_model(hidden_states=aux, input_ids=torch.tensor([nxt]),
+                           document_ids=torch.zeros(1, len(nxt), dtype=torch.long), ttt_steps=1)
+    step0 = int(tokens[0][0, -1])
+    expected = step0 + int(ref_model.d2t[step0])
+    assert proposer.propose(aux, nxt, 1) == [expected]
+
+
+def test_stage_fails_when_output_differs_from_greedy(finished_run, tmp_path, monkeypatch):
+    import shutil
+    run_dir = tmp_path / "copy"
+    shutil.copytree(finished_run, run_dir, symlinks=True)
+    run = RunDir.open(run_dir)
+    real = speculative.greedy_reference
+    monkeypatch.setattr(speculative, "greedy_reference",
+                        lambda *a, **k: [t + 1 for t in real(*a, **k)])  # a verifier that disagrees
+    run.update_stage("evaluate-offline", status="pending")
+    with pytest.raises(Exception, match="lossless check failed: 4/4"):
+        run_stages(run, start="evaluate-offline")
+    assert run.stage_state("evaluate-offline")["status"] == "failed"
+    assert json.loads((run.eval_dir / "offline.json").read_text())["lossless"] is False

@@ -1,0 +1,94 @@
+import pytest
+
+from pipeline.profile import PROFILES_DIR, ProfileError, dump_toml, load_profile
+from tests.conftest import TINY, cli
+
+
+def write(tmp_path, name, text):
+    p = tmp_path / name
+    p.write_text(text)
+    return p
+
+
+def test_demo_profile_is_valid_and_tiny_inherits_it():
+    demo = load_profile(PROFILES_DIR / "demo.toml")
+    tiny = load_profile(TINY)
+    assert demo.name == "demo" and tiny.name == "tiny"
+    assert tiny.train.epochs == 3 and tiny.train.lr == demo.train.lr  # overridden vs inherited
+    assert tiny.extract.layer_ids == [1, 2, 3, 4]
+
+
+def test_unknown_key_names_file_key_and_value(tmp_path):
+    p = write(tmp_path, "bad.toml", 'extends = "%s"\n[train]\nepoch = 3\n' % (PROFILES_DIR / "demo.toml"))
+    with pytest.raises(ProfileError) as e:
+        load_profile(p)
+    msg = str(e.value)
+    assert str(p) in msg and "'train.epoch'" in msg and "3" in msg and "\n" not in msg
+
+
+def test_wrong_type_names_expected_type(tmp_path):
+    p = write(tmp_path, "bad.toml", '[train]\nepochs = "many"\n')
+    with pytest.raises(ProfileError, match=r"key 'train.epochs': expected int, got 'many'"):
+        load_profile(p)
+
+
+def test_bool_is_not_an_int(tmp_path):
+    p = write(tmp_path, "bad.toml", "[vocab]\ndraft_vocab_size = true\n")
+    with pytest.raises(ProfileError, match="vocab.draft_vocab_size"):
+        load_profile(p)
+
+
+def test_literal_choices_are_enforced(tmp_path):
+    p = write(tmp_path, "bad.toml", '[train]\noptimizer = "sgd"\n')
+    with pytest.raises(ProfileError, match=r"train.optimizer.*one of 'adamw', 'muon'.*'sgd'"):
+        load_profile(p)
+
+
+def test_missing_required_value(tmp_path):
+    p = write(tmp_path, "bad.toml", '[target]\nsource = "path"\n')
+    with pytest.raises(ProfileError, match=r"missing required key 'target.model_path'"):
+        load_profile(p)
+
+
+def test_semantic_bounds(tmp_path):
+    p = write(tmp_path, "bad.toml", "[extract]\nlayer_ids = [3, 1]\n")
+    with pytest.raises(ProfileError, match=r"extract.layer_ids.*\[3, 1\]"):
+        load_profile(p)
+
+
+def test_extends_missing_file_and_cycle(tmp_path):
+    p = write(tmp_path, "a.toml", 'extends = "nope.toml"\n')
+    with pytest.raises(ProfileError, match=r"a.toml: key 'extends'.*nope.toml"):
+        load_profile(p)
+    write(tmp_path, "b.toml", 'extends = "c.toml"\n')
+    c = write(tmp_path, "c.toml", 'extends = "b.toml"\n')
+    with pytest.raises(ProfileError, match="cycle"):
+        load_profile(c)
+
+
+def test_bad_toml_syntax(tmp_path):
+    p = write(tmp_path, "bad.toml", "[train\n")
+    with pytest.raises(ProfileError, match="not valid TOML"):
+        load_profile(p)
+
+
+def test_resolved_profile_round_trips(tmp_path):
+    tiny = load_profile(TINY)
+    p = write(tmp_path, "resolved.toml", dump_toml(tiny.to_dict()))
+    assert load_profile(p) == tiny
+
+
+def test_cli_bad_profile_is_one_line_and_exit_2(tmp_path):
+    p = write(tmp_path, "bad.toml", "[train]\nepochs = 0\n")
+    proc = cli("run", p, "--no-tui", "--run-dir", tmp_path / "run")
+    assert proc.returncode == 2
+    assert proc.stderr.strip().count("\n") == 0
+    assert "train.epochs" in proc.stderr and str(p) in proc.stderr
+    assert not (tmp_path / "run").exists()  # nothing created for a refused profile
+
+
+def test_cli_unknown_stage_and_missing_profile(tmp_path):
+    proc = cli("run", TINY, "--no-tui", "--from", "extrct", "--run-dir", tmp_path / "r")
+    assert proc.returncode == 2 and "--from 'extrct': unknown stage" in proc.stderr
+    proc = cli("run", tmp_path / "missing.toml", "--no-tui")
+    assert proc.returncode == 2 and "profile file not found" in proc.stderr
