@@ -68,8 +68,8 @@ def extract(model, dataset, hs_dir: Path, layer_ids: list[int], batch_size: int,
             _, states = reader(ids, mask)  # right padding: causal attention keeps real positions exact
             for b, idx in enumerate(batch):
                 n = len(rows[b])
-                pending.append(pool.submit(write_hs_file, hs_path(hs_dir, idx), ids[b, :n].clone(),
-                                           states[b, :n].clone()))
+                pending.append(pool.submit(write_hs_file, hs_path(hs_dir, idx), ids[b, :n],
+                                           states[b, :n]))  # views: a row prefix is contiguous
                 tokens += n
             # Bound the queue: at most two batches of tensors wait for the disk.
             while len(pending) > 2 * max(batch_size, writer_threads):
