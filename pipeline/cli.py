@@ -144,6 +144,63 @@ def cmd_notes(args) -> int:
     return 0
 
 
+def cmd_server(args) -> int:
+    from pipeline import box
+    from pipeline.profile import ProfileError, load_profile
+    from pipeline.rundir import RunDir, RunDirError
+    from pipeline.server import ServerError
+
+    try:
+        run = RunDir.open(Path(args.run_dir)) if args.run_dir else None
+        profile = run.profile() if run and not args.profile else load_profile(args.profile)
+        if args.server_cmd == "status":
+            status = box.controller(profile).status()
+            print(json.dumps(status, indent=2) if args.json else
+                  " ".join(f"{k}={v}" for k, v in status.items() if k != "argv"))
+            return 0
+        if args.server_cmd == "stop":
+            stopped = box.free_port(profile, print)
+            print("stopped" if stopped else f"no vLLM server on port {profile.server.port}")
+            return 0
+        if args.server_cmd == "adopt":
+            rec = box.controller(profile).adopt(profile.server.host, profile.server.port, mode="production")
+            print(f"adopted vLLM pid {rec.pid} (process group {rec.pgid}) on port {rec.port}")
+            return 0
+        target_dir, mode_args = _server_inputs(profile, run, args)
+        logs = (run.logs_dir if run else Path(profile.run.runs_dir).resolve() / ".servers")
+        rec = box.start_mode(profile, args.mode, target_dir, logs / f"server-{args.mode}.log",
+                             (run.root if run else Path(profile.run.cache_dir).resolve()) / ".cache", print,
+                             **mode_args)
+        print(f"{args.mode} server healthy: pid {rec.pid}, {rec.base_url}, log {rec.log}")
+        return 0
+    except (ProfileError, RunDirError, ServerError, ValueError) as exc:
+        return _die(str(exc), EXIT_FAILED if isinstance(exc, ServerError) else EXIT_USAGE)
+
+
+def _server_inputs(profile, run, args) -> tuple[Path, dict]:
+    from pipeline.stages.base import StageContext
+    from pipeline.target import resolve_layer_ids
+
+    if profile.target.source == "demo" and run is None:
+        raise ValueError("a demo target lives in a run: pass --run-dir RUN_DIR")
+    ctx = StageContext(run=run, profile=profile, log=None) if run else None
+    target_dir = ctx.target_dir() if ctx else Path(profile.target.model_path)
+    mode_args: dict = {}
+    if args.mode == "extraction":
+        from transformers import AutoConfig
+        n = AutoConfig.from_pretrained(str(target_dir)).num_hidden_layers
+        storage = Path(args.storage) if args.storage else (run.data_dir / "hs_raw" if run else None)
+        if storage is None:
+            raise ValueError("extraction mode needs --storage DIR (or --run-dir)")
+        mode_args = {"layer_ids": resolve_layer_ids(profile.extract.layer_ids, n), "storage": storage}
+    elif args.mode == "speculative" or args.draft:
+        draft = Path(args.draft) if args.draft else (run.root / "deploy" / "draft" if run else None)
+        if draft is None or not (draft / "config.json").is_file():
+            raise ValueError(f"no published draft at {draft}: pass --draft DIR (a deploy-measure output)")
+        mode_args = {"draft_dir": draft}
+    return target_dir, mode_args
+
+
 def build_parser() -> argparse.ArgumentParser:
     from pipeline.stages import stage_names
 
@@ -174,6 +231,23 @@ def build_parser() -> argparse.ArgumentParser:
     ne.add_argument("--format", choices=["md", "json"], default="md")
     ne.add_argument("-o", "--output")
     nt.set_defaults(func=cmd_notes)
+    sv = sub.add_parser("server", help="start, stop, adopt or inspect the vLLM server of a profile's port")
+    ssub = sv.add_subparsers(dest="server_cmd", required=True)
+    for name, text in (("start", "start vLLM in a mode (stops what serves the port first)"),
+                       ("stop", "stop the vLLM serving the port (by process group)"),
+                       ("status", "state, mode, pids, port, health, uptime"),
+                       ("adopt", "take over a vLLM this tool did not start")):
+        sp = ssub.add_parser(name, help=text)
+        sp.add_argument("profile", nargs="?", help="profile (default: the run's, with --run-dir)")
+        sp.add_argument("--run-dir", help="a run: its target, draft and log directory")
+        if name == "start":
+            from pipeline.vllm_modes import MODES
+            sp.add_argument("--mode", choices=MODES, default="production")
+            sp.add_argument("--draft", help="published draft directory (speculative / production with draft)")
+            sp.add_argument("--storage", help="hidden-state directory (extraction)")
+        if name == "status":
+            sp.add_argument("--json", action="store_true")
+    sv.set_defaults(func=cmd_server)
     return parser
 
 

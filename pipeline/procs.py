@@ -4,6 +4,7 @@ from __future__ import annotations
 import os
 import signal
 import time
+from pathlib import Path
 
 import psutil
 
@@ -40,3 +41,54 @@ def stop_group(pgid: int, grace: float = 30.0) -> bool:
     while group_members(pgid) and time.monotonic() < deadline:
         time.sleep(0.1)
     return True
+
+
+def run_logged(cmd: list[str], log_path, *, env: dict, cwd=None, on_line=lambda line: None,
+               on_start=lambda proc: None) -> int:
+    """Run `cmd` in its own session, appending its output to `log_path` and handing each line to
+    `on_line`. If this process is interrupted, the child's whole group is stopped."""
+    import subprocess
+
+    with open(log_path, "a", buffering=1) as log_fh:
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                text=True, env=env, cwd=cwd, start_new_session=True)
+        on_start(proc)
+        try:
+            for line in proc.stdout:  # type: ignore[union-attr]
+                log_fh.write(line)
+                on_line(line)
+            return proc.wait()
+        except BaseException:
+            stop_group(proc.pid)
+            raise
+
+
+def last_error_line(log: Path, tail: int = 200) -> str:
+    """The line of a log that best says why a child failed: its last error line (with the indented
+    detail line after it, as pydantic prints the actual reason there), else its last line."""
+    try:
+        lines = [l.rstrip() for l in Path(log).read_text(errors="replace").splitlines()[-tail:] if l.strip()]
+    except FileNotFoundError:
+        return "no log"
+    for i in range(len(lines) - 1, -1, -1):
+        line = lines[i].strip()
+        if any(w in line for w in ("Error:", "Error(", "Exception:", "error:")):
+            if i + 1 < len(lines) and lines[i + 1][:1].isspace():
+                line = f"{line}: {lines[i + 1].strip()}"
+            return line[:400]
+    return lines[-1].strip()[-400:] if lines else "empty log"
+
+
+def child_env(run_root: Path) -> dict:
+    """Environment for the speculators subprocesses of a run: offline, unbuffered, uncoloured,
+    caches inside the run, and this repository importable (the CPU compat launcher lives here)."""
+    env = dict(os.environ)
+    env.setdefault("HF_HUB_OFFLINE", "1")
+    env["PYTHONUNBUFFERED"] = "1"
+    env["NO_COLOR"] = "1"
+    env["COLUMNS"] = "1000"  # speculators logs through rich, which wraps "key=value" pairs at 80 columns
+    env.setdefault("TORCHINDUCTOR_CACHE_DIR", str(run_root / ".cache" / "inductor"))
+    env.setdefault("TRITON_CACHE_DIR", str(run_root / ".cache" / "triton"))
+    root = str(Path(__file__).resolve().parent.parent)
+    env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    return env

@@ -86,6 +86,7 @@ class TrainSection:
 
 @dataclass(frozen=True)
 class EvaluateSection:
+    online: bool = False  # deploy-measure: baseline vs speculative through real vLLM servers
     k: int = 3
     num_prompts: int = 16
     max_new_tokens: int = 64

@@ -1,13 +1,16 @@
 """The stages, in run order. Each is one module with the same small interface (stages.base.Stage)."""
 from pipeline.stages.build_target import BuildTarget
+from pipeline.stages.deploy_measure import DeployMeasure
 from pipeline.stages.evaluate_offline import EvaluateOffline
 from pipeline.stages.extract import Extract
+from pipeline.stages.handover import Handover
 from pipeline.stages.prepare import Prepare
 from pipeline.stages.regenerate import Regenerate
 from pipeline.stages.train import Train
 from pipeline.stages.vocab import Vocab
 
-STAGES = [BuildTarget(), Regenerate(), Prepare(), Extract(), Vocab(), Train(), EvaluateOffline()]
+STAGES = [BuildTarget(), Regenerate(), Prepare(), Extract(), Vocab(), Train(), EvaluateOffline(), DeployMeasure(),
+          Handover()]
 
 
 def stage_names() -> list[str]:

@@ -92,10 +92,10 @@ class Extract(Stage):
         return [ctx.run.hidden_states_dir]
 
     def run(self, ctx: StageContext) -> dict:
+        if ctx.profile.extract.backend == "vllm":
+            return extract_with_vllm(ctx, self.name)
         from datasets import load_from_disk
 
-        if ctx.profile.extract.backend != "transformers":
-            raise StageError(f"extract.backend {ctx.profile.extract.backend!r} is not available")
         ds = load_from_disk(str(ctx.run.prepared_dir))
         model = target.load_model(ctx.target_dir(), ctx.profile.target.dtype)
         layer_ids = target.resolve_layer_ids(ctx.profile.extract.layer_ids, target.num_layers(model))
@@ -106,3 +106,47 @@ class Extract(Stage):
                           on_progress=lambda d, t, n: ctx.progress(self.name, d, t, "samples", tokens=n))
         ctx.log.info("extracted %s", figures)
         return figures
+
+
+def extract_with_vllm(ctx: StageContext, stage: str) -> dict:
+    """Through a vLLM extraction server and speculators' own `generate-offline-data` (resumable: it
+    skips the hs files that exist; each is renamed into place once complete)."""
+    import sys
+
+    from datasets import load_from_disk
+    from transformers import AutoConfig
+
+    from pipeline import box, procs
+
+    prepared = ctx.run.prepared_dir
+    ds = load_from_disk(str(prepared))
+    total, tokens = len(ds), int(sum(ds.with_format(None)["seq_len"]))
+    n_layers = AutoConfig.from_pretrained(str(ctx.target_dir())).num_hidden_layers
+    layer_ids = target.resolve_layer_ids(ctx.profile.extract.layer_ids, n_layers)
+    t0 = time.perf_counter()
+    rec = box.start_mode(ctx.profile, "extraction", ctx.target_dir(), ctx.run.log_path("server-extraction"),
+                         ctx.run.root / ".cache", ctx.log.info, layer_ids=layer_ids,
+                         storage=ctx.run.data_dir / "hs_raw",
+                         on_wait=lambda s: ctx.progress(stage, 0, total, "samples", server_wait_s=round(s)))
+    server_start = time.perf_counter() - t0
+    ctx.emit("server", stage, mode="extraction", pid=rec.pid, port=rec.port, start_s=round(server_start, 1))
+    before = len(list(ctx.run.hidden_states_dir.glob("hs_*.safetensors"))) if ctx.run.hidden_states_dir.is_dir() else 0
+    cmd = [sys.executable, "-m", "speculators", "generate-offline-data", "--endpoint", f"{rec.base_url}/v1",
+           "--preprocessed-data", str(prepared), "--concurrency", str(ctx.profile.extract.concurrency),
+           "--validate-outputs", "--fail-on-error"]
+    ctx.log.info("command: %s", " ".join(cmd))
+    t1 = time.perf_counter()
+    try:
+        rc = procs.run_logged(cmd, ctx.run.log_path(stage), env=procs.child_env(ctx.run.root), cwd=ctx.run.root)
+    finally:
+        box.free_port(ctx.profile, ctx.log.info)
+    seconds = time.perf_counter() - t1
+    if rc != 0:
+        raise StageError(f"speculators generate-offline-data exited with {rc}: "
+                         f"{procs.last_error_line(ctx.run.log_path(stage))}")
+    have = len(list(ctx.run.hidden_states_dir.glob("hs_*.safetensors")))
+    if have != total:
+        raise StageError(f"generate-offline-data finished with {have}/{total} hidden-state files")
+    return {"backend": "vllm", "samples": total, "extracted": total - before, "resumed_from": before,
+            "tokens": tokens, "server_start_s": round(server_start, 1), "seconds": round(seconds, 3),
+            "samples_per_s": round((total - before) / seconds, 2) if seconds else 0.0, "layer_ids": layer_ids}

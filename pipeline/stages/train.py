@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -107,20 +106,6 @@ def final_checkpoint(save_path: Path) -> Path | None:
     return done[-1] if done else None
 
 
-def child_env(ctx: StageContext) -> dict:
-    env = dict(os.environ)
-    env.setdefault("HF_HUB_OFFLINE", "1")
-    env["PYTHONUNBUFFERED"] = "1"
-    env["NO_COLOR"] = "1"
-    env["COLUMNS"] = "1000"  # speculators logs through rich, which wraps "key=value" pairs at 80 columns
-    env.setdefault("TORCHINDUCTOR_CACHE_DIR", str(ctx.run.root / ".cache" / "inductor"))
-    env.setdefault("TRITON_CACHE_DIR", str(ctx.run.root / ".cache" / "triton"))
-    # The compat launcher is this repo's module: make it importable whatever the child's cwd.
-    root = str(Path(__file__).resolve().parents[2])
-    env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    return env
-
-
 class Train(Stage):
     name = "train"
 
@@ -140,34 +125,29 @@ class Train(Stage):
         last: dict[str, float] = {}
         steps = 0
         epoch = int(resumed.name) + 1 if resumed else 0
-        with open(ctx.run.log_path(self.name), "a", buffering=1) as log_fh:
-            proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                    env=child_env(ctx), cwd=ctx.run.root, start_new_session=True)
-            # Recorded so that a resume after this process was SIGKILLed can stop the orphaned trainer
-            # (it runs in its own session and would keep writing checkpoints).
-            ctx.run.update_stage(self.name, child_pgid=proc.pid, child_cmd=cmd[:4])
-            try:
-                for line in proc.stdout:  # type: ignore[union-attr]
-                    log_fh.write(line)
-                    metrics = parse_metrics(line)
-                    epoch = int(metrics.pop("epoch", epoch))
-                    metrics.pop("global_step", None)
-                    if any(k.startswith("train/") for k in metrics):
-                        steps += 1
-                        last.update(metrics)
-                        ctx.emit("metric", self.name, step=steps, epoch=epoch, **metrics)
-                        ctx.progress(self.name, epoch, epochs, "epochs", step=steps,
-                                     loss=metrics.get("train/loss"))
-                    elif any(k.startswith("val/") for k in metrics):
-                        last.update(metrics)
-                        ctx.emit("metric", self.name, epoch=epoch, **metrics)
-                rc = proc.wait()
-            except BaseException:
-                procs.stop_group(proc.pid)
-                raise
+        def on_line(line: str) -> None:
+            nonlocal epoch, steps
+            metrics = parse_metrics(line)
+            epoch = int(metrics.pop("epoch", epoch))
+            step = metrics.pop("global_step", None)
+            if any(k.startswith("train/") for k in metrics):
+                steps += 1
+                last.update(metrics)
+                ctx.emit("metric", self.name, step=int(step) if step is not None else steps, epoch=epoch, **metrics)
+                ctx.progress(self.name, epoch, epochs, "epochs", step=steps, loss=metrics.get("train/loss"))
+            elif any(k.startswith("val/") for k in metrics):
+                last.update(metrics)
+                ctx.emit("metric", self.name, epoch=epoch, **metrics)
+
+        # Recorded so that a resume after this process was SIGKILLed can stop the orphaned trainer
+        # (it runs in its own session and would keep writing checkpoints).
+        rc = procs.run_logged(cmd, ctx.run.log_path(self.name), env=procs.child_env(ctx.run.root), cwd=ctx.run.root,
+                              on_line=on_line,
+                              on_start=lambda proc: ctx.run.update_stage(self.name, child_pgid=proc.pid,
+                                                                         child_cmd=cmd[:4]))
         if rc != 0:
             raise StageError(f"speculators train exited with {rc}; see {ctx.run.log_path(self.name)}: "
-                             f"{_last_error(ctx.run.log_path(self.name))}")
+                             f"{procs.last_error_line(ctx.run.log_path(self.name))}")
         ckpt = final_checkpoint(save)
         if ckpt is None or int(ckpt.name) != epochs - 1:
             raise StageError(f"speculators train exited 0 but the last complete epoch is "
@@ -197,11 +177,3 @@ def _stop_orphan(ctx: StageContext) -> None:
         return  # the pid was reused by something else
     ctx.log.warning("stopping trainer process group %d left by an earlier attempt", pgid)
     procs.stop_group(pgid)
-
-
-def _last_error(log: Path) -> str:
-    lines = [l.strip() for l in log.read_text(errors="replace").splitlines() if l.strip()]
-    for line in reversed(lines):
-        if re.search(r"(Error|Exception)\b", line):
-            return line[:300]
-    return lines[-1][:300] if lines else "no output"

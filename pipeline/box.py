@@ -1,0 +1,44 @@
+"""The serving port of the box: which vLLM runs there, and switching it between modes.
+
+One record per port under `<runs_dir>/.servers/`, shared by runs and by `eagle3-console server`, so a
+server started by a run can be stopped from the command line and the other way round."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from pipeline import vllm_modes
+from pipeline.profile import Profile
+from pipeline.server import ServerController, ServerError, port_owner, is_vllm
+
+
+def controller(profile: Profile) -> ServerController:
+    return ServerController(Path(profile.run.runs_dir).resolve() / ".servers" / f"port-{profile.server.port}.json")
+
+
+def free_port(profile: Profile, log) -> dict | None:
+    """Stop whatever vLLM serves the profile's port (recorded, or found there and adopted). Returns
+    what was stopped. A non-vLLM process on the port is an error: it is not ours to stop."""
+    ctl = controller(profile)
+    status = ctl.status()
+    if status["state"] == "none":
+        owner = port_owner(profile.server.host, profile.server.port)
+        if owner is None:
+            return None
+        if not is_vllm(owner):
+            raise ServerError(f"port {profile.server.port} is in use by pid {owner.pid} "
+                              f"({' '.join(owner.cmdline())[:100]}), which is not vLLM")
+        ctl.adopt(profile.server.host, profile.server.port)
+        status = ctl.status()
+    log(f"stopping {status['mode']} server pid {status['pid']} (processes {status.get('pids')}) on port "
+        f"{profile.server.port}")
+    return ctl.stop(grace=profile.server.shutdown_grace)
+
+
+def start_mode(profile: Profile, mode: str, target_dir: Path, log_path: Path, cache_root: Path, log,
+               on_wait=lambda s: None, **mode_args):
+    free_port(profile, log)
+    argv = vllm_modes.server_argv(profile, mode, target_dir, **mode_args)
+    log(f"starting {mode} server: {' '.join(argv)}")
+    return controller(profile).start(argv, host=profile.server.host, port=profile.server.port, mode=mode,
+                                     log=log_path, env=vllm_modes.server_env(profile, cache_root, mode),
+                                     health_timeout=profile.server.health_timeout, on_wait=on_wait)

@@ -1,0 +1,87 @@
+"""Talking to a running vLLM: greedy completions on token ids, and the spec-decode counters of
+/metrics (REFERENCE.md §2.6: difference two scrapes, sum over engines, skip *_created)."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import time
+import urllib.request
+from dataclasses import dataclass
+
+from pipeline.server import http_get
+
+SPEC_PREFIX = "vllm:spec_decode_"
+_SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+([-+0-9.eEinfNa]+)")
+_POSITION = re.compile(r'position="(\d+)"')
+
+
+def auth_headers(api_key_env: str) -> dict:
+    key = os.environ.get(api_key_env) if api_key_env else None
+    return {"Authorization": f"Bearer {key}"} if key else {}
+
+
+def complete(base_url: str, model: str, prompt_ids: list[int], max_tokens: int, headers: dict,
+             timeout: float = 600) -> dict:
+    body = {"model": model, "prompt": prompt_ids, "max_tokens": max_tokens, "temperature": 0.0,
+            "return_token_ids": True}
+    req = urllib.request.Request(f"{base_url}/v1/completions", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json", **headers}, method="POST")
+    t0 = time.perf_counter()
+    with urllib.request.urlopen(req, timeout=timeout) as resp:  # noqa: S310 - the server we started
+        data = json.loads(resp.read())
+    choice = data["choices"][0]
+    return {"token_ids": choice.get("token_ids"), "text": choice["text"],
+            "completion_tokens": data["usage"]["completion_tokens"], "seconds": time.perf_counter() - t0}
+
+
+@dataclass(frozen=True)
+class SpecCounters:
+    drafts: float = 0.0
+    draft_tokens: float = 0.0
+    accepted: float = 0.0
+    per_position: tuple = ()
+
+    def __sub__(self, other: "SpecCounters") -> "SpecCounters":
+        n = max(len(self.per_position), len(other.per_position))
+        a = list(self.per_position) + [0.0] * (n - len(self.per_position))
+        b = list(other.per_position) + [0.0] * (n - len(other.per_position))
+        return SpecCounters(self.drafts - other.drafts, self.draft_tokens - other.draft_tokens,
+                            self.accepted - other.accepted, tuple(x - y for x, y in zip(a, b)))
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        return 1 + self.accepted / self.drafts if self.drafts else 0.0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.draft_tokens if self.draft_tokens else 0.0
+
+    def per_position_rate(self) -> list[float]:
+        return [p / self.drafts if self.drafts else 0.0 for p in self.per_position]
+
+
+def parse_spec_counters(text: str) -> SpecCounters:
+    sums = {"num_drafts": 0.0, "num_draft_tokens": 0.0, "num_accepted_tokens": 0.0}
+    per_pos: dict[int, float] = {}
+    for line in text.splitlines():
+        m = _SAMPLE.match(line)
+        if not m or not m.group(1).startswith(SPEC_PREFIX) or m.group(1).endswith("_created"):
+            continue
+        name, labels, value = m.group(1)[len(SPEC_PREFIX):], m.group(2) or "", float(m.group(3))
+        name = name.removesuffix("_total")
+        if name == "num_accepted_tokens_per_pos":
+            pos = _POSITION.search(labels)
+            if pos:
+                per_pos[int(pos.group(1))] = per_pos.get(int(pos.group(1)), 0.0) + value
+        elif name in sums:
+            sums[name] += value
+    return SpecCounters(sums["num_drafts"], sums["num_draft_tokens"], sums["num_accepted_tokens"],
+                        tuple(per_pos[i] for i in sorted(per_pos)))
+
+
+def scrape(base_url: str) -> SpecCounters:
+    code, text = http_get(f"{base_url}/metrics", timeout=10)
+    if code != 200:
+        raise RuntimeError(f"GET {base_url}/metrics answered {code}")
+    return parse_spec_counters(text)

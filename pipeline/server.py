@@ -1,0 +1,193 @@
+"""vLLM server control: start from an argv list in its own session with a pid file and a log file,
+wait for health, stop by process group (SIGTERM, grace, SIGKILL, verify nothing is left), adopt a
+server this tool did not start. vLLM's EngineCore does not notice its API server dying
+(REFERENCE.md §2.3), so stopping is always by group, never by pid."""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import psutil
+
+from pipeline import atomicio, procs
+from pipeline.procs import last_error_line
+
+
+class ServerError(RuntimeError):
+    """One line: what went wrong and, when the server said why, its own reason."""
+
+
+@dataclass(frozen=True)
+class ServerRecord:
+    pid: int
+    pgid: int
+    host: str
+    port: int
+    mode: str
+    argv: list[str]
+    log: str
+    started: float
+    adopted: bool = False
+
+    @property
+    def base_url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+
+def http_get(url: str, timeout: float = 2.0, headers: dict | None = None) -> tuple[int, str]:
+    req = urllib.request.Request(url, headers=headers or {})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:  # noqa: S310 - loopback/operator URL
+            return resp.status, resp.read().decode(errors="replace")
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode(errors="replace")
+    except (urllib.error.URLError, OSError, TimeoutError):
+        return 0, ""
+
+
+def port_owner(host: str, port: int) -> psutil.Process | None:
+    for conn in psutil.net_connections(kind="tcp"):
+        if conn.status == psutil.CONN_LISTEN and conn.laddr and conn.laddr.port == port and conn.pid:
+            try:
+                return psutil.Process(conn.pid)
+            except psutil.Error:
+                return None
+    return None
+
+
+def port_in_use(host: str, port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError:
+            return True
+    return False
+
+
+def is_vllm(proc: psutil.Process) -> bool:
+    try:
+        cmd = " ".join(proc.cmdline())
+    except psutil.Error:
+        return False
+    return "vllm" in cmd and ("api_server" in cmd or " serve" in cmd or "VLLM::" in cmd)
+
+
+class ServerController:
+    """One controller per record file (e.g. RUN_DIR/server/server.json)."""
+
+    def __init__(self, record_path: Path):
+        self.record_path = Path(record_path)
+
+    # ---- record
+    def record(self) -> ServerRecord | None:
+        try:
+            return ServerRecord(**json.loads(self.record_path.read_text()))
+        except (FileNotFoundError, json.JSONDecodeError, TypeError):
+            return None
+
+    def _save(self, rec: ServerRecord | None) -> None:
+        if rec is None:
+            self.record_path.unlink(missing_ok=True)
+        else:
+            atomicio.atomic_write_json(self.record_path, asdict(rec))
+
+    # ---- start
+    def start(self, argv: list[str], *, host: str, port: int, mode: str, log: Path, env: dict | None = None,
+              health_timeout: float = 600.0, on_wait=lambda seconds: None) -> ServerRecord:
+        current = self.record()
+        if current and procs.group_members(current.pgid):
+            raise ServerError(f"a {current.mode} server is already running (pid {current.pid}, port "
+                              f"{current.port}); stop it first")
+        if port_in_use(host, port):
+            owner = port_owner(host, port)
+            who = f" by pid {owner.pid} ({' '.join(owner.cmdline())[:120]})" if owner else ""
+            raise ServerError(f"port {port} on {host} is already in use{who}")
+        log = Path(log)
+        log.parent.mkdir(parents=True, exist_ok=True)
+        with open(log, "ab") as fh:
+            fh.write(f"\n=== eagle3-console: starting {mode} server: {' '.join(argv)}\n".encode())
+            fh.flush()
+            proc = subprocess.Popen(argv, stdout=fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                    start_new_session=True, env={**os.environ, **(env or {})})
+        rec = ServerRecord(pid=proc.pid, pgid=proc.pid, host=host, port=port, mode=mode, argv=list(argv),
+                           log=str(log), started=time.time())
+        self._save(rec)
+        try:
+            self.wait_healthy(rec, proc, health_timeout, on_wait)
+        except BaseException:
+            self.stop(grace=10)
+            raise
+        return rec
+
+    def wait_healthy(self, rec: ServerRecord, proc: subprocess.Popen | None, timeout: float,
+                     on_wait=lambda seconds: None) -> None:
+        t0 = time.monotonic()
+        while True:
+            code, _ = http_get(f"{rec.base_url}/health", timeout=2)
+            if code == 200:
+                mcode, body = http_get(f"{rec.base_url}/v1/models", timeout=5)
+                if mcode in (200, 401):  # 401: an API key guards /v1, the server is up
+                    return
+            exited = proc.poll() if proc is not None else (None if procs.group_members(rec.pgid) else -1)
+            if exited is not None:
+                raise ServerError(f"vLLM ({rec.mode}) exited with {exited} before becoming healthy: "
+                                  f"{last_error_line(Path(rec.log))} (log: {rec.log})")
+            waited = time.monotonic() - t0
+            if waited > timeout:
+                raise ServerError(f"vLLM ({rec.mode}) not healthy after {timeout:.0f}s: "
+                                  f"{last_error_line(Path(rec.log))} (log: {rec.log})")
+            on_wait(waited)
+            time.sleep(1.0)
+
+    # ---- stop
+    def stop(self, grace: float = 30.0) -> dict:
+        rec = self.record()
+        if rec is None:
+            return {"stopped": False, "reason": "no server recorded"}
+        members = [p.pid for p in procs.group_members(rec.pgid)]
+        killed = procs.stop_group(rec.pgid, grace) if members else False
+        left = [p.pid for p in procs.group_members(rec.pgid)]
+        if left:
+            raise ServerError(f"processes {left} of server group {rec.pgid} survived SIGKILL")
+        self._save(None)
+        return {"stopped": bool(members), "pids": members, "sigkill": killed, "mode": rec.mode}
+
+    # ---- status / adopt
+    def status(self) -> dict:
+        rec = self.record()
+        if rec is None:
+            return {"state": "none"}
+        alive = procs.group_members(rec.pgid)
+        code, _ = http_get(f"{rec.base_url}/health", timeout=2) if alive else (0, "")
+        return {"state": "running" if alive else "dead", "healthy": code == 200, "mode": rec.mode,
+                "pid": rec.pid, "pgid": rec.pgid, "port": rec.port, "host": rec.host,
+                "pids": [p.pid for p in alive], "uptime_s": round(time.time() - rec.started, 1) if alive else 0,
+                "adopted": rec.adopted, "log": rec.log}
+
+    def adopt(self, host: str, port: int, mode: str = "adopted") -> ServerRecord:
+        """Take over a vLLM server found listening on `port` (checked to be vLLM)."""
+        owner = port_owner(host, port)
+        if owner is None:
+            raise ServerError(f"nothing is listening on port {port}")
+        if not is_vllm(owner):
+            raise ServerError(f"port {port} belongs to pid {owner.pid} ({' '.join(owner.cmdline())[:100]}), "
+                              f"which is not a vLLM server")
+        pgid = os.getpgid(owner.pid)
+        family = {owner.pid} | {c.pid for c in owner.children(recursive=True)}
+        strangers = [p.pid for p in procs.group_members(pgid) if p.pid not in family]
+        if strangers:
+            # Stopping by group would hit them too (e.g. the shell script that launched vLLM).
+            raise ServerError(f"vLLM pid {owner.pid} shares process group {pgid} with other processes "
+                              f"{strangers[:5]}; stop it where it was started")
+        rec = ServerRecord(pid=owner.pid, pgid=pgid, host=host, port=port, mode=mode,
+                           argv=owner.cmdline(), log="", started=owner.create_time(), adopted=True)
+        self._save(rec)
+        return rec

@@ -1,0 +1,85 @@
+"""The vLLM command line for each server mode, built as an argv list from the profile (never a shell
+string). Modes: production (the operator's own flags), extraction (hidden states to files),
+baseline (target alone), speculative (target + the trained EAGLE-3 head)."""
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+from pipeline.profile import Profile
+
+MODES = ("production", "extraction", "baseline", "speculative")
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def accelerator_available() -> bool:
+    import torch
+    return torch.accelerator.is_available()
+
+
+def base_argv(profile: Profile, target_dir: Path) -> list[str]:
+    s = profile.server
+    argv = [s.python or sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+            "--model", str(target_dir), "--served-model-name", s.served_model_name,
+            "--host", s.host, "--port", str(s.port), "--max-model-len", str(s.max_model_len),
+            "--dtype", s.dtype, "--tensor-parallel-size", str(s.tensor_parallel_size)]
+    if accelerator_available():
+        argv += ["--gpu-memory-utilization", str(s.gpu_memory_utilization)]
+    if s.enforce_eager:
+        argv.append("--enforce-eager")
+    return argv
+
+
+def extraction_config(profile: Profile, layer_ids: list[int], storage: Path, cpu: bool) -> tuple[dict, dict]:
+    spec = {"method": "extract_hidden_states", "num_speculative_tokens": 1,
+            "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": list(layer_ids)}}}
+    kv = {"kv_connector": "ExampleHiddenStatesConnector", "kv_role": "kv_producer",
+          "kv_connector_extra_config": {"shared_storage_path": str(storage), "use_synchronization_lock": True}}
+    if cpu:
+        kv["kv_connector"] = "CpuHiddenStatesConnector"
+        kv["kv_connector_module_path"] = "pipeline.compat.vllm_cpu_connector"
+    return spec, kv
+
+
+def eagle3_config(profile: Profile, draft_dir: Path) -> dict:
+    # Always name the method: a path without "eagle3" in it would be served as draft_model (§2.5).
+    return {"method": "eagle3", "model": str(draft_dir), "num_speculative_tokens": profile.evaluate.k}
+
+
+def server_argv(profile: Profile, mode: str, target_dir: Path, *, layer_ids: list[int] | None = None,
+                storage: Path | None = None, draft_dir: Path | None = None) -> list[str]:
+    if mode not in MODES:
+        raise ValueError(f"unknown server mode {mode!r} (one of {', '.join(MODES)})")
+    argv = base_argv(profile, target_dir)
+    if mode == "production":
+        argv += list(profile.server.production_args)
+        if draft_dir is not None:  # production with the new head
+            argv += ["--speculative-config", json.dumps(eagle3_config(profile, draft_dir))]
+    elif mode == "extraction":
+        if not layer_ids or storage is None:
+            raise ValueError("extraction mode needs layer ids and a storage directory")
+        spec, kv = extraction_config(profile, layer_ids, storage, cpu=not accelerator_available())
+        # Prefix caching can make the returned lengths mismatch the prompt (vllm-project/vllm#44485).
+        argv += ["--speculative-config", json.dumps(spec), "--kv-transfer-config", json.dumps(kv),
+                 "--no-enable-prefix-caching"]
+    elif mode == "speculative":
+        if draft_dir is None:
+            raise ValueError("speculative mode needs a draft checkpoint")
+        argv += ["--speculative-config", json.dumps(eagle3_config(profile, draft_dir))]
+    argv += list(profile.server.extra_args)
+    return argv
+
+
+def server_env(profile: Profile, cache_root: Path, mode: str = "production") -> dict:
+    env = {"HF_HUB_OFFLINE": "1", "NO_COLOR": "1", "PYTHONUNBUFFERED": "1",
+           "VLLM_CACHE_ROOT": str(cache_root / "vllm"), "TORCHINDUCTOR_CACHE_DIR": str(cache_root / "inductor"),
+           "VLLM_CPU_KVCACHE_SPACE": str(profile.server.cpu_kvcache_gib),
+           # engine workers import the CPU connector from this repository
+           "PYTHONPATH": str(ROOT) + (os.pathsep + os.environ["PYTHONPATH"] if os.environ.get("PYTHONPATH") else "")}
+    if profile.server.api_key_env and mode == "production":  # the internal modes stay on loopback, keyless
+        key = os.environ.get(profile.server.api_key_env)
+        if key:
+            env["VLLM_API_KEY"] = key  # through the environment: never on the command line or in a log
+    return env

