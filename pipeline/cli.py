@@ -86,6 +86,15 @@ def _print_summary(run) -> None:
         acc = " / ".join(f"{a:.2f}" for a in ev["acceptance_per_position"])
         print(f"offline evaluation: tau = {ev['tau']:.3f} (k={len(ev['acceptance_per_position'])}, "
               f"per-position acceptance {acc}), lossless = {ev['lossless']}")
+    online = state["stages"].get("deploy-measure", {}).get("figures")
+    if online:
+        acc = " / ".join(f"{a:.2f}" for a in online["acceptance_per_position"])
+        print(f"vLLM: mean acceptance length {online['mean_acceptance_length']:.3f} (per position {acc}), "
+              f"{online['speculative_tok_s']:.1f} vs {online['baseline_tok_s']:.1f} tok/s baseline "
+              f"(x{online['speedup']}), outputs identical to baseline = {online['identical_outputs']}")
+    hand = state["stages"].get("handover", {}).get("figures")
+    if hand:
+        print(f"serving port after the run: {hand['server']} (server.after_run = {hand['after_run']})")
     print(f"all stages done: {run.root}")
 
 
@@ -174,7 +183,10 @@ def cmd_server(args) -> int:
         print(f"{args.mode} server healthy: pid {rec.pid}, {rec.base_url}, log {rec.log}")
         return 0
     except (ProfileError, RunDirError, ServerError, ValueError) as exc:
-        return _die(str(exc), EXIT_FAILED if isinstance(exc, ServerError) else EXIT_USAGE)
+        code = _die(str(exc), EXIT_FAILED if isinstance(exc, ServerError) else EXIT_USAGE)
+        for line in getattr(exc, "tail", []):
+            print(f"  | {line}", file=sys.stderr)
+        return code
 
 
 def _server_inputs(profile, run, args) -> tuple[Path, dict]:

@@ -21,7 +21,19 @@ from pipeline.procs import last_error_line
 
 
 class ServerError(RuntimeError):
-    """One line: what went wrong and, when the server said why, its own reason."""
+    """One line: what went wrong and, when the server said why, its own reason. `tail` holds the last
+    lines of the server log for whoever shows the error."""
+
+    def __init__(self, message: str, tail: list[str] | None = None):
+        super().__init__(message)
+        self.tail = tail or []
+
+
+def log_tail(log: Path, n: int = 8) -> list[str]:
+    try:
+        return [l.rstrip() for l in Path(log).read_text(errors="replace").splitlines() if l.strip()][-n:]
+    except FileNotFoundError:
+        return []
 
 
 @dataclass(frozen=True)
@@ -139,11 +151,11 @@ class ServerController:
             exited = proc.poll() if proc is not None else (None if procs.group_members(rec.pgid) else -1)
             if exited is not None:
                 raise ServerError(f"vLLM ({rec.mode}) exited with {exited} before becoming healthy: "
-                                  f"{last_error_line(Path(rec.log))} (log: {rec.log})")
+                                  f"{last_error_line(Path(rec.log))} (log: {rec.log})", log_tail(Path(rec.log)))
             waited = time.monotonic() - t0
             if waited > timeout:
                 raise ServerError(f"vLLM ({rec.mode}) not healthy after {timeout:.0f}s: "
-                                  f"{last_error_line(Path(rec.log))} (log: {rec.log})")
+                                  f"{last_error_line(Path(rec.log))} (log: {rec.log})", log_tail(Path(rec.log)))
             on_wait(waited)
             time.sleep(1.0)
 
@@ -157,8 +169,28 @@ class ServerController:
         left = [p.pid for p in procs.group_members(rec.pgid)]
         if left:
             raise ServerError(f"processes {left} of server group {rec.pgid} survived SIGKILL")
+        gpu_left = self._gpu_memory_held(members)
         self._save(None)
-        return {"stopped": bool(members), "pids": members, "sigkill": killed, "mode": rec.mode}
+        if gpu_left:
+            raise ServerError(f"server stopped but GPU memory is still held by pids {sorted(gpu_left)}")
+        return {"stopped": bool(members), "pids": members, "sigkill": killed, "mode": rec.mode,
+                "gpu_checked": gpu_left is not None}
+
+    @staticmethod
+    def _gpu_memory_held(pids: list[int], wait: float = 10.0) -> dict[int, int] | None:
+        """Where NVML exists: which of the stopped pids still hold GPU memory (the driver frees it
+        shortly after exit, so allow a few seconds). None when there is no NVML."""
+        from pipeline import gpu
+
+        deadline = time.monotonic() + wait
+        while True:
+            held = gpu.gpu_memory_by_pid()
+            if held is None:
+                return None
+            left = {pid: b for pid, b in held.items() if pid in pids}
+            if not left or time.monotonic() > deadline:
+                return left
+            time.sleep(0.5)
 
     # ---- status / adopt
     def status(self) -> dict:
