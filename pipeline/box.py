@@ -36,8 +36,15 @@ def free_port(profile: Profile, log) -> dict | None:
 
 def start_mode(profile: Profile, mode: str, target_dir: Path, log_path: Path, cache_root: Path, log,
                on_wait=lambda s: None, **mode_args):
-    free_port(profile, log)
+    """Serve `mode` on the port: reuse the running server if it is exactly this command and healthy,
+    else stop what is there and start it."""
     argv = vllm_modes.server_argv(profile, mode, target_dir, **mode_args)
+    ctl = controller(profile)
+    rec, status = ctl.record(), ctl.status()
+    if rec is not None and rec.argv == argv and status.get("healthy"):
+        log(f"reusing the running {mode} server pid {rec.pid}")
+        return rec
+    free_port(profile, log)
     log(f"starting {mode} server: {' '.join(argv)}")
     return controller(profile).start(argv, host=profile.server.host, port=profile.server.port, mode=mode,
                                      log=log_path, env=vllm_modes.server_env(profile, cache_root, mode),

@@ -46,6 +46,9 @@ class DataSection:
     num_conversations: int = 96  # demo generator only
     heldout: int = 16  # conversations kept out of training for evaluation
     seq_length: int = 512
+    # local: chat template through the target's tokenizer here; render: speculators' prepare-data with
+    # conversations rendered by the vLLM server's /v1/chat/completions/render (the served template)
+    tokenize: Literal["local", "render"] = "local"
     regenerate: bool = False  # replace assistant turns with the target's own greedy output
     regenerate_max_tokens: int = 96
     regenerate_batch_size: int = 16

@@ -64,6 +64,10 @@ def server_argv(profile: Profile, mode: str, target_dir: Path, *, layer_ids: lis
         # Prefix caching can make the returned lengths mismatch the prompt (vllm-project/vllm#44485).
         argv += ["--speculative-config", json.dumps(spec), "--kv-transfer-config", json.dumps(kv),
                  "--no-enable-prefix-caching"]
+        if profile.data.tokenize == "render":
+            argv.append("--enable-scale-out")  # the render endpoint is a scale-out endpoint (403 without)
+    elif mode == "baseline" and profile.data.tokenize == "render":
+        argv.append("--enable-scale-out")
     elif mode == "speculative":
         if draft_dir is None:
             raise ValueError("speculative mode needs a draft checkpoint")

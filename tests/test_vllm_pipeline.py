@@ -25,9 +25,26 @@ def vllm_run(tmp_path_factory, cache_dir):
     proc = cli("run", TINY, "--no-tui", "--run-dir", run_dir, "--set", f'run.cache_dir="{cache_dir}"',
                "--set", 'extract.backend="vllm"', "--set", "evaluate.online=true", "--set", f"server.port={port}",
                "--set", "server.enforce_eager=true", "--set", "server.max_model_len=1024",
-               "--set", 'server.dtype="float32"', timeout=1200)
+               "--set", 'server.dtype="float32"', "--set", 'data.tokenize="render"', "--set", "data.regenerate=false",
+               timeout=1200)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return RunDir.open(run_dir)
+
+
+def test_render_endpoint_rows_equal_local_chat_template(vllm_run):
+    from pipeline import conversations
+
+    figs = vllm_run.stage_state("prepare")["figures"]
+    assert figs["tokenize"] == "render"
+    assert vllm_run.stage_state("extract")["figures"]["server_start_s"] < 5  # reused prepare's server
+    ds = load_from_disk(str(vllm_run.prepared_dir)).with_format(None)
+    tok = target.load_tokenizer(vllm_run.stage_state("build-target")["figures"]["target_dir"])
+    loaded = conversations.load(vllm_run.data_dir / "demo_conversations.jsonl")
+    train, _ = conversations.split_heldout(loaded.conversations, vllm_run.profile().data.heldout)
+    local = sorted((tuple(r["input_ids"]), tuple(r["loss_mask"]))
+                   for c in train for r in conversations.assistant_rows(tok, c["messages"]))
+    served = sorted((tuple(i), tuple(m)) for i, m in zip(ds["input_ids"], ds["loss_mask"]))
+    assert served == local
 
 
 def test_vllm_extraction_equals_transformers_backend(vllm_run, tmp_path):

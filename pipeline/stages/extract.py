@@ -114,20 +114,19 @@ def extract_with_vllm(ctx: StageContext, stage: str) -> dict:
     import sys
 
     from datasets import load_from_disk
-    from transformers import AutoConfig
-
     from pipeline import box, procs
+    from pipeline.stages.prepare import _extraction_args
 
     prepared = ctx.run.prepared_dir
     ds = load_from_disk(str(prepared))
     total, tokens = len(ds), int(sum(ds.with_format(None)["seq_len"]))
-    n_layers = AutoConfig.from_pretrained(str(ctx.target_dir())).num_hidden_layers
-    layer_ids = target.resolve_layer_ids(ctx.profile.extract.layer_ids, n_layers)
+    mode_args = _extraction_args(ctx)
+    layer_ids = mode_args["layer_ids"]
     t0 = time.perf_counter()
     rec = box.start_mode(ctx.profile, "extraction", ctx.target_dir(), ctx.run.log_path("server-extraction"),
-                         ctx.run.root / ".cache", ctx.log.info, layer_ids=layer_ids,
-                         storage=ctx.run.data_dir / "hs_raw",
-                         on_wait=lambda s: ctx.progress(stage, 0, total, "samples", server_wait_s=round(s)))
+                         ctx.run.root / ".cache", ctx.log.info,
+                         on_wait=lambda s: ctx.progress(stage, 0, total, "samples", server_wait_s=round(s)),
+                         **mode_args)
     server_start = time.perf_counter() - t0
     ctx.emit("server", stage, mode="extraction", pid=rec.pid, port=rec.port, start_s=round(server_start, 1))
     before = len(list(ctx.run.hidden_states_dir.glob("hs_*.safetensors"))) if ctx.run.hidden_states_dir.is_dir() else 0

@@ -50,6 +50,8 @@ class Prepare(Stage):
                 if loaded.conversations else ([], [])
         except ValueError as exc:
             raise StageError(f"{source}: {exc}") from None
+        if data.tokenize == "render":
+            return self._with_speculators(ctx, loaded, train, heldout)
         tok = target.load_tokenizer(ctx.target_dir())
         if data.regenerate:
             regenerated = conversations.load(ctx.training_conversations())
@@ -86,13 +88,74 @@ class Prepare(Stage):
         tmp.rename(out)
         atomicio.fsync_dir(out.parent)
         _write_token_freq(ds, token_freq_path(ctx))
-        prompts = [{"id": c["id"], "messages": conversations.first_prompt(c["messages"])} for c in heldout]
-        atomicio.atomic_write_text(heldout_path(ctx), "".join(json.dumps(p) + "\n" for p in prompts))
+        prompts = _write_heldout(ctx, heldout)
         n_tokens = sum(columns["seq_len"])
         return {"rows": len(columns["seq_len"]), "tokens": n_tokens,
                 "loss_tokens": sum(sum(m) for m in columns["loss_mask"]),
                 "skipped_malformed": len(loaded.bad), "skipped_unsupervised": unsupervised,
                 "truncated": truncated, "heldout_prompts": len(prompts)}
+
+
+    def _with_speculators(self, ctx: StageContext, loaded, train: list[dict], heldout: list[dict]) -> dict:
+        """speculators' own prepare-data: conversations rendered by the served chat template (through
+        the extraction server, which extract then reuses), pre-tokenized rows passed through."""
+        import sys
+
+        from datasets import load_from_disk
+
+        from pipeline import box, procs
+
+        data = ctx.profile.data
+        if data.regenerate:
+            source, endpoint = ctx.training_conversations(), None  # token rows: no server needed
+        else:
+            source = ctx.run.data_dir / "train_conversations.jsonl"
+            atomicio.atomic_write_text(source, "".join(json.dumps({"conversations": c["messages"]}) + "\n"
+                                                       for c in train))
+            mode = "extraction" if ctx.profile.extract.backend == "vllm" else "baseline"
+            mode_args = _extraction_args(ctx) if mode == "extraction" else {}
+            rec = box.start_mode(ctx.profile, mode, ctx.target_dir(), ctx.run.log_path(f"server-{mode}"),
+                                 ctx.run.root / ".cache", ctx.log.info, **mode_args)
+            endpoint = rec.base_url
+        out = ctx.run.prepared_dir
+        tmp = out.with_name(out.name + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        cmd = [sys.executable, "-m", "speculators", "prepare-data", "--model", str(ctx.target_dir()),
+               "--data", str(source), "--output", str(tmp), "--seq-length", str(data.seq_length),
+               "--seed", str(data.seed), "--no-skip-token-freq", "--token-freq-path", str(tmp / "token_freq.pt")]
+        if endpoint:
+            cmd += ["--render-endpoint", endpoint]
+        ctx.log.info("command: %s", " ".join(cmd))
+        try:
+            rc = procs.run_logged(cmd, ctx.run.log_path(self.name), env=procs.child_env(ctx.run.root),
+                                  cwd=ctx.run.root)
+        finally:
+            if endpoint and ctx.profile.extract.backend != "vllm":
+                box.free_port(ctx.profile, ctx.log.info)  # nothing after prepare needs it
+        if rc != 0:
+            raise StageError(f"speculators prepare-data exited with {rc}: "
+                             f"{procs.last_error_line(ctx.run.log_path(self.name))}")
+        shutil.rmtree(out, ignore_errors=True)
+        tmp.rename(out)
+        atomicio.fsync_dir(out.parent)
+        ds = load_from_disk(str(out)).with_format(None)
+        prompts = _write_heldout(ctx, heldout)
+        return {"tokenize": "render" if endpoint else "pass-through", "rows": len(ds),
+                "tokens": int(sum(ds["seq_len"])), "loss_tokens": int(sum(sum(m) for m in ds["loss_mask"])),
+                "skipped_malformed": len(loaded.bad), "heldout_prompts": len(prompts)}
+
+
+def _extraction_args(ctx: StageContext) -> dict:
+    from transformers import AutoConfig
+    n = AutoConfig.from_pretrained(str(ctx.target_dir())).num_hidden_layers
+    return {"layer_ids": target.resolve_layer_ids(ctx.profile.extract.layer_ids, n),
+            "storage": ctx.run.data_dir / "hs_raw"}
+
+
+def _write_heldout(ctx: StageContext, heldout: list[dict]) -> list[dict]:
+    prompts = [{"id": c["id"], "messages": conversations.first_prompt(c["messages"])} for c in heldout]
+    atomicio.atomic_write_text(heldout_path(ctx), "".join(json.dumps(p) + "\n" for p in prompts))
+    return prompts
 
 
 def _write_token_freq(ds, path: Path) -> None:
