@@ -49,3 +49,27 @@ def start_mode(profile: Profile, mode: str, target_dir: Path, log_path: Path, ca
     return controller(profile).start(argv, host=profile.server.host, port=profile.server.port, mode=mode,
                                      log=log_path, env=vllm_modes.server_env(profile, cache_root, mode),
                                      health_timeout=profile.server.health_timeout, on_wait=on_wait)
+
+
+def mode_inputs(profile: Profile, run, mode: str, draft: str | None = None, storage: str | None = None):
+    """The target directory and mode arguments a server start needs, from a run (demo target, published
+    draft, hidden-state storage) or from the profile and explicit paths."""
+    from pipeline.stages.base import StageContext
+    from pipeline.target import resolve_layer_ids
+
+    if profile.target.source == "demo" and run is None:
+        raise ValueError("a demo target lives in a run: pass --run-dir RUN_DIR")
+    target_dir = StageContext(run=run, profile=profile, log=None).target_dir() if run else Path(profile.target.model_path)
+    if mode == "extraction":
+        from transformers import AutoConfig
+        n = AutoConfig.from_pretrained(str(target_dir)).num_hidden_layers
+        where = Path(storage) if storage else (run.data_dir / "hs_raw" if run else None)
+        if where is None:
+            raise ValueError("extraction mode needs --storage DIR (or --run-dir)")
+        return target_dir, {"layer_ids": resolve_layer_ids(profile.extract.layer_ids, n), "storage": where}
+    if mode == "speculative" or draft:
+        where = Path(draft) if draft else (run.root / "deploy" / "draft" if run else None)
+        if where is None or not (where / "config.json").is_file():
+            raise ValueError(f"no published draft at {where}: pass --draft DIR (a deploy-measure output)")
+        return target_dir, {"draft_dir": where}
+    return target_dir, {}

@@ -33,8 +33,6 @@ def cmd_run(args) -> int:
     from pipeline.runner import RunnerError, run_stages, select
     from pipeline.progress import ProgressPrinter
 
-    if not args.no_tui:
-        return _die("the console is not built yet; run with --no-tui", EXIT_USAGE)
     try:
         if args.resume:
             if args.profile:
@@ -49,6 +47,8 @@ def cmd_run(args) -> int:
             run = RunDir.create(profile, Path(args.run_dir) if args.run_dir else None)
         os.environ.setdefault("HF_HOME", str(run.root / ".cache" / "hf"))
         print(f"run directory: {run.root}", flush=True)
+        if not args.no_tui:
+            return _detach_and_attach(run, args)
         run_stages(run, args.start, args.until, on_event=ProgressPrinter())
     except (ProfileError, RunDirError, RunnerError) as exc:
         return _die(str(exc))
@@ -59,6 +59,38 @@ def cmd_run(args) -> int:
         return _die(f"{first}\n  logs: {run.logs_dir}  resume: eagle3-console run --resume {run.root}", EXIT_FAILED)
     _print_summary(run)
     return 0
+
+
+def _detach_and_attach(run, args) -> int:
+    """The console's way: the run becomes a detached job (its own session, output to logs/job.log);
+    the console only watches it, so quitting or losing the terminal never stops it."""
+    from pipeline import jobs
+
+    if jobs.job_state(run)["state"] == "running":
+        return _die(f"{run.root}: a job is already running it; use `eagle3-console attach {run.root}`")
+    pid = jobs.start_detached(run, args.start, args.until)
+    print(f"job started (pid {pid}); it keeps running if this console closes. "
+          f"Re-attach with: eagle3-console attach {run.root}", flush=True)
+    return _attach(run.root, args.readonly, args.interval)
+
+
+def _attach(run_dir: Path, readonly: bool, interval: float) -> int:
+    try:
+        from console.app import main as console_main
+    except ImportError as exc:
+        return _die(f"the console needs textual ({exc}); use --no-tui")
+    if not sys.stdout.isatty():
+        return _die("the console needs a terminal; use --no-tui, or `status` to read a run")
+    return console_main(run_dir, readonly=readonly, interval=interval)
+
+
+def cmd_attach(args) -> int:
+    from pipeline.rundir import RunDir, RunDirError
+    try:
+        run = RunDir.open(Path(args.run_dir))
+    except RunDirError as exc:
+        return _die(str(exc))
+    return _attach(run.root, args.readonly, args.interval)
 
 
 def _overrides(pairs: list[str]) -> dict:
@@ -175,7 +207,7 @@ def cmd_server(args) -> int:
             rec = box.controller(profile).adopt(profile.server.host, profile.server.port, mode="production")
             print(f"adopted vLLM pid {rec.pid} (process group {rec.pgid}) on port {rec.port}")
             return 0
-        target_dir, mode_args = _server_inputs(profile, run, args)
+        target_dir, mode_args = box.mode_inputs(profile, run, args.mode, args.draft, args.storage)
         logs = (run.logs_dir if run else Path(profile.run.runs_dir).resolve() / ".servers")
         rec = box.start_mode(profile, args.mode, target_dir, logs / f"server-{args.mode}.log",
                              (run.root if run else Path(profile.run.cache_dir).resolve()) / ".cache", print,
@@ -187,30 +219,6 @@ def cmd_server(args) -> int:
         for line in getattr(exc, "tail", []):
             print(f"  | {line}", file=sys.stderr)
         return code
-
-
-def _server_inputs(profile, run, args) -> tuple[Path, dict]:
-    from pipeline.stages.base import StageContext
-    from pipeline.target import resolve_layer_ids
-
-    if profile.target.source == "demo" and run is None:
-        raise ValueError("a demo target lives in a run: pass --run-dir RUN_DIR")
-    ctx = StageContext(run=run, profile=profile, log=None) if run else None
-    target_dir = ctx.target_dir() if ctx else Path(profile.target.model_path)
-    mode_args: dict = {}
-    if args.mode == "extraction":
-        from transformers import AutoConfig
-        n = AutoConfig.from_pretrained(str(target_dir)).num_hidden_layers
-        storage = Path(args.storage) if args.storage else (run.data_dir / "hs_raw" if run else None)
-        if storage is None:
-            raise ValueError("extraction mode needs --storage DIR (or --run-dir)")
-        mode_args = {"layer_ids": resolve_layer_ids(profile.extract.layer_ids, n), "storage": storage}
-    elif args.mode == "speculative" or args.draft:
-        draft = Path(args.draft) if args.draft else (run.root / "deploy" / "draft" if run else None)
-        if draft is None or not (draft / "config.json").is_file():
-            raise ValueError(f"no published draft at {draft}: pass --draft DIR (a deploy-measure output)")
-        mode_args = {"draft_dir": draft}
-    return target_dir, mode_args
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -228,6 +236,11 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--set", action="append", metavar="KEY=VALUE",
                      help="override a profile value, e.g. --set train.epochs=3 (repeatable)")
     run.add_argument("--no-tui", action="store_true", help="headless: progress on stdout")
+    for p in (run, at := sub.add_parser("attach", help="open the console on a running or finished run")):
+        p.add_argument("--readonly", action="store_true", help="show only: every control disabled")
+        p.add_argument("--interval", type=float, default=1.0, help="GPU sampling period in seconds (>= 0.25)")
+    at.add_argument("run_dir")
+    at.set_defaults(func=cmd_attach)
     run.set_defaults(func=cmd_run)
     st = sub.add_parser("status", help="show a run's stages")
     st.add_argument("run_dir")

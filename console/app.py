@@ -1,0 +1,469 @@
+"""eagle3-console's Textual console: renders a run's files and sends commands; never runs a stage.
+
+Workers sample NVML and read the run in threads and post immutable snapshots as messages; only the
+message handlers touch widgets (REFERENCE.md §5). The job runs detached: quitting (q) or losing the
+terminal leaves it running, and `eagle3-console attach RUN_DIR` shows the same state again."""
+from __future__ import annotations
+
+import time
+from collections import deque
+from pathlib import Path
+
+from rich.text import Text
+from textual import on, work
+from textual.app import App, ComposeResult
+from textual.binding import Binding
+from textual.containers import Horizontal, Vertical
+from textual.message import Message
+from textual.screen import ModalScreen
+from textual.widgets import (Button, DataTable, Footer, Input, Label, Log, Sparkline, Static, TabbedContent,
+                             TabPane)
+
+from pipeline import box, gpu, jobs, notes
+from pipeline.rundir import RunDir
+from pipeline.runview import LogTailer, RunView, RunWatcher
+from pipeline.stages import STAGES, stage_names
+
+GLYPH = {"done": "✔ done", "running": "▶ running", "failed": "✖ failed", "pending": "· pending",
+         "skipped": "↷ skipped", "stale": "? stale", "n/a": "  n/a"}
+HISTORY = 60
+
+
+def human_bytes(n: int | None) -> str:
+    if n is None:
+        return "N/A"
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f}{unit}" if unit == "B" else f"{n:.1f}{unit}"
+        n /= 1024
+    return str(n)
+
+
+def na(value, fmt="{}") -> str:
+    return "N/A" if value is None else fmt.format(value)
+
+
+def fmt_secs(s: float | None) -> str:
+    if s is None:
+        return ""
+    s = int(s)
+    return f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}" if s >= 3600 else f"{s // 60}:{s % 60:02d}"
+
+
+def bar(fraction: float | None, width: int = 12) -> str:
+    if fraction is None:
+        return " " * width
+    filled = int(round(fraction * width))
+    return "█" * filled + "░" * (width - filled)
+
+
+# ---------------------------------------------------------------- messages (from workers)
+
+class GpuSampled(Message):
+    def __init__(self, snapshot: gpu.GpuSnapshot):
+        super().__init__()
+        self.snapshot = snapshot
+
+
+class RunPolled(Message):
+    def __init__(self, view: RunView, log_lines: list[str], log_name: str | None, server: dict, job: dict):
+        super().__init__()
+        self.view, self.log_lines, self.log_name, self.server, self.job = view, log_lines, log_name, server, job
+
+
+class ServerActionDone(Message):
+    def __init__(self, text: str, ok: bool):
+        super().__init__()
+        self.text, self.ok = text, ok
+
+
+# ---------------------------------------------------------------- screens
+
+class ConfirmScreen(ModalScreen[bool]):
+    BINDINGS = [Binding("y", "answer(True)", "Yes"), Binding("n,escape", "answer(False)", "No")]
+
+    def __init__(self, question: str):
+        super().__init__()
+        self.question = question
+
+    def compose(self) -> ComposeResult:
+        with Vertical(id="dialog"):
+            yield Label(self.question, id="question")
+            with Horizontal(id="buttons"):
+                yield Button("Yes (y)", variant="error", id="yes")
+                yield Button("No (n)", variant="primary", id="no")
+
+    def action_answer(self, value: bool) -> None:
+        self.dismiss(value)
+
+    @on(Button.Pressed)
+    def pressed(self, event: Button.Pressed) -> None:
+        self.dismiss(event.button.id == "yes")
+
+
+class ModeScreen(ModalScreen[str | None]):
+    BINDINGS = [Binding("escape", "cancel", "Cancel")]
+
+    def compose(self) -> ComposeResult:
+        with Vertical(id="dialog"):
+            yield Label("Start the server in which mode?")
+            for mode in ("production", "baseline", "speculative", "extraction"):
+                yield Button(mode, id=f"mode-{mode}")
+
+    def action_cancel(self) -> None:
+        self.dismiss(None)
+
+    @on(Button.Pressed)
+    def pressed(self, event: Button.Pressed) -> None:
+        self.dismiss(event.button.id.removeprefix("mode-"))
+
+
+HELP = """\
+[b]eagle3-console[/b] — keys
+
+  1 2 3 4   Run / GPUs / Server / Notes tab
+  x         stop the vLLM server (asks, naming PIDs, port and GPUs)
+  r         restart the server in its current mode (asks)
+  m         start the server in a chosen mode (asks)
+  /         filter the log (empty filter = all lines)
+  F         follow the log tail again
+  space     pause / resume the display (collection continues)
+  n         write a note;  e  export notes as Markdown into the run
+  ctrl+p    command palette;  ?  this help;  q  quit (the job keeps running)
+
+Status is text as well as colour: ✔ done ▶ running ✖ failed · pending; a lost GPU reads "GPU LOST".
+"""
+
+
+class HelpScreen(ModalScreen[None]):
+    BINDINGS = [Binding("escape,q,question_mark", "dismiss", "Close")]
+
+    def compose(self) -> ComposeResult:
+        with Vertical(id="dialog"):
+            yield Static(HELP)
+
+    def action_dismiss(self) -> None:
+        self.dismiss(None)
+
+
+# ---------------------------------------------------------------- app
+
+class ConsoleApp(App):
+    TITLE = "eagle3-console"
+    CSS = """
+    #summary { height: 1; background: $boost; }
+    TabbedContent { height: 1fr; }
+    TabPane { height: 1fr; padding: 0; }
+    #stages { height: 1fr; min-height: 5; }
+    #log { height: 1fr; border-top: solid $primary; }
+    #filter { display: none; }
+    #filter.visible { display: block; }
+    #gpus { height: 1fr; }
+    #gpu-procs { height: auto; max-height: 10; }
+    #spark-row { height: 3; }
+    Sparkline { width: 1fr; }
+    #server-info { height: auto; padding: 0 1; }
+    #notes-log { height: 1fr; }
+    ConfirmScreen, ModeScreen, HelpScreen { align: center middle; }
+    #dialog { width: 70; height: auto; border: thick $warning; background: $surface; padding: 1 2; }
+    #buttons { height: auto; }
+    """
+    BINDINGS = [
+        Binding("q", "quit", "Quit (job continues)"),
+        Binding("question_mark", "help", "Help"),
+        Binding("1", "tab('run')", "Run", show=False), Binding("2", "tab('gpus')", "GPUs", show=False),
+        Binding("3", "tab('server')", "Server", show=False), Binding("4", "tab('notes')", "Notes", show=False),
+        Binding("x", "stop_server", "Stop server"), Binding("r", "restart_server", "Restart"),
+        Binding("m", "start_mode", "Mode", show=False),
+        Binding("slash", "filter", "Filter log"), Binding("F", "follow", "Follow", show=False),
+        Binding("space", "pause", "Pause"), Binding("n", "note", "Note"), Binding("e", "export", "Export notes"),
+    ]
+
+    def __init__(self, run_dir: Path, readonly: bool = False, interval: float = 1.0, sampler=None):
+        super().__init__()
+        self.rundir = RunDir.open(run_dir)
+        self.profile = self.rundir.profile()
+        self.readonly = readonly
+        self.interval = max(0.25, interval)  # as nitop: faster than 4 Hz costs more than it shows
+        self.sampler = sampler or gpu.sample
+        self.watcher = RunWatcher(self.rundir, stage_names())
+        self.tailer: LogTailer | None = None
+        self.log_name: str | None = None
+        self.log_buffer: deque[str] = deque(maxlen=10_000)
+        self.log_filter = ""
+        self.paused = False
+        self.server: dict = {"state": "none"}
+        self.snapshot: gpu.GpuSnapshot | None = None
+        self.history: dict[int, tuple[deque, deque]] = {}
+        self.busy = False
+
+    # ---- layout
+    def compose(self) -> ComposeResult:
+        yield Static(id="summary")
+        with TabbedContent(initial="run"):
+            with TabPane("1 Run", id="run"):
+                yield DataTable(id="stages", cursor_type="row", zebra_stripes=True)
+                yield Input(placeholder="filter the log (Enter applies, empty = all)", id="filter")
+                yield Log(id="log", max_lines=10_000, auto_scroll=True)
+            with TabPane("2 GPUs", id="gpus-tab"):
+                yield DataTable(id="gpus", cursor_type="row")
+                with Horizontal(id="spark-row"):
+                    yield Sparkline([], id="util-spark")
+                    yield Sparkline([], id="mem-spark")
+                yield DataTable(id="gpu-procs")
+            with TabPane("3 Server", id="server"):
+                yield Static(id="server-info")
+                with Horizontal(id="buttons"):
+                    yield Button("Stop (x)", id="btn-stop", variant="error")
+                    yield Button("Restart (r)", id="btn-restart", variant="warning")
+                    yield Button("Start in mode… (m)", id="btn-mode")
+            with TabPane("4 Notes", id="notes"):
+                yield Log(id="notes-log", max_lines=5000, auto_scroll=True)
+                yield Input(placeholder="write a note, Enter to append", id="note-input")
+        yield Footer()
+
+    def on_mount(self) -> None:
+        # Handlers use these references, not query_one: a query searches the active screen, which is
+        # a dialog while one is open.
+        self.w = {w.id: w for w in self.query("#summary, #stages, #filter, #log, #gpus, #util-spark, #mem-spark, "
+                                              "#gpu-procs, #server-info, #notes-log, #note-input")}
+        table = self.query_one("#stages", DataTable)
+        table.add_columns("stage", "status", "progress", "elapsed", "ETA", "figures")
+        self.query_one("#gpus", DataTable).add_columns("GPU", "name", "util", "memory", "temp", "power", "SM MHz")
+        self.query_one("#gpu-procs", DataTable).add_columns("GPU", "PID", "process", "GPU memory")
+        if self.readonly:
+            for b in self.query(Button):
+                b.disabled = True
+        self.tick()
+        self.set_interval(self.interval, self.tick)
+
+    # ---- workers: one short thread job per tick (a looping thread worker would block exit)
+    def tick(self) -> None:
+        self.sample_gpus()
+        self.poll_run()
+
+    @work(thread=True, exclusive=True, group="nvml", exit_on_error=False)
+    def sample_gpus(self) -> None:
+        self.post_message(GpuSampled(self.sampler()))
+
+    @work(thread=True, exclusive=True, group="run", exit_on_error=False)
+    def poll_run(self) -> None:
+        view = self.watcher.poll()
+        name = view.current or self.log_name or next((s.name for s in reversed(view.stages)
+                                                      if s.status != "pending"), None)
+        if name and name != self.log_name:
+            self.tailer = LogTailer(self.rundir.log_path(name))
+        lines = self.tailer.new_lines() if self.tailer else []
+        self.post_message(RunPolled(view, lines, name, box.controller(self.profile).status(), jobs.job_state(self.rundir)))
+
+    # ---- rendering (message handlers own all state)
+    @on(GpuSampled)
+    def show_gpus(self, msg: GpuSampled) -> None:
+        self.snapshot = snap = msg.snapshot
+        for g in snap.gpus:
+            util, mem = self.history.setdefault(g.index, (deque(maxlen=HISTORY), deque(maxlen=HISTORY)))
+            util.append(g.util_pct or 0)
+            mem.append(100 * g.mem_used / g.mem_total if g.mem_used and g.mem_total else 0)
+        if self.paused:
+            return
+        table = self.w["gpus"]
+        table.clear()
+        if snap.unavailable:
+            table.add_row("-", snap.hint, "", "", "", "", "")
+        for g in snap.gpus:
+            if g.lost:
+                table.add_row(str(g.index), g.name, Text("✖ GPU LOST", style="bold red"), Text(g.error[:30]), "", "", "")
+                continue
+            mem = f"{human_bytes(g.mem_used)}/{human_bytes(g.mem_total)}"
+            power = f"{na(g.power_w, '{:.0f}')}/{na(g.power_limit_w, '{:.0f}')} W"
+            table.add_row(str(g.index), g.name, na(g.util_pct, "{}%"), mem, na(g.temp_c, "{}°C"), power,
+                          na(g.sm_clock_mhz))
+        procs = self.w["gpu-procs"]
+        procs.clear()
+        for g in snap.gpus:
+            for p in g.processes:
+                procs.add_row(str(g.index), str(p.pid), p.name, human_bytes(p.used_bytes))
+        first = next(iter(self.history.values()), None)
+        if first:
+            self.w["util-spark"].data = list(first[0])
+            self.w["mem-spark"].data = list(first[1])
+
+    @on(RunPolled)
+    def show_run(self, msg: RunPolled) -> None:
+        self.server = msg.server
+        if msg.log_name != self.log_name:
+            self.log_name = msg.log_name
+            self.log_buffer.clear()
+            self.w["log"].clear()
+        self.log_buffer.extend(msg.log_lines)
+        if self.paused:
+            return
+        shown = [l for l in msg.log_lines if self.log_filter in l] if self.log_filter else msg.log_lines
+        if shown:
+            self.w["log"].write_lines(shown)  # batched: one call per tick
+        view = msg.view
+        table = self.w["stages"]
+        table.clear()
+        applies = {s.name: s.applies(self.profile) for s in STAGES}
+        for s in view.stages:
+            status = s.status if applies.get(s.name, True) else "n/a"
+            progress = f"{bar(s.fraction)} {s.done:g}/{s.total:g} {s.unit}" if s.total and s.status == "running" \
+                else bar(s.fraction)
+            figs = ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in s.figures)
+            table.add_row(s.name, GLYPH.get(status, status), progress, fmt_secs(s.elapsed_s), fmt_secs(s.eta_s),
+                          Text(figs[:60]))  # Text: an error like "[Errno 28] …" is not markup
+        gpus = "no NVML" if self.snapshot and self.snapshot.unavailable else \
+            f"{len(self.snapshot.gpus)} GPU(s)" if self.snapshot else "GPUs …"
+        srv = self.server
+        server = f"{srv.get('mode')} pid {srv.get('pid')} :{srv.get('port')} " + \
+            ("healthy" if srv.get("healthy") else "not healthy") if srv.get("state") == "running" else "no server"
+        flags = (" · PAUSED" if self.paused else "") + (" · READ-ONLY" if self.readonly else "")
+        self.w["summary"].update(
+            f" {Path(view.root).name} · job {msg.job['state']} · stage {view.current or '-'} · {server} · {gpus}{flags}")
+        self.w["server-info"].update(self._server_text())
+        notes_log = self.w["notes-log"]
+        if len(view.notes) > notes_log.line_count:
+            notes_log.write_lines([f"{n['ts'][11:19]} {n.get('stage') or n.get('source')}: {n['text']}"
+                                   for n in view.notes[notes_log.line_count:]])
+
+    def _server_text(self) -> str:
+        s = self.server
+        if s.get("state") != "running":
+            return f"vLLM on {self.profile.server.host}:{self.profile.server.port}: not running ({s.get('state')})"
+        return (f"mode {s['mode']} · pid {s['pid']} (group {s['pgid']}: {s.get('pids')}) · port {s['port']} · "
+                f"{'healthy' if s.get('healthy') else 'NOT healthy'} · up {fmt_secs(s.get('uptime_s'))}\nlog {s.get('log')}")
+
+    # ---- controls
+    def _gpus_of(self, pids: list[int]) -> str:
+        if not self.snapshot or self.snapshot.unavailable:
+            return "no GPUs (no NVML)"
+        idx = sorted({g.index for g in self.snapshot.gpus for p in g.processes if p.pid in pids})
+        return "GPUs " + ", ".join(map(str, idx)) if idx else "no GPU memory held"
+
+    def _refuse_if_readonly(self) -> bool:
+        if self.readonly:
+            self.notify("read-only console: controls are disabled", severity="warning")
+        return self.readonly
+
+    def action_stop_server(self) -> None:
+        if self._refuse_if_readonly():
+            return
+        s = self.server
+        if s.get("state") != "running":
+            self.notify("no server is running on the port", severity="warning")
+            return
+        question = (f"Stop the {s['mode']} vLLM server?\nPIDs {s.get('pids')} (process group {s['pgid']}), "
+                    f"port {s['port']}, {self._gpus_of(s.get('pids', []))}.")
+        self.push_screen(ConfirmScreen(question), lambda yes: yes and self.server_command("stop", None))
+
+    def action_restart_server(self) -> None:
+        if self._refuse_if_readonly():
+            return
+        s = self.server
+        mode = s.get("mode") if s.get("state") == "running" and s.get("mode") != "adopted" else "production"
+        question = (f"Restart the server in {mode} mode?\nStops PIDs {s.get('pids', [])} on port "
+                    f"{self.profile.server.port} ({self._gpus_of(s.get('pids', []))}) first.")
+        self.push_screen(ConfirmScreen(question), lambda yes: yes and self.server_command("start", mode))
+
+    def action_start_mode(self) -> None:
+        if self._refuse_if_readonly():
+            return
+
+        def chosen(mode: str | None) -> None:
+            if mode:
+                s = self.server
+                q = (f"Start {mode} on port {self.profile.server.port}?" +
+                     (f"\nStops PIDs {s.get('pids')} ({s.get('mode')}) first." if s.get("state") == "running" else ""))
+                self.push_screen(ConfirmScreen(q), lambda yes: yes and self.server_command("start", mode))
+
+        self.push_screen(ModeScreen(), chosen)
+
+    @on(Button.Pressed, "#btn-stop")
+    def _stop_button(self) -> None:
+        self.action_stop_server()
+
+    @on(Button.Pressed, "#btn-restart")
+    def _restart_button(self) -> None:
+        self.action_restart_server()
+
+    @on(Button.Pressed, "#btn-mode")
+    def _mode_button(self) -> None:
+        self.action_start_mode()
+
+    @work(thread=True, exclusive=True, group="server", exit_on_error=False)
+    def server_command(self, what: str, mode: str | None) -> None:
+        from pipeline.server import ServerError
+        try:
+            if what == "stop":
+                result = box.free_port(self.profile, lambda m: None)
+                self.post_message(ServerActionDone(f"stopped: {result}", True))
+                return
+            target_dir, mode_args = box.mode_inputs(self.profile, self.rundir, mode)
+            rec = box.start_mode(self.profile, mode, target_dir, self.rundir.log_path(f"server-{mode}"),
+                                 self.rundir.root / ".cache", lambda m: None, **mode_args)
+            self.post_message(ServerActionDone(f"{mode} server healthy, pid {rec.pid}", True))
+        except (ServerError, ValueError, OSError) as exc:
+            self.post_message(ServerActionDone(str(exc), False))
+
+    @on(ServerActionDone)
+    def _server_done(self, msg: ServerActionDone) -> None:
+        self.notify(msg.text, severity="information" if msg.ok else "error", timeout=8)
+        notes.add(self.rundir, f"console: server {msg.text}", source="operator")
+
+    # ---- log, display, notes
+    def action_filter(self) -> None:
+        box_ = self.w["filter"]
+        box_.add_class("visible")
+        box_.focus()
+
+    @on(Input.Submitted, "#filter")
+    def apply_filter(self, event: Input.Submitted) -> None:
+        self.log_filter = event.value
+        log = self.w["log"]
+        log.clear()
+        log.write_lines([l for l in self.log_buffer if self.log_filter in l] if self.log_filter else list(self.log_buffer))
+        if not event.value:
+            event.input.remove_class("visible")
+        log.focus()
+
+    def action_follow(self) -> None:
+        log = self.w["log"]
+        log.auto_scroll = True
+        log.scroll_end(animate=False)
+
+    def action_pause(self) -> None:
+        self.paused = not self.paused
+        self.notify("display paused (collection continues)" if self.paused else "display resumed")
+
+    def action_note(self) -> None:
+        self.query_one(TabbedContent).active = "notes"
+        self.w["note-input"].focus()
+
+    @on(Input.Submitted, "#note-input")
+    def add_note(self, event: Input.Submitted) -> None:
+        if event.value.strip():
+            notes.add(self.rundir, event.value.strip())
+            event.input.value = ""
+            self.notify("note appended")
+
+    def action_export(self) -> None:
+        from pipeline.atomicio import atomic_write_text
+        out = self.rundir.root / "notes.md"
+        atomic_write_text(out, notes.export(self.rundir, "md"))
+        self.notify(f"notes exported to {out}")
+
+    def action_tab(self, tab: str) -> None:
+        self.query_one(TabbedContent).active = {"gpus": "gpus-tab"}.get(tab, tab)
+
+    def action_help(self) -> None:
+        self.push_screen(HelpScreen())
+
+
+def main(run_dir: Path, readonly: bool = False, interval: float = 1.0) -> int:
+    import signal
+
+    app = ConsoleApp(run_dir, readonly=readonly, interval=interval)
+    # A closed SSH session sends SIGHUP: leave cleanly; the job runs in its own session and continues.
+    signal.signal(signal.SIGHUP, lambda *_: app.call_later(app.exit))
+    app.run()
+    return 0

@@ -1,0 +1,134 @@
+"""A read-only, incremental view of a run's files for whoever displays it (the console): stage
+statuses with progress and ETA, key figures as they arrive, notes, the tail of a log. Reads only."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from pipeline.rundir import RunDir
+
+_ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]|\r")
+KEY_FIGURES = ("loss", "train/loss", "val/loss_epoch", "tau", "mean_acceptance_length", "samples_per_s",
+               "tokens_per_s", "speedup", "step")
+
+
+@dataclass(frozen=True)
+class StageView:
+    name: str
+    status: str = "pending"
+    done: float | None = None
+    total: float | None = None
+    unit: str = ""
+    elapsed_s: float | None = None
+    eta_s: float | None = None
+    figures: tuple = ()  # (key, value) pairs, short
+
+    @property
+    def fraction(self) -> float | None:
+        if self.status == "done":
+            return 1.0
+        return min(1.0, self.done / self.total) if self.total and self.done is not None else None
+
+
+@dataclass(frozen=True)
+class RunView:
+    root: str
+    profile: str
+    stages: tuple[StageView, ...]
+    current: str | None
+    notes: tuple[dict, ...] = ()
+
+
+class RunWatcher:
+    def __init__(self, run: RunDir, stage_names: list[str]):
+        self.run = run
+        self.stage_names = stage_names
+        self._offset = 0
+        self._progress: dict[str, dict] = {}
+        self._started: dict[str, float] = {}
+        self._metrics: dict[str, dict] = {}
+        self._notes_offset = 0
+        self._notes: list[dict] = []
+
+    def _read_new(self, path: Path, offset: int) -> tuple[list[dict], int]:
+        try:
+            with open(path, "rb") as fh:
+                fh.seek(offset)
+                data = fh.read()
+        except FileNotFoundError:
+            return [], offset
+        end = data.rfind(b"\n") + 1  # complete lines only; a torn tail waits for the next poll
+        records = []
+        for raw in data[:end].splitlines():
+            try:
+                records.append(json.loads(raw))
+            except json.JSONDecodeError:
+                continue
+        return records, offset + end
+
+    def poll(self) -> RunView:
+        events, self._offset = self._read_new(self.run.events_path, self._offset)
+        for e in events:
+            stage, kind = e.get("stage"), e.get("kind")
+            if kind == "start":
+                self._started[stage] = e.get("t", time.time())
+                self._progress.pop(stage, None)
+            elif kind == "progress":
+                self._progress[stage] = e
+            elif kind == "metric":
+                self._metrics.setdefault(stage, {}).update(
+                    {k: v for k, v in e.items() if isinstance(v, (int, float)) and k not in ("t",)})
+        notes, self._notes_offset = self._read_new(self.run.notes_path, self._notes_offset)
+        self._notes += notes
+        state = self.run.read_state().get("stages", {})
+        views, current = [], None
+        now = time.time()
+        for name in self.stage_names:
+            entry = state.get(name, {})
+            status = entry.get("status", "pending")
+            prog = self._progress.get(name, {})
+            started = self._started.get(name)
+            elapsed = entry.get("seconds") if status in ("done", "failed") else (now - started if started else None)
+            done, total = prog.get("done"), prog.get("total")
+            eta = None
+            if status == "running" and elapsed and total and done:
+                frac = min(1.0, done / total)
+                eta = elapsed / frac - elapsed if frac > 0 else None
+            figs = dict(entry.get("figures") or {}) if status == "done" else {
+                **self._metrics.get(name, {}), **{k: v for k, v in prog.items() if k not in
+                                                   ("ts", "t", "stage", "kind", "done", "total", "unit")}}
+            short = tuple((k, v) for k, v in figs.items() if k in KEY_FIGURES and v is not None)
+            if status == "failed":
+                short = (("error", entry.get("error", "")),)
+            if status == "running":
+                current = name
+            views.append(StageView(name, status, done, total, prog.get("unit", ""), elapsed, eta, short))
+        return RunView(str(self.run.root), self.run.read_state().get("profile", "?"), tuple(views), current,
+                       tuple(self._notes))
+
+
+class LogTailer:
+    """New lines of a growing log file since the last call, ANSI codes stripped."""
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        self._offset = 0
+        self._inode = None
+
+    def new_lines(self, limit_bytes: int = 1 << 20) -> list[str]:
+        try:
+            st = os.stat(self.path)
+        except FileNotFoundError:
+            return []
+        if st.st_ino != self._inode or st.st_size < self._offset:  # replaced or truncated: start over
+            self._inode, self._offset = st.st_ino, max(0, st.st_size - limit_bytes)
+        with open(self.path, "rb") as fh:
+            fh.seek(self._offset)
+            data = fh.read(limit_bytes)
+        end = data.rfind(b"\n") + 1
+        self._offset += end
+        return [_ANSI.sub("", l) for l in data[:end].decode(errors="replace").splitlines()]

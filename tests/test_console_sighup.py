@@ -1,0 +1,59 @@
+"""End to end: a console attached to a running demo run gets SIGHUP (the SSH session closed); the job,
+detached in its own session, still completes, and attaching again shows the same state."""
+import os
+import pty
+import signal
+import sys
+import threading
+import time
+
+import pytest
+
+from pipeline import jobs
+from pipeline.rundir import RunDir
+from tests.conftest import ROOT, TINY
+
+pytestmark = pytest.mark.slow
+
+
+def test_sighup_to_console_leaves_the_job_running(tmp_path, cache_dir):
+    run_dir = tmp_path / "run"
+    pid, fd = pty.fork()
+    if pid == 0:  # the child: the console in a real terminal
+        os.chdir(ROOT)
+        os.environ.update(TERM="xterm-256color", HF_HUB_OFFLINE="1")
+        os.execv(sys.executable, [sys.executable, "-m", "pipeline", "run", str(TINY), "--run-dir", str(run_dir),
+                                  "--set", f'run.cache_dir="{cache_dir}"'])
+    seen = bytearray()
+
+    def drain():
+        while True:
+            try:
+                chunk = os.read(fd, 65536)
+            except OSError:
+                return
+            if not chunk:
+                return
+            seen.extend(chunk)
+
+    threading.Thread(target=drain, daemon=True).start()
+    deadline = time.monotonic() + 120
+    while not (run_dir / "job.json").exists() or b"eagle3-console" not in bytes(seen):
+        assert time.monotonic() < deadline, bytes(seen)[-2000:]
+        time.sleep(0.2)
+    time.sleep(3)
+    run = RunDir.open(run_dir)
+    job = jobs.job_state(run)
+    assert job["state"] == "running"
+    os.kill(pid, signal.SIGHUP)
+    t0 = time.monotonic()
+    _, status = os.waitpid(pid, 0)
+    assert time.monotonic() - t0 < 15  # the console went away
+    assert jobs.job_state(run)["state"] in ("running", "finished")  # the job did not
+    deadline = time.monotonic() + 600
+    while jobs.job_state(run)["state"] == "running":
+        assert time.monotonic() < deadline
+        time.sleep(1)
+    assert jobs.job_state(run)["state"] == "finished"
+    state = run.read_state()["stages"]
+    assert state["evaluate-offline"]["status"] == "done" and state["evaluate-offline"]["figures"]["lossless"]
