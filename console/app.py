@@ -196,6 +196,7 @@ class ConsoleApp(App):
         self.snapshot: gpu.GpuSnapshot | None = None
         self.history: dict[int, tuple[deque, deque]] = {}
         self.busy = False
+        self._rows: dict[str, list[tuple]] = {}
 
     # ---- layout
     def compose(self) -> ComposeResult:
@@ -257,6 +258,25 @@ class ConsoleApp(App):
         self.post_message(RunPolled(view, lines, name, box.controller(self.profile).status(), jobs.job_state(self.rundir)))
 
     # ---- rendering (message handlers own all state)
+    def _fill(self, table: DataTable, rows: list[tuple]) -> None:
+        """Redraw only what changed: a changed cell is updated in place; the table is rebuilt only
+        when the number of rows changes (most ticks change a few numbers, or nothing)."""
+        from textual.coordinate import Coordinate
+
+        old = self._rows.get(table.id)
+        if old == rows:
+            return
+        if old is None or len(old) != len(rows):
+            table.clear()
+            for row in rows:
+                table.add_row(*row)
+        else:
+            for r, (before, after) in enumerate(zip(old, rows)):
+                for c, (a, b) in enumerate(zip(before, after)):
+                    if a != b:
+                        table.update_cell_at(Coordinate(r, c), b)
+        self._rows[table.id] = rows
+
     @on(GpuSampled)
     def show_gpus(self, msg: GpuSampled) -> None:
         self.snapshot = snap = msg.snapshot
@@ -266,23 +286,18 @@ class ConsoleApp(App):
             mem.append(100 * g.mem_used / g.mem_total if g.mem_used and g.mem_total else 0)
         if self.paused:
             return
-        table = self.w["gpus"]
-        table.clear()
-        if snap.unavailable:
-            table.add_row("-", snap.hint, "", "", "", "", "")
+        rows: list[tuple] = [("-", snap.hint, "", "", "", "", "")] if snap.unavailable else []
         for g in snap.gpus:
             if g.lost:
-                table.add_row(str(g.index), g.name, Text("✖ GPU LOST", style="bold red"), Text(g.error[:30]), "", "", "")
+                rows.append((str(g.index), g.name, Text("✖ GPU LOST", style="bold red"), Text(g.error[:30]), "", "", ""))
                 continue
             mem = f"{human_bytes(g.mem_used)}/{human_bytes(g.mem_total)}"
             power = f"{na(g.power_w, '{:.0f}')}/{na(g.power_limit_w, '{:.0f}')} W"
-            table.add_row(str(g.index), g.name, na(g.util_pct, "{}%"), mem, na(g.temp_c, "{}°C"), power,
-                          na(g.sm_clock_mhz))
-        procs = self.w["gpu-procs"]
-        procs.clear()
-        for g in snap.gpus:
-            for p in g.processes:
-                procs.add_row(str(g.index), str(p.pid), p.name, human_bytes(p.used_bytes))
+            rows.append((str(g.index), g.name, na(g.util_pct, "{}%"), mem, na(g.temp_c, "{}°C"), power,
+                         na(g.sm_clock_mhz)))
+        self._fill(self.w["gpus"], rows)
+        self._fill(self.w["gpu-procs"], [(str(g.index), str(p.pid), p.name, human_bytes(p.used_bytes))
+                                         for g in snap.gpus for p in g.processes])
         first = next(iter(self.history.values()), None)
         if first:
             self.w["util-spark"].data = list(first[0])
@@ -302,16 +317,16 @@ class ConsoleApp(App):
         if shown:
             self.w["log"].write_lines(shown)  # batched: one call per tick
         view = msg.view
-        table = self.w["stages"]
-        table.clear()
         applies = {s.name: s.applies(self.profile) for s in STAGES}
+        rows = []
         for s in view.stages:
             status = s.status if applies.get(s.name, True) else "n/a"
             progress = f"{bar(s.fraction)} {s.done:g}/{s.total:g} {s.unit}" if s.total and s.status == "running" \
                 else bar(s.fraction)
             figs = ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in s.figures)
-            table.add_row(s.name, GLYPH.get(status, status), progress, fmt_secs(s.elapsed_s), fmt_secs(s.eta_s),
-                          Text(figs[:60]))  # Text: an error like "[Errno 28] …" is not markup
+            rows.append((s.name, GLYPH.get(status, status), progress, fmt_secs(s.elapsed_s), fmt_secs(s.eta_s),
+                         Text(figs[:60])))  # Text: an error like "[Errno 28] …" is not markup
+        self._fill(self.w["stages"], rows)
         gpus = "no NVML" if self.snapshot and self.snapshot.unavailable else \
             f"{len(self.snapshot.gpus)} GPU(s)" if self.snapshot else "GPUs …"
         srv = self.server

@@ -143,3 +143,55 @@ def gpu_memory_by_pid() -> dict[int, int] | None:
         for p in g.processes:
             held[p.pid] = held.get(p.pid, 0) + (p.used_bytes or 0)
     return held
+
+
+class StageMonitor:
+    """Samples all GPUs in a background thread while a stage runs; `summary()` gives, per GPU that was
+    seen, mean/max utilization, peak memory and energy (power integrated over time). Nothing at all
+    where NVML is unavailable."""
+
+    def __init__(self, interval: float = 1.0):
+        self.interval = interval
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._samples: list[GpuSnapshot] = []
+
+    def __enter__(self) -> "StageMonitor":
+        if _init():
+            self._thread = threading.Thread(target=self._loop, name="gpu-stage-monitor", daemon=True)
+            self._thread.start()
+        return self
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            self._samples.append(sample())
+            self._stop.wait(self.interval)
+
+    def __exit__(self, *exc) -> bool:
+        self._stop.set()
+        if self._thread:
+            self._thread.join(timeout=5)
+        return False
+
+    def summary(self) -> dict | None:
+        if not self._samples:
+            return None
+        per_gpu: dict[int, dict] = {}
+        for prev, snap in zip([None] + self._samples[:-1], self._samples):
+            dt = snap.t - prev.t if prev else 0.0
+            for g in snap.gpus:
+                if g.lost:
+                    continue
+                acc = per_gpu.setdefault(g.index, {"util": [], "mem": 0, "energy_j": 0.0})
+                if g.util_pct is not None:
+                    acc["util"].append(g.util_pct)
+                acc["mem"] = max(acc["mem"], g.mem_used or 0)
+                acc["energy_j"] += (g.power_w or 0.0) * dt
+        out = {}
+        for i, acc in per_gpu.items():
+            util = acc["util"]
+            out[f"gpu{i}_util_mean"] = round(sum(util) / len(util), 1) if util else None
+            out[f"gpu{i}_util_max"] = max(util) if util else None
+            out[f"gpu{i}_mem_peak_gib"] = round(acc["mem"] / 2**30, 2)
+            out[f"gpu{i}_energy_wh"] = round(acc["energy_j"] / 3600, 3)
+        return out or None

@@ -7,7 +7,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from pipeline import notes
+from pipeline import gpu, notes
 from pipeline.rundir import RunDir, now_iso
 from pipeline.stages import STAGES, stage_names
 from pipeline.stages.base import Stage, StageContext, StageError
@@ -89,8 +89,10 @@ def run_stages(run: RunDir, start: str | None = None, until: str | None = None,
         on_event(run.emit(stage.name, "start", attempt=attempt))
         notes.add(run, f"{stage.name} started (attempt {attempt})", source="auto", stage=stage.name)
         t0 = time.monotonic()
+        monitor = gpu.StageMonitor()
         try:
-            figures = stage.run(ctx) or {}
+            with monitor:
+                figures = stage.run(ctx) or {}
             recorded = manifest(run, stage.outputs(ctx))
         except BaseException as exc:
             seconds = round(time.monotonic() - t0, 2)
@@ -109,6 +111,9 @@ def run_stages(run: RunDir, start: str | None = None, until: str | None = None,
         on_event(run.emit(stage.name, "finish", seconds=seconds, figures=figures))
         notes.add(run, f"{stage.name} finished in {seconds}s", source="auto", stage=stage.name,
                   figures=_scalars(figures))
+        if (usage := monitor.summary()):
+            run.update_stage(stage.name, gpu=usage)
+            notes.add(run, f"{stage.name} GPU usage", source="auto", stage=stage.name, figures=usage)
         summary[stage.name] = "done"
     return summary
 

@@ -8,9 +8,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import torch
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# torch is imported where it is used: the console imports the stage modules and must stay light.
+DTYPE_NAMES = ("float32", "bfloat16", "float16")
 
 
 def load_tokenizer(path: Path):
@@ -20,7 +19,8 @@ def load_tokenizer(path: Path):
 
 def load_model(path: Path, dtype: str):
     from transformers import AutoModelForCausalLM
-    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=DTYPES[dtype])
+    import torch
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=getattr(torch, dtype))
     return model.eval()
 
 
@@ -51,15 +51,20 @@ class HiddenStateReader:
             raise ValueError(f"layer id {max(layer_ids)} > number of layers {n}")
         self.model = model
         self.layer_ids = list(layer_ids)
-        self._prenorm: torch.Tensor | None = None
+        self._prenorm = None
         self._final = n
         model.model.norm.register_forward_pre_hook(self._capture)
 
     def _capture(self, module, args):
         self._prenorm = args[0]
 
-    @torch.no_grad()
-    def __call__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None):
+    def __call__(self, input_ids, attention_mask=None):
+        import torch
+        with torch.no_grad():
+            return self._forward(input_ids, attention_mask)
+
+    def _forward(self, input_ids, attention_mask):
+        import torch
         out = self.model(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True,
                          use_cache=False)
         layers = [self._prenorm if i == self._final else out.hidden_states[i] for i in self.layer_ids]

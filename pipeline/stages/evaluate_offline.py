@@ -7,7 +7,7 @@ import json
 import time
 from pathlib import Path
 
-from pipeline import atomicio, conversations, speculative, target
+from pipeline import atomicio, conversations, target
 from pipeline.stages.base import Stage, StageContext, StageError
 from pipeline.stages.prepare import heldout_path
 
@@ -28,6 +28,8 @@ class EvaluateOffline(Stage):
         return [result_path(ctx)]
 
     def run(self, ctx: StageContext) -> dict:
+        from pipeline import speculative
+
         ev = ctx.profile.evaluate
         prompts = [json.loads(l) for l in heldout_path(ctx).read_text().splitlines() if l.strip()][: ev.num_prompts]
         if not prompts:

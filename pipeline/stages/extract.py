@@ -10,8 +10,6 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
-import torch
-
 from pipeline import target
 from pipeline.stages.base import Stage, StageContext, StageError
 
@@ -20,7 +18,7 @@ def hs_path(hs_dir: Path, index: int) -> Path:
     return hs_dir / f"hs_{index}.safetensors"
 
 
-def write_hs_file(path: Path, token_ids: torch.Tensor, hidden_states: torch.Tensor) -> int:
+def write_hs_file(path: Path, token_ids, hidden_states) -> int:
     from safetensors.torch import save_file
 
     tmp = path.with_name(f".{path.name}.tmp")
@@ -48,6 +46,8 @@ def plan_batches(lengths: dict[int, int], batch_size: int, batch_tokens: int) ->
 
 def extract(model, dataset, hs_dir: Path, layer_ids: list[int], batch_size: int, batch_tokens: int,
             writer_threads: int, on_progress=lambda done, total, tokens: None) -> dict:
+    import torch
+
     hs_dir.mkdir(parents=True, exist_ok=True)
     for stale in hs_dir.glob(".hs_*.tmp"):
         stale.unlink()

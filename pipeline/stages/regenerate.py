@@ -6,8 +6,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import torch
-
 from pipeline import atomicio, conversations, target
 from pipeline.stages.base import Stage, StageContext, StageError
 
@@ -60,14 +58,16 @@ class Regenerate(Stage):
         return {"rows": len(rows), "generated_tokens": generated_tokens, "skipped_rows": len(loaded.bad)}
 
 
-@torch.no_grad()
 def _greedy(model, tok, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    import torch
+
     width = max(len(p) for p in prompts)
     pad = tok.pad_token_id
     ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
-    out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False,
-                         pad_token_id=pad)
+    with torch.no_grad():
+        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens,
+                             do_sample=False, pad_token_id=pad)
     eos = set(model.generation_config.eos_token_id if isinstance(model.generation_config.eos_token_id, list)
               else [model.generation_config.eos_token_id])
     completions = []

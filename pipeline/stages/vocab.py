@@ -4,9 +4,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import numpy as np
-import torch
-
 from pipeline import atomicio
 from pipeline.stages.base import Stage, StageContext, StageError
 from pipeline.stages.prepare import token_freq_path
@@ -24,6 +21,7 @@ class Vocab(Stage):
         return list(mapping_paths(ctx))
 
     def run(self, ctx: StageContext) -> dict:
+        import torch
         from speculators.train.vocab_mapping import build_vocab_mappings_from_distribution
         from transformers import AutoConfig
 
@@ -42,6 +40,8 @@ class Vocab(Stage):
                 "coverage": round(covered / total, 4) if total else 0.0}
 
 
-def _save_npy(path: Path, array: np.ndarray) -> None:
+def _save_npy(path: Path, array) -> None:
+    import numpy as np
+
     with open(path, "wb") as fh:  # a file handle: np.save would append ".npy" to a temp path
         np.save(fh, array)
