@@ -16,8 +16,7 @@ from textual.binding import Binding
 from textual.containers import Horizontal, Vertical
 from textual.message import Message
 from textual.screen import ModalScreen
-from textual.widgets import (Button, DataTable, Footer, Input, Label, Log, Sparkline, Static, TabbedContent,
-                             TabPane)
+from textual.widgets import Button, DataTable, Footer, Input, Label, Log, Static, TabbedContent, TabPane
 
 from pipeline import box, gpu, jobs, notes
 from pipeline.rundir import RunDir
@@ -48,6 +47,15 @@ def fmt_secs(s: float | None) -> str:
         return ""
     s = int(s)
     return f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}" if s >= 3600 else f"{s // 60}:{s % 60:02d}"
+
+
+BLOCKS = "▁▂▃▄▅▆▇█"
+
+
+def spark(values, width: int = 8) -> str:
+    """A text sparkline of the last `width` percentages (0-100), one block per sample."""
+    tail = list(values)[-width:]
+    return "".join(BLOCKS[min(7, int(v / 100 * 8))] for v in tail).rjust(width)
 
 
 def bar(fraction: float | None, width: int = 12) -> str:
@@ -158,10 +166,8 @@ class ConsoleApp(App):
     #log { height: 1fr; border-top: solid $primary; }
     #filter { display: none; }
     #filter.visible { display: block; }
-    #gpus { height: 1fr; }
-    #gpu-procs { height: auto; max-height: 10; }
-    #spark-row { height: 3; }
-    Sparkline { width: 1fr; }
+    #gpus { height: auto; max-height: 60%; }
+    #gpu-procs { height: 1fr; border-top: solid $primary; }
     #server-info { height: auto; padding: 0 1; }
     #notes-log { height: 1fr; }
     ConfirmScreen, ModeScreen, HelpScreen { align: center middle; }
@@ -179,14 +185,14 @@ class ConsoleApp(App):
         Binding("space", "pause", "Pause"), Binding("n", "note", "Note"), Binding("e", "export", "Export notes"),
     ]
 
-    def __init__(self, run_dir: Path, readonly: bool = False, interval: float = 1.0, sampler=None):
+    def __init__(self, run_dir: Path, readonly: bool = False, interval: float = 1.0, sampler=None, clock=time.time):
         super().__init__()
         self.rundir = RunDir.open(run_dir)
         self.profile = self.rundir.profile()
         self.readonly = readonly
         self.interval = max(0.25, interval)  # as nitop: faster than 4 Hz costs more than it shows
         self.sampler = sampler or gpu.sample
-        self.watcher = RunWatcher(self.rundir, stage_names())
+        self.watcher = RunWatcher(self.rundir, stage_names(), clock=clock)
         self.tailer: LogTailer | None = None
         self.log_name: str | None = None
         self.log_buffer: deque[str] = deque(maxlen=10_000)
@@ -208,9 +214,6 @@ class ConsoleApp(App):
                 yield Log(id="log", max_lines=10_000, auto_scroll=True)
             with TabPane("2 GPUs", id="gpus-tab"):
                 yield DataTable(id="gpus", cursor_type="row")
-                with Horizontal(id="spark-row"):
-                    yield Sparkline([], id="util-spark")
-                    yield Sparkline([], id="mem-spark")
                 yield DataTable(id="gpu-procs")
             with TabPane("3 Server", id="server"):
                 yield Static(id="server-info")
@@ -226,11 +229,12 @@ class ConsoleApp(App):
     def on_mount(self) -> None:
         # Handlers use these references, not query_one: a query searches the active screen, which is
         # a dialog while one is open.
-        self.w = {w.id: w for w in self.query("#summary, #stages, #filter, #log, #gpus, #util-spark, #mem-spark, "
+        self.w = {w.id: w for w in self.query("#summary, #stages, #filter, #log, #gpus, "
                                               "#gpu-procs, #server-info, #notes-log, #note-input")}
         table = self.query_one("#stages", DataTable)
         table.add_columns("stage", "status", "progress", "elapsed", "ETA", "figures")
-        self.query_one("#gpus", DataTable).add_columns("GPU", "name", "util", "memory", "temp", "power", "SM MHz")
+        self.query_one("#gpus", DataTable).add_columns("GPU", "name", "util", "history", "memory",
+                                                       "history", "temp", "power", "SM MHz")
         self.query_one("#gpu-procs", DataTable).add_columns("GPU", "PID", "process", "GPU memory")
         if self.readonly:
             for b in self.query(Button):
@@ -286,22 +290,20 @@ class ConsoleApp(App):
             mem.append(100 * g.mem_used / g.mem_total if g.mem_used and g.mem_total else 0)
         if self.paused:
             return
-        rows: list[tuple] = [("-", snap.hint, "", "", "", "", "")] if snap.unavailable else []
+        rows: list[tuple] = [("-", snap.hint, "", "", "", "", "", "", "")] if snap.unavailable else []
         for g in snap.gpus:
             if g.lost:
-                rows.append((str(g.index), g.name, Text("✖ GPU LOST", style="bold red"), Text(g.error[:30]), "", "", ""))
+                rows.append((str(g.index), g.name.removeprefix("NVIDIA "), Text("✖ GPU LOST", style="bold red"), Text(g.error[:30]),
+                             "", "", "", "", ""))
                 continue
-            mem = f"{human_bytes(g.mem_used)}/{human_bytes(g.mem_total)}"
-            power = f"{na(g.power_w, '{:.0f}')}/{na(g.power_limit_w, '{:.0f}')} W"
-            rows.append((str(g.index), g.name, na(g.util_pct, "{}%"), mem, na(g.temp_c, "{}°C"), power,
-                         na(g.sm_clock_mhz)))
+            util_hist, mem_hist = self.history[g.index]
+            mem = f"{na(g.mem_used and g.mem_used / 2**30, '{:.1f}')}/{na(g.mem_total and g.mem_total / 2**30, '{:.0f}')}G"
+            power = f"{na(g.power_w, '{:.0f}')}/{na(g.power_limit_w, '{:.0f}')}W"
+            rows.append((str(g.index), g.name.removeprefix("NVIDIA "), na(g.util_pct, "{}%"), spark(util_hist), mem, spark(mem_hist),
+                         na(g.temp_c, "{}°C"), power, na(g.sm_clock_mhz)))
         self._fill(self.w["gpus"], rows)
         self._fill(self.w["gpu-procs"], [(str(g.index), str(p.pid), p.name, human_bytes(p.used_bytes))
                                          for g in snap.gpus for p in g.processes])
-        first = next(iter(self.history.values()), None)
-        if first:
-            self.w["util-spark"].data = list(first[0])
-            self.w["mem-spark"].data = list(first[1])
 
     @on(RunPolled)
     def show_run(self, msg: RunPolled) -> None:

@@ -44,8 +44,9 @@ class RunView:
 
 
 class RunWatcher:
-    def __init__(self, run: RunDir, stage_names: list[str]):
+    def __init__(self, run: RunDir, stage_names: list[str], clock=time.time):
         self.run = run
+        self.clock = clock
         self.stage_names = stage_names
         self._offset = 0
         self._progress: dict[str, dict] = {}
@@ -75,7 +76,7 @@ class RunWatcher:
         for e in events:
             stage, kind = e.get("stage"), e.get("kind")
             if kind == "start":
-                self._started[stage] = e.get("t", time.time())
+                self._started[stage] = e.get("t", self.clock())
                 self._progress.pop(stage, None)
             elif kind == "progress":
                 self._progress[stage] = e
@@ -86,7 +87,7 @@ class RunWatcher:
         self._notes += notes
         state = self.run.read_state().get("stages", {})
         views, current = [], None
-        now = time.time()
+        now = self.clock()
         for name in self.stage_names:
             entry = state.get(name, {})
             status = entry.get("status", "pending")

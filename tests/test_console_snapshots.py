@@ -1,0 +1,69 @@
+"""SVG snapshots of the console at 80x24 and 160x48 from injected, deterministic data (fixed clock,
+fixed events, an NVML stand-in). Baselines: `pytest tests/test_console_snapshots.py --snapshot-update`."""
+import json
+
+import pytest
+
+from console.app import ConsoleApp
+from pipeline import gpu
+from pipeline.profile import load_profile
+from pipeline.rundir import RunDir
+from tests.conftest import TINY
+from tests.fake_nvml import NVML_ERROR_GPU_IS_LOST, NVML_ERROR_NOT_SUPPORTED, FakeNvml, h200
+
+T0 = 1_800_000_000.0
+
+
+@pytest.fixture
+def frozen_run(tmp_path):
+    profile = load_profile(TINY, {"run.runs_dir": str(tmp_path / "runs"), "server.port": 1})
+    run = RunDir.create(profile, tmp_path / "run")
+    state = json.loads(run.state_path.read_text())
+    state["stages"] = {
+        "build-target": {"status": "done", "seconds": 1.8, "figures": {"params": 1115264}},
+        "regenerate": {"status": "done", "seconds": 7.2, "figures": {}},
+        "prepare": {"status": "done", "seconds": 2.6, "figures": {}},
+        "extract": {"status": "done", "seconds": 58.3, "figures": {"samples_per_s": 9.19}},
+        "vocab": {"status": "done", "seconds": 0.01, "figures": {}},
+        "train": {"status": "running"},
+    }
+    run.state_path.write_text(json.dumps(state))
+    events = [{"t": T0, "stage": "train", "kind": "start"},
+              {"t": T0 + 40, "stage": "train", "kind": "progress", "done": 8, "total": 16, "unit": "epochs",
+               "step": 143, "loss": 0.0123}]
+    run.events_path.write_text("".join(json.dumps(e) + "\n" for e in events))
+    run.logs_dir.mkdir(exist_ok=True)
+    run.log_path("train").write_text("".join(f"epoch {i // 18} step {i} train/loss=0.{900 - i:03d}\n"
+                                             for i in range(30)))
+    return run
+
+
+def fake_sampler():
+    fake = FakeNvml([h200(0, procs=[(999_999_001, 12 << 30)]), h200(1, fail={"temperature": NVML_ERROR_NOT_SUPPORTED}),
+                     h200(2, fail={"memory": NVML_ERROR_GPU_IS_LOST}), h200(3)])
+
+    def sample():
+        gpu.use_nvml(fake)
+        snap = gpu.sample()
+        return gpu.GpuSnapshot(t=T0, gpus=snap.gpus)
+    return sample
+
+
+@pytest.fixture(autouse=True)
+def restore_nvml():
+    yield
+    import pynvml
+    gpu.use_nvml(pynvml)
+
+
+@pytest.mark.parametrize("size", [(80, 24), (160, 48)])
+@pytest.mark.parametrize("tab", ["1", "2"])
+def test_console_snapshot(snap_compare, frozen_run, size, tab):
+    app = ConsoleApp(frozen_run.root, interval=3600, sampler=fake_sampler(), clock=lambda: T0 + 60)
+
+    async def settle(pilot):
+        await pilot.pause(0.8)
+        await pilot.press(tab)
+        await pilot.pause(0.5)
+
+    assert snap_compare(app, terminal_size=size, run_before=settle)
