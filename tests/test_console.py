@@ -93,7 +93,7 @@ def test_gpu_panel_na_field_lost_gpu_and_processes(run):
         rows = text_of(app.query_one("#gpus", DataTable)).splitlines()
         assert "N/A" in rows[0] and "40%" in rows[0]
         assert "GPU LOST" in rows[1]
-        assert "42%" in rows[2] and "22.0GiB/141.0GiB" in rows[2]
+        assert "42%" in rows[2] and "22.0/141G" in rows[2]
         procs_ = text_of(app.query_one("#gpu-procs", DataTable))
         assert str(os.getpid()) in procs_ and "5.0GiB" in procs_
 
