@@ -119,11 +119,16 @@ def _print_summary(run) -> None:
         print(f"offline evaluation: tau = {ev['tau']:.3f} (k={len(ev['acceptance_per_position'])}, "
               f"per-position acceptance {acc}), lossless = {ev['lossless']}")
     online = state["stages"].get("deploy-measure", {}).get("figures")
-    if online:
+    if online and "mean_acceptance_length" in online:
         acc = " / ".join(f"{a:.2f}" for a in online["acceptance_per_position"])
         print(f"vLLM: mean acceptance length {online['mean_acceptance_length']:.3f} (per position {acc}), "
               f"{online['speculative_tok_s']:.1f} vs {online['baseline_tok_s']:.1f} tok/s baseline "
               f"(x{online['speedup']}), outputs identical to baseline = {online['identical_outputs']}")
+    if online:
+        if online.get("ngram_tau") is not None:
+            print(f"n-gram (prompt lookup): mean acceptance length {online['ngram_tau']:.3f}")
+        if online.get("decision"):
+            print(f"decision: {online['decision']}")
     hand = state["stages"].get("handover", {}).get("figures")
     if hand:
         print(f"serving port after the run: {hand['server']} (server.after_run = {hand['after_run']})")
@@ -176,7 +181,7 @@ def cmd_notes(args) -> int:
         rec = notes.add(run, args.text)
         print(f"noted at {rec['ts']}")
         return 0
-    text = notes.export(run, args.format)
+    text = notes.export(run, args.format, Path(args.output) if args.output else None)
     if args.output:
         atomic_write_text(Path(args.output), text)
         print(f"wrote {args.output}")

@@ -150,8 +150,9 @@ class StageMonitor:
     seen, mean/max utilization, peak memory and energy (power integrated over time). Nothing at all
     where NVML is unavailable."""
 
-    def __init__(self, interval: float = 1.0):
+    def __init__(self, interval: float = 1.0, timeline=None):
         self.interval = interval
+        self.timeline = timeline  # a JSON-lines file that gets {t, util, mem} per sample, for the report
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._samples: list[GpuSnapshot] = []
@@ -164,7 +165,12 @@ class StageMonitor:
 
     def _loop(self) -> None:
         while not self._stop.is_set():
-            self._samples.append(sample())
+            snap = sample()
+            self._samples.append(snap)
+            if self.timeline is not None and snap.gpus:
+                from pipeline.atomicio import append_jsonl
+                append_jsonl(self.timeline, {"t": snap.t, "util": {str(g.index): g.util_pct for g in snap.gpus},
+                                             "mem": {str(g.index): g.mem_used for g in snap.gpus}})
             self._stop.wait(self.interval)
 
     def __exit__(self, *exc) -> bool:

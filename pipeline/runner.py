@@ -89,7 +89,7 @@ def run_stages(run: RunDir, start: str | None = None, until: str | None = None,
         on_event(run.emit(stage.name, "start", attempt=attempt))
         notes.add(run, f"{stage.name} started (attempt {attempt})", source="auto", stage=stage.name)
         t0 = time.monotonic()
-        monitor = gpu.StageMonitor()
+        monitor = gpu.StageMonitor(timeline=run.root / "gpu_timeline.jsonl")
         try:
             with monitor:
                 figures = stage.run(ctx) or {}

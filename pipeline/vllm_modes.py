@@ -10,7 +10,7 @@ from pathlib import Path
 
 from pipeline.profile import Profile
 
-MODES = ("production", "extraction", "baseline", "speculative")
+MODES = ("production", "extraction", "baseline", "speculative", "ngram")
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -68,6 +68,11 @@ def server_argv(profile: Profile, mode: str, target_dir: Path, *, layer_ids: lis
             argv.append("--enable-scale-out")  # the render endpoint is a scale-out endpoint (403 without)
     elif mode == "baseline" and profile.data.tokenize == "render":
         argv.append("--enable-scale-out")
+    elif mode == "ngram":
+        ev = profile.evaluate
+        argv += ["--speculative-config", json.dumps({"method": "ngram", "num_speculative_tokens": ev.k,
+                                                     "prompt_lookup_min": ev.ngram_min,
+                                                     "prompt_lookup_max": ev.ngram_max})]
     elif mode == "speculative":
         if draft_dir is None:
             raise ValueError("speculative mode needs a draft checkpoint")

@@ -46,7 +46,7 @@ def test_cli_notes_add_and_export(tmp_path):
     proc = cli("notes", "export", run.root, "--format", "md", "-o", out)
     assert proc.returncode == 0, proc.stderr
     md = out.read_text()
-    assert md.startswith("# Run notes") and "acceptance looks low on code prompts" in md
+    assert md.startswith("# Run report") and "acceptance looks low on code prompts" in md
     proc = cli("notes", "export", run.root, "--format", "json")
     data = json.loads(proc.stdout)
     assert data["notes"][0]["source"] == "operator"

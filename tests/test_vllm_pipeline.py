@@ -67,14 +67,42 @@ def test_vllm_extraction_equals_transformers_backend(vllm_run, tmp_path):
     assert worst < 1e-4, worst
 
 
-def test_speculative_serving_matches_baseline(vllm_run):
+def test_benchmark_matrix_and_speculative_serving_matches_baseline(vllm_run):
     res = json.loads((vllm_run.eval_dir / "online.json").read_text())
-    assert res["identical_outputs"] and res["mismatches"] == []
-    assert res["drafts"] > 0 and 1.0 <= res["mean_acceptance_length"] <= 1 + res["k"]
-    assert res["baseline"]["output_tokens"] == res["speculative"]["output_tokens"]
-    acc = res["acceptance_per_position"]
+    assert res["mismatches"] == {}
+    matrix = res["matrix"]
+    assert list(matrix) == ["baseline", "ngram", "eagle3"]
+    base, eagle = matrix["baseline"]["levels"]["1"], matrix["eagle3"]["levels"]["1"]
+    assert matrix["eagle3"]["identical_outputs"] and matrix["ngram"]["identical_outputs"]
+    assert eagle["drafts"] > 0 and 1.0 <= eagle["mean_acceptance_length"] <= 1 + res["k"]
+    assert base["output_tokens"] == eagle["output_tokens"] and base["speedup"] == 1.0
+    assert eagle["speedup"] == pytest.approx(eagle["output_tok_s"] / base["output_tok_s"], rel=1e-2)
+    acc = eagle["acceptance_per_position"]
     assert len(acc) == res["k"] and all(a >= b for a, b in zip(acc, acc[1:]))
+    assert res["decision"].startswith(("deploy", "do not deploy"))
     hand = json.loads((vllm_run.root / "server-handover.json").read_text())
     assert hand["after_run"] == "stop"
     from pipeline import box
     assert box.controller(vllm_run.profile()).status() == {"state": "none"}  # nothing left serving
+
+
+def test_offline_and_vllm_acceptance_agree(vllm_run):
+    """The offline evaluator (transformers target + head) and vLLM measure the same τ on the same
+    prompts: equal on the demo (NOTES.md); the tolerance allows for the last, truncated round."""
+    res = json.loads((vllm_run.eval_dir / "online.json").read_text())
+    offline = vllm_run.stage_state("evaluate-offline")["figures"]
+    eagle = res["matrix"]["eagle3"]["levels"]["1"]
+    assert abs(offline["tau"] - eagle["mean_acceptance_length"]) <= 0.05
+    for a, b in zip(offline["acceptance_per_position"], eagle["acceptance_per_position"]):
+        assert abs(a - b) <= 0.05
+
+
+def test_report_has_matrix_plots_and_decision(vllm_run, tmp_path):
+    out = tmp_path / "report.md"
+    proc = cli("notes", "export", vllm_run.root, "--format", "md", "-o", out)
+    assert proc.returncode == 0, proc.stderr
+    md = out.read_text()
+    assert "**Decision: " in md and "| eagle3 | 1 |" in md and "| ngram | 1 |" in md
+    for png in ("training.png", "acceptance.png"):
+        assert (vllm_run.root / "report" / png).stat().st_size > 5000
+        assert png in md

@@ -1,0 +1,99 @@
+"""PNG plots of a run for the report: training loss and accuracy per TTT step over steps, acceptance
+per position per method, GPU utilization over the run's timeline. Read-only over the run's files."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from pipeline import atomicio
+from pipeline.rundir import RunDir
+
+
+def _plt():
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    return plt
+
+
+def training_curves(run: RunDir, out: Path) -> Path | None:
+    metrics = [e for e in atomicio.read_jsonl(run.events_path) if e.get("stage") == "train" and e.get("kind") == "metric"
+               and any(k.startswith("train/") for k in e)]
+    if not metrics:
+        return None
+    plt = _plt()
+    steps = list(range(1, len(metrics) + 1))
+    ttt = sorted({int(k.rsplit("_", 1)[1]) for e in metrics for k in e if k.startswith("train/loss_")})
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 3.8))
+    for i in ttt:
+        ax1.plot(steps, [e.get(f"train/loss_{i}") for e in metrics], label=f"TTT step {i}", lw=1)
+        ax2.plot(steps, [e.get(f"train/full_acc_{i}") for e in metrics], label=f"TTT step {i}", lw=1)
+    ax1.set(title="training loss per TTT step", xlabel="logged step", ylabel="loss", yscale="log")
+    ax2.set(title="full accuracy per TTT step", xlabel="logged step", ylabel="accuracy", ylim=(0, 1))
+    for ax in (ax1, ax2):
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    return _save(fig, plt, out / "training.png")
+
+
+def acceptance(run: RunDir, out: Path) -> Path | None:
+    series: dict[str, list[float]] = {}
+    offline = run.stage_state("evaluate-offline").get("figures", {})
+    if offline.get("acceptance_per_position"):
+        series["eagle3 (offline)"] = offline["acceptance_per_position"]
+    online_path = run.eval_dir / "online.json"
+    if online_path.exists():
+        res = json.loads(online_path.read_text())
+        low = str(min(res["concurrency"]))
+        for method, row in res["matrix"].items():
+            level = row.get("levels", {}).get(low, {})
+            if level.get("acceptance_per_position"):
+                series[f"{method} (vLLM)"] = level["acceptance_per_position"]
+    if not series:
+        return None
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(7, 3.8))
+    width = 0.8 / len(series)
+    for j, (name, values) in enumerate(series.items()):
+        ax.bar([i + j * width for i in range(len(values))], values, width, label=name)
+    k = max(len(v) for v in series.values())
+    ax.set_xticks([i + 0.4 - width / 2 for i in range(k)], [f"position {i + 1}" for i in range(k)])
+    ax.set(title="acceptance per draft position", ylabel="accepted / verify steps", ylim=(0, 1))
+    ax.grid(axis="y", alpha=0.3)
+    ax.legend(fontsize=8)
+    return _save(fig, plt, out / "acceptance.png")
+
+
+def gpu_timeline(run: RunDir, out: Path) -> Path | None:
+    samples = list(atomicio.read_jsonl(run.root / "gpu_timeline.jsonl"))
+    if not samples:
+        return None
+    plt = _plt()
+    t0 = samples[0]["t"]
+    fig, ax = plt.subplots(figsize=(11, 3.2))
+    for idx in sorted({int(k) for s in samples for k in s["util"]}):
+        pts = [(s["t"] - t0, s["util"].get(str(idx))) for s in samples]
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], lw=1, label=f"GPU {idx}")
+    for e in atomicio.read_jsonl(run.events_path):
+        if e.get("kind") == "start" and e.get("t", 0) >= t0:
+            ax.axvline(e["t"] - t0, color="grey", lw=0.5)
+            ax.text(e["t"] - t0, 101, e["stage"], fontsize=7, rotation=45)
+    ax.set(title="GPU utilization over the run", xlabel="seconds", ylabel="%", ylim=(0, 100))
+    ax.legend(fontsize=8)
+    return _save(fig, plt, out / "gpu_utilization.png")
+
+
+def _save(fig, plt, path: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomicio.atomic_write_with(path, lambda p: fig.savefig(p, dpi=110, bbox_inches="tight", format="png"))
+    plt.close(fig)
+    return path
+
+
+def all_plots(run: RunDir, out: Path) -> dict[str, Path]:
+    made = {}
+    for name, fn in (("training", training_curves), ("acceptance", acceptance), ("gpu", gpu_timeline)):
+        path = fn(run, out)
+        if path:
+            made[name] = path
+    return made
