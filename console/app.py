@@ -129,7 +129,7 @@ class ModeScreen(ModalScreen[str | None]):
 HELP = """\
 [b]eagle3-console[/b] — keys
 
-  1 2 3 4   Run / GPUs / Server / Notes tab
+  1 2 3 4 5 Run / GPUs / Server / Notes / Eval (benchmark matrix, loss curve) tab
   x         stop the vLLM server (asks, naming PIDs, port and GPUs)
   r         restart the server in its current mode (asks)
   m         start the server in a chosen mode (asks)
@@ -179,6 +179,7 @@ class ConsoleApp(App):
         Binding("question_mark", "help", "Help"),
         Binding("1", "tab('run')", "Run", show=False), Binding("2", "tab('gpus')", "GPUs", show=False),
         Binding("3", "tab('server')", "Server", show=False), Binding("4", "tab('notes')", "Notes", show=False),
+        Binding("5", "tab('eval')", "Eval", show=False),
         Binding("x", "stop_server", "Stop server"), Binding("r", "restart_server", "Restart"),
         Binding("m", "start_mode", "Mode", show=False),
         Binding("slash", "filter", "Filter log"), Binding("F", "follow", "Follow", show=False),
@@ -224,18 +225,23 @@ class ConsoleApp(App):
             with TabPane("4 Notes", id="notes"):
                 yield Log(id="notes-log", max_lines=5000, auto_scroll=True)
                 yield Input(placeholder="write a note, Enter to append", id="note-input")
+            with TabPane("5 Eval", id="eval"):
+                yield Static(id="loss-curve")
+                yield DataTable(id="matrix")
         yield Footer()
 
     def on_mount(self) -> None:
         # Handlers use these references, not query_one: a query searches the active screen, which is
         # a dialog while one is open.
         self.w = {w.id: w for w in self.query("#summary, #stages, #filter, #log, #gpus, "
-                                              "#gpu-procs, #server-info, #notes-log, #note-input")}
+                                              "#gpu-procs, #server-info, #notes-log, #note-input, #loss-curve, #matrix")}
         table = self.query_one("#stages", DataTable)
         table.add_columns("stage", "status", "progress", "elapsed", "ETA", "figures")
         self.query_one("#gpus", DataTable).add_columns("GPU", "name", "util", "history", "memory",
                                                        "history", "temp", "power", "SM MHz")
         self.query_one("#gpu-procs", DataTable).add_columns("GPU", "PID", "process", "GPU memory")
+        self.query_one("#matrix", DataTable).add_columns("method", "conc.", "tok/s", "TPOT ms", "τ",
+                                                         "acceptance per position", "speedup", "same output")
         if self.readonly:
             for b in self.query(Button):
                 b.disabled = True
@@ -338,10 +344,37 @@ class ConsoleApp(App):
         self.w["summary"].update(
             f" {Path(view.root).name} · job {msg.job['state']} · stage {view.current or '-'} · {server} · {gpus}{flags}")
         self.w["server-info"].update(self._server_text())
+        self._show_eval(view)
         notes_log = self.w["notes-log"]
         if len(view.notes) > notes_log.line_count:
             notes_log.write_lines([f"{n['ts'][11:19]} {n.get('stage') or n.get('source')}: {n['text']}"
                                    for n in view.notes[notes_log.line_count:]])
+
+    def _show_eval(self, view: RunView) -> None:
+        if view.train_loss:
+            losses = view.train_loss
+            width = 70  # the whole run, bucketed: each block is the mean loss of its share of the steps
+            buckets = [losses[i * len(losses) // width:(i + 1) * len(losses) // width] for i in range(width)]
+            means = [sum(b) / len(b) for b in buckets if b]
+            top = max(means) or 1.0
+            curve = "".join(BLOCKS[min(7, int(v / top * 7.999))] for v in means)
+            self.w["loss-curve"].update(f"training loss over {len(losses)} logged steps "
+                                        f"(first {losses[0]:.3g}, now {losses[-1]:.3g})\n{curve}")
+        res = view.evaluation
+        if not res:
+            return
+        rows = []
+        for method, row in res["matrix"].items():
+            if row.get("error") and not row.get("levels"):
+                rows.append((method, "", "", "", "", Text(f"✖ {row['error'][:60]}"), "", ""))
+            for c, lv in sorted(row.get("levels", {}).items(), key=lambda kv: int(kv[0])):
+                acc = lv.get("acceptance_per_position") or []
+                bars = " ".join(f"{BLOCKS[min(7, int(a * 7.999))]}{a:.2f}" for a in acc)
+                same = "" if method == "baseline" else ("✔ yes" if row.get("identical_outputs") else "✖ NO")
+                rows.append((method, str(c), f"{lv['output_tok_s']:.1f}", na(lv.get("tpot_ms"), "{:.2f}"),
+                             na(lv.get("mean_acceptance_length"), "{:.3f}"), bars, na(lv.get("speedup"), "x{}"), same))
+        rows.append(("decision", "", "", "", "", Text(res.get("decision", "")), "", ""))
+        self._fill(self.w["matrix"], rows)
 
     def _server_text(self) -> str:
         s = self.server

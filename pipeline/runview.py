@@ -41,6 +41,8 @@ class RunView:
     stages: tuple[StageView, ...]
     current: str | None
     notes: tuple[dict, ...] = ()
+    train_loss: tuple[float, ...] = ()  # every logged training loss, for a curve
+    evaluation: dict | None = None  # eval/online.json when it exists
 
 
 class RunWatcher:
@@ -54,6 +56,9 @@ class RunWatcher:
         self._metrics: dict[str, dict] = {}
         self._notes_offset = 0
         self._notes: list[dict] = []
+        self._loss: list[float] = []
+        self._eval_mtime = 0.0
+        self._eval: dict | None = None
 
     def _read_new(self, path: Path, offset: int) -> tuple[list[dict], int]:
         try:
@@ -81,6 +86,8 @@ class RunWatcher:
             elif kind == "progress":
                 self._progress[stage] = e
             elif kind == "metric":
+                if isinstance(e.get("train/loss"), (int, float)):
+                    self._loss.append(e["train/loss"])
                 self._metrics.setdefault(stage, {}).update(
                     {k: v for k, v in e.items() if isinstance(v, (int, float)) and k not in ("t",)})
         notes, self._notes_offset = self._read_new(self.run.notes_path, self._notes_offset)
@@ -108,8 +115,15 @@ class RunWatcher:
             if status == "running":
                 current = name
             views.append(StageView(name, status, done, total, prog.get("unit", ""), elapsed, eta, short))
+        online = self.run.eval_dir / "online.json"
+        try:
+            mtime = online.stat().st_mtime
+            if mtime != self._eval_mtime:
+                self._eval, self._eval_mtime = json.loads(online.read_text()), mtime
+        except (FileNotFoundError, json.JSONDecodeError):
+            pass
         return RunView(str(self.run.root), self.run.read_state().get("profile", "?"), tuple(views), current,
-                       tuple(self._notes))
+                       tuple(self._notes), tuple(self._loss), self._eval)
 
 
 class LogTailer:

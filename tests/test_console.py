@@ -193,3 +193,30 @@ def test_fits_small_and_large_terminals(run, size):
         assert app.query_one("#summary", Static).region.y == 0  # the summary line is on screen
 
     run_app(ConsoleApp(run.root), check, size=size)
+
+
+def test_eval_tab_shows_matrix_decision_and_loss_curve(run):
+    import json
+    run.eval_dir.mkdir(exist_ok=True)
+    (run.eval_dir / "online.json").write_text(json.dumps({
+        "k": 3, "concurrency": [1], "decision": "do not deploy: speedup x0.72 at concurrency 1 (threshold x1.10)",
+        "matrix": {"baseline": {"levels": {"1": {"output_tok_s": 240.0, "tpot_ms": 4.1, "speedup": 1.0}}},
+                   "ngram": {"error": "ServerError: vLLM (ngram) exited with 1: numba missing"},
+                   "eagle3": {"identical_outputs": True, "levels": {"1": {
+                       "output_tok_s": 175.0, "tpot_ms": 5.7, "speedup": 0.729, "mean_acceptance_length": 1.8,
+                       "acceptance_per_position": [0.55, 0.19, 0.06]}}}}}))
+    for i, loss in enumerate([0.2, 0.1, 0.05, 0.02]):
+        run.emit("train", "metric", step=i, **{"train/loss": loss})
+
+    async def check(app, pilot):
+        await pilot.press("5")
+        await pilot.pause(0.3)
+        rows = text_of(app.query_one("#matrix", DataTable)).splitlines()
+        assert rows[0].startswith("baseline | 1 | 240.0")
+        assert "ngram" in rows[1] and "numba missing" in rows[1]  # a refused method is a row saying why
+        assert "1.800" in rows[2] and "0.55" in rows[2] and "✔ yes" in rows[2]
+        assert "do not deploy" in rows[3]
+        curve = str(app.query_one("#loss-curve", Static).render())
+        assert "over 4 logged steps" in curve and "█" in curve
+
+    run_app(ConsoleApp(run.root), check)
