@@ -202,7 +202,6 @@ class ConsoleApp(App):
         self.server: dict = {"state": "none"}
         self.snapshot: gpu.GpuSnapshot | None = None
         self.history: dict[int, tuple[deque, deque]] = {}
-        self.busy = False
         self._rows: dict[str, list[tuple]] = {}
 
     # ---- layout

@@ -32,7 +32,7 @@ def demo_target(cache_dir):
     return build_target(load_profile(TINY).demo_target, cache_dir)
 
 
-def test_start_healthy_then_sigkill_api_server_then_stop_cleans_group(tmp_path, demo_target):
+def test_start_healthy_adopt_then_sigkill_api_server_then_stop_cleans_group(tmp_path, demo_target):
     port = free_port()
     p = vllm_profile(port)
     ctl = ServerController(tmp_path / "srv.json")
@@ -45,6 +45,12 @@ def test_start_healthy_then_sigkill_api_server_then_stop_cleans_group(tmp_path, 
     assert status["state"] == "running" and status["healthy"] and len(status["pids"]) >= 2  # API + engine
     engine = [p for p in procs.group_members(rec.pgid) if p.pid != rec.pid]
     assert any("VLLM" in p.name() or "VLLM" in " ".join(p.cmdline()) for p in engine)
+
+    # Forget it, as if another tool had started it: adopting finds it by port and checks it is vLLM.
+    ctl.record_path.unlink()
+    adopted = ctl.adopt("127.0.0.1", port)
+    assert adopted.adopted and adopted.pid == rec.pid and adopted.pgid == rec.pgid
+    assert ctl.status()["state"] == "running"
 
     os.kill(rec.pid, signal.SIGKILL)  # the API server alone: EngineCore does not notice (§2.3)
     time.sleep(2)
