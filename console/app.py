@@ -16,6 +16,7 @@ from textual.binding import Binding
 from textual.containers import Horizontal, Vertical
 from textual.message import Message
 from textual.screen import ModalScreen
+from textual.widget import Widget
 from textual.widgets import Button, DataTable, Footer, Input, Label, Log, Static, TabbedContent, TabPane
 
 from pipeline import box, gpu, jobs, notes
@@ -58,11 +59,50 @@ def spark(values, width: int = 8) -> str:
     return "".join(BLOCKS[min(7, int(v / 100 * 8))] for v in tail).rjust(width)
 
 
+def coarse_secs(s: float | None) -> str:
+    """For the running stage's elapsed time and ETA: 10 s steps under 10 minutes, whole minutes above.
+    Any repaint each second costs ~1.5 % of a core (NOTES.md); a clock that ticks every 10 s does not."""
+    if s is None:
+        return ""
+    s = int(s)
+    if s < 600:
+        return fmt_secs(s - s % 10) if s >= 10 else "0:0x"
+    return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m"
+
+
+def eta_text(s: float | None) -> str:
+    """An estimate, shown as one: whole minutes (it moves faster than the clock, so seconds would
+    repaint the table every tick)."""
+    if s is None:
+        return ""
+    m = int(s // 60)
+    return "<1m" if m == 0 else (f"~{m}m" if m < 60 else f"~{m // 60}h{m % 60:02d}m")
+
+
 def bar(fraction: float | None, width: int = 12) -> str:
     if fraction is None:
         return " " * width
     filled = int(round(fraction * width))
     return "█" * filled + "░" * (width - filled)
+
+
+class Line(Widget):
+    """One line of text that repaints without a layout pass: Static.update re-runs the screen's layout,
+    which measured ~2 % of a core at one update per second; this costs a repaint of one line."""
+
+    DEFAULT_CSS = "Line { height: 1; }"
+
+    def __init__(self, id: str):
+        super().__init__(id=id)
+        self.text = ""
+
+    def set(self, text: str) -> None:
+        if text != self.text:
+            self.text = text
+            self.refresh()
+
+    def render(self) -> Text:
+        return Text(self.text, no_wrap=True, overflow="ellipsis")
 
 
 # ---------------------------------------------------------------- messages (from workers)
@@ -203,10 +243,11 @@ class ConsoleApp(App):
         self.snapshot: gpu.GpuSnapshot | None = None
         self.history: dict[int, tuple[deque, deque]] = {}
         self._rows: dict[str, list[tuple]] = {}
+        self._shown: dict[str, object] = {}
 
     # ---- layout
     def compose(self) -> ComposeResult:
-        yield Static(id="summary")
+        yield Line(id="summary")
         with TabbedContent(initial="run"):
             with TabPane("1 Run", id="run"):
                 yield DataTable(id="stages", cursor_type="row", zebra_stripes=True)
@@ -234,6 +275,7 @@ class ConsoleApp(App):
         # a dialog while one is open.
         self.w = {w.id: w for w in self.query("#summary, #stages, #filter, #log, #gpus, "
                                               "#gpu-procs, #server-info, #notes-log, #note-input, #loss-curve, #matrix")}
+        self.tabs = self.query_one(TabbedContent)
         table = self.query_one("#stages", DataTable)
         table.add_columns("stage", "status", "progress", "elapsed", "ETA", "figures")
         self.query_one("#gpus", DataTable).add_columns("GPU", "name", "util", "history", "memory",
@@ -267,6 +309,12 @@ class ConsoleApp(App):
         self.post_message(RunPolled(view, lines, name, box.controller(self.profile).status(), jobs.job_state(self.rundir)))
 
     # ---- rendering (message handlers own all state)
+    def _set(self, widget: Static, content) -> None:
+        """Static.update repaints even when nothing changed; most ticks change nothing here."""
+        if self._shown.get(widget.id) != content:
+            self._shown[widget.id] = content
+            widget.update(content)
+
     def _fill(self, table: DataTable, rows: list[tuple]) -> None:
         """Redraw only what changed: a changed cell is updated in place; the table is rebuilt only
         when the number of rows changes (most ticks change a few numbers, or nothing)."""
@@ -293,8 +341,15 @@ class ConsoleApp(App):
             util, mem = self.history.setdefault(g.index, (deque(maxlen=HISTORY), deque(maxlen=HISTORY)))
             util.append(g.util_pct or 0)
             mem.append(100 * g.mem_used / g.mem_total if g.mem_used and g.mem_total else 0)
-        if self.paused:
-            return
+        if not self.paused and self.tabs.active == "gpus-tab":  # hidden tables are drawn on activation
+            self._draw_gpus(snap)
+
+    @on(TabbedContent.TabActivated)
+    def _tab_shown(self, event: TabbedContent.TabActivated) -> None:
+        if event.pane.id == "gpus-tab" and self.snapshot is not None:
+            self._draw_gpus(self.snapshot)
+
+    def _draw_gpus(self, snap: gpu.GpuSnapshot) -> None:
         rows: list[tuple] = [("-", snap.hint, "", "", "", "", "", "", "")] if snap.unavailable else []
         for g in snap.gpus:
             if g.lost:
@@ -331,7 +386,8 @@ class ConsoleApp(App):
             progress = f"{bar(s.fraction)} {s.done:g}/{s.total:g} {s.unit}" if s.total and s.status == "running" \
                 else bar(s.fraction)
             figs = ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in s.figures)
-            rows.append((s.name, GLYPH.get(status, status), progress, fmt_secs(s.elapsed_s), fmt_secs(s.eta_s),
+            elapsed = coarse_secs(s.elapsed_s) if s.status == "running" else fmt_secs(s.elapsed_s)
+            rows.append((s.name, GLYPH.get(status, status), progress, elapsed, eta_text(s.eta_s),
                          Text(figs[:60])))  # Text: an error like "[Errno 28] …" is not markup
         self._fill(self.w["stages"], rows)
         gpus = "no NVML" if self.snapshot and self.snapshot.unavailable else \
@@ -340,9 +396,10 @@ class ConsoleApp(App):
         server = f"{srv.get('mode')} pid {srv.get('pid')} :{srv.get('port')} " + \
             ("healthy" if srv.get("healthy") else "not healthy") if srv.get("state") == "running" else "no server"
         flags = (" · PAUSED" if self.paused else "") + (" · READ-ONLY" if self.readonly else "")
-        self.w["summary"].update(
-            f" {Path(view.root).name} · job {msg.job['state']} · stage {view.current or '-'} · {server} · {gpus}{flags}")
-        self.w["server-info"].update(self._server_text())
+        self.w["summary"].set(
+            f" {Path(view.root).name} · job {msg.job['state']} · stage {view.current or '-'} · {server} · "
+            f"{gpus}{flags}")
+        self._set(self.w["server-info"], self._server_text())
         self._show_eval(view)
         notes_log = self.w["notes-log"]
         if len(view.notes) > notes_log.line_count:
@@ -357,7 +414,7 @@ class ConsoleApp(App):
             means = [sum(b) / len(b) for b in buckets if b]
             top = max(means) or 1.0
             curve = "".join(BLOCKS[min(7, int(v / top * 7.999))] for v in means)
-            self.w["loss-curve"].update(f"training loss over {len(losses)} logged steps "
+            self._set(self.w["loss-curve"], f"training loss over {len(losses)} logged steps "
                                         f"(first {losses[0]:.3g}, now {losses[-1]:.3g})\n{curve}")
         res = view.evaluation
         if not res:

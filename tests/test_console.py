@@ -75,7 +75,7 @@ def test_stage_panel_progress_and_log(run):
         await pilot.press(*"alpha", "enter")
         await pilot.pause(0.2)
         assert log.line_count == 21 and all("alpha" in l for l in log.lines)
-        summary = str(app.query_one("#summary", Static).render())
+        summary = str(app.query_one("#summary").text)
         assert "stage prepare" in summary and "no NVML" in summary
 
     import pynvml
@@ -163,7 +163,7 @@ def test_readonly_disables_every_control(run, fake_server):
             assert not isinstance(app.screen, ConfirmScreen)
         assert all(b.disabled for b in app.query(Button))
         assert fake_server.poll() is None
-        assert "READ-ONLY" in str(app.query_one("#summary", Static).render())
+        assert "READ-ONLY" in str(app.query_one("#summary").text)
 
     run_app(ConsoleApp(run.root, readonly=True), check)
 
@@ -190,7 +190,7 @@ def test_notes_input_export_and_help(run):
 def test_fits_small_and_large_terminals(run, size):
     async def check(app, pilot):
         assert app.query_one("#stages", DataTable).row_count == 9
-        assert app.query_one("#summary", Static).region.y == 0  # the summary line is on screen
+        assert app.query_one("#summary").region.y == 0  # the summary line is on screen
 
     run_app(ConsoleApp(run.root), check, size=size)
 
