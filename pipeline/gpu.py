@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 NA = None  # a field NVML does not support (or would not tell) is None: rendered "N/A"
 

@@ -13,7 +13,7 @@ from console.app import ConfirmScreen, ConsoleApp, HelpScreen
 from pipeline import gpu, notes, procs
 from pipeline.profile import load_profile
 from pipeline.rundir import RunDir
-from pipeline.server import ServerController, ServerRecord
+from pipeline.server import ServerRecord
 from tests.conftest import TINY
 from tests.fake_nvml import NVML_ERROR_GPU_IS_LOST, NVML_ERROR_NOT_SUPPORTED, FakeNvml, h200
 

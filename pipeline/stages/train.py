@@ -5,7 +5,6 @@ directories that a kill left half-written are moved aside so that resume never r
 from __future__ import annotations
 
 import json
-import os
 import re
 import sys
 import time
@@ -125,6 +124,7 @@ class Train(Stage):
         last: dict[str, float] = {}
         steps = 0
         epoch = int(resumed.name) + 1 if resumed else 0
+
         def on_line(line: str) -> None:
             nonlocal epoch, steps
             metrics = parse_metrics(line)
