@@ -33,6 +33,7 @@ def cmd_run(args) -> int:
     from pipeline.runner import RunnerError, run_stages, select
     from pipeline.progress import ProgressPrinter
 
+    run = None
     try:
         if args.resume:
             if args.profile:
@@ -53,10 +54,11 @@ def cmd_run(args) -> int:
     except (ProfileError, RunDirError, RunnerError) as exc:
         return _die(str(exc))
     except KeyboardInterrupt:
-        return _die("interrupted; resume with: eagle3-console run --resume " + str(run.root), 130)
+        return _die("interrupted" + (f"; resume with: eagle3-console run --resume {run.root}" if run else ""), 130)
     except Exception as exc:  # noqa: BLE001 - the stage already recorded it; one line here
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        return _die(f"{first}\n  logs: {run.logs_dir}  resume: eagle3-console run --resume {run.root}", EXIT_FAILED)
+        where = f"\n  logs: {run.logs_dir}  resume: eagle3-console run --resume {run.root}" if run else ""
+        return _die(first + where, EXIT_FAILED)
     _print_summary(run)
     return 0
 
