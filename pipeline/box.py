@@ -46,9 +46,9 @@ def start_mode(profile: Profile, mode: str, target_dir: Path, log_path: Path, ca
         return rec
     free_port(profile, log)
     log(f"starting {mode} server: {' '.join(argv)}")
-    return controller(profile).start(argv, host=profile.server.host, port=profile.server.port, mode=mode,
-                                     log=log_path, env=vllm_modes.server_env(profile, cache_root, mode),
-                                     health_timeout=profile.server.health_timeout, on_wait=on_wait)
+    return ctl.start(argv, host=profile.server.host, port=profile.server.port, mode=mode,
+                     log=log_path, env=vllm_modes.server_env(profile, cache_root, mode),
+                     health_timeout=profile.server.health_timeout, on_wait=on_wait)
 
 
 def mode_inputs(profile: Profile, run, mode: str, draft: str | None = None, storage: str | None = None):
