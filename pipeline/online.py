@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import re
 import time
 import urllib.request
@@ -14,11 +13,6 @@ from pipeline.server import http_get
 SPEC_PREFIX = "vllm:spec_decode_"
 _SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+([-+0-9.eEinfNa]+)")
 _POSITION = re.compile(r'position="(\d+)"')
-
-
-def auth_headers(api_key_env: str) -> dict:
-    key = os.environ.get(api_key_env) if api_key_env else None
-    return {"Authorization": f"Bearer {key}"} if key else {}
 
 
 def complete(base_url: str, model: str, prompt_ids: list[int], max_tokens: int, headers: dict,

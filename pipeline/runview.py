@@ -92,7 +92,8 @@ class RunWatcher:
                     {k: v for k, v in e.items() if isinstance(v, (int, float)) and k not in ("t",)})
         notes, self._notes_offset = self._read_new(self.run.notes_path, self._notes_offset)
         self._notes += notes
-        state = self.run.read_state().get("stages", {})
+        full_state = self.run.read_state()
+        state = full_state.get("stages", {})
         views, current = [], None
         now = self.clock()
         for name in self.stage_names:
@@ -122,7 +123,7 @@ class RunWatcher:
                 self._eval, self._eval_mtime = json.loads(online.read_text()), mtime
         except (FileNotFoundError, json.JSONDecodeError):
             pass
-        return RunView(str(self.run.root), self.run.read_state().get("profile", "?"), tuple(views), current,
+        return RunView(str(self.run.root), full_state.get("profile", "?"), tuple(views), current,
                        tuple(self._notes), tuple(self._loss), self._eval)
 
 

@@ -115,12 +115,11 @@ def extract_with_vllm(ctx: StageContext, stage: str) -> dict:
 
     from datasets import load_from_disk
     from pipeline import box, procs
-    from pipeline.stages.prepare import _extraction_args
 
     prepared = ctx.run.prepared_dir
     ds = load_from_disk(str(prepared))
     total, tokens = len(ds), int(sum(ds.with_format(None)["seq_len"]))
-    mode_args = _extraction_args(ctx)
+    _, mode_args = box.mode_inputs(ctx.profile, ctx.run, "extraction")
     layer_ids = mode_args["layer_ids"]
     t0 = time.perf_counter()
     rec = box.start_mode(ctx.profile, "extraction", ctx.target_dir(), ctx.run.log_path("server-extraction"),

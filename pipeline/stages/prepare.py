@@ -113,7 +113,7 @@ class Prepare(Stage):
             atomicio.atomic_write_text(source, "".join(json.dumps({"conversations": c["messages"]}) + "\n"
                                                        for c in train))
             mode = "extraction" if ctx.profile.extract.backend == "vllm" else "baseline"
-            mode_args = _extraction_args(ctx) if mode == "extraction" else {}
+            _, mode_args = box.mode_inputs(ctx.profile, ctx.run, mode)
             rec = box.start_mode(ctx.profile, mode, ctx.target_dir(), ctx.run.log_path(f"server-{mode}"),
                                  ctx.run.root / ".cache", ctx.log.info, **mode_args)
             endpoint = rec.base_url
@@ -143,13 +143,6 @@ class Prepare(Stage):
         return {"tokenize": "render" if endpoint else "pass-through", "rows": len(ds),
                 "tokens": int(sum(ds["seq_len"])), "loss_tokens": int(sum(sum(m) for m in ds["loss_mask"])),
                 "skipped_malformed": len(loaded.bad), "heldout_prompts": len(prompts)}
-
-
-def _extraction_args(ctx: StageContext) -> dict:
-    from transformers import AutoConfig
-    n = AutoConfig.from_pretrained(str(ctx.target_dir())).num_hidden_layers
-    return {"layer_ids": target.resolve_layer_ids(ctx.profile.extract.layer_ids, n),
-            "storage": ctx.run.data_dir / "hs_raw"}
 
 
 def _write_heldout(ctx: StageContext, heldout: list[dict]) -> list[dict]:
