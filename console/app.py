@@ -5,10 +5,15 @@ message handlers touch widgets (REFERENCE.md §5). The job runs detached: quitti
 terminal leaves it running, and `eagle3-console attach RUN_DIR` shows the same state again."""
 from __future__ import annotations
 
+import threading
 import time
+from dataclasses import replace
 from collections import deque
 from pathlib import Path
 
+from rich.cells import cell_len
+from rich.segment import Segment
+from rich.style import Style
 from rich.text import Text
 from textual import on, work
 from textual.app import App, ComposeResult
@@ -16,8 +21,19 @@ from textual.binding import Binding
 from textual.containers import Horizontal, Vertical
 from textual.message import Message
 from textual.screen import ModalScreen
+from textual.strip import Strip
 from textual.widget import Widget
-from textual.widgets import Button, DataTable, Footer, Input, Label, Log, Static, TabbedContent, TabPane
+from textual.widgets import (
+    Button,
+    DataTable,
+    Footer,
+    Input,
+    Label,
+    Log,
+    Static,
+    TabbedContent,
+    TabPane,
+)
 
 from pipeline import box, gpu, jobs, notes
 from pipeline.rundir import RunDir
@@ -60,14 +76,13 @@ def spark(values, width: int = 8) -> str:
 
 
 def coarse_secs(s: float | None) -> str:
-    """For the running stage's elapsed time and ETA: 10 s steps under 10 minutes, whole minutes above.
-    Any repaint each second costs ~1.5 % of a core (NOTES.md); a clock that ticks every 10 s does not."""
+    """The running stage's elapsed time, in whole minutes as its ETA: a repaint of the stage table costs
+    ~40 ms on a small CPU (NOTES.md), so a clock that moves every second, or every 10 s, would be most
+    of the console's cost. Finished stages show m:ss."""
     if s is None:
         return ""
-    s = int(s)
-    if s < 600:
-        return fmt_secs(s - s % 10) if s >= 10 else "0:0x"
-    return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m"
+    m = int(s) // 60
+    return "<1m" if m == 0 else (f"{m}m" if m < 60 else f"{m // 60}h{m % 60:02d}m")
 
 
 def eta_text(s: float | None) -> str:
@@ -82,7 +97,7 @@ def eta_text(s: float | None) -> str:
 def bar(fraction: float | None, width: int = 12) -> str:
     if fraction is None:
         return " " * width
-    filled = int(round(fraction * width))
+    filled = round(fraction * width)
     return "█" * filled + "░" * (width - filled)
 
 
@@ -105,6 +120,50 @@ class Line(Widget):
         return Text(self.text, no_wrap=True, overflow="ellipsis")
 
 
+class Grid(Widget):
+    """Rows of text in aligned columns that repaint in place, drawn line by line from prebuilt strips.
+    The GPU rows change every second; a DataTable repainting them cost 1.55 % of a core, a Static
+    0.40 %, this less (NOTES.md, bench/console_cost.py)."""
+
+    DEFAULT_CSS = "Grid { height: auto; }"
+
+    def __init__(self, id: str, header: tuple[str, ...]):
+        super().__init__(id=id)
+        self.header = header
+        self.rows: list[tuple] = []
+        self._strips: list[Strip] | None = None
+        self._built_width = 0
+
+    def set(self, rows: list[tuple]) -> None:
+        if rows != self.rows:
+            relayout = len(rows) != len(self.rows)
+            self.rows, self._strips = rows, None
+            self.refresh(layout=relayout)
+
+    def get_content_height(self, container, viewport, width: int) -> int:
+        return len(self.rows) + 1
+
+    @property
+    def plain(self) -> str:
+        return "\n".join(" | ".join(str(c) for c in row) for row in self.rows)
+
+    def _build(self, width: int) -> list[Strip]:
+        base = self.rich_style  # a style lookup costs ~0.2 ms: once per change, not once per line
+        bold = base + Style(bold=True)
+        cells = [[(str(c), base + Style.parse(c.style) if isinstance(c, Text) and isinstance(c.style, str) else None)
+                  for c in row] for row in (self.header, *self.rows)]
+        widths = [max((cell_len(row[c][0]) for row in cells if c < len(row)), default=0) for c in range(len(self.header))]
+        return [Strip([Segment(text + " " * (widths[c] - cell_len(text) + 2), style or (bold if n == 0 else base))
+                       for c, (text, style) in enumerate(row)]).crop_extend(0, width, base)
+                for n, row in enumerate(cells)]
+
+    def render_line(self, y: int) -> Strip:
+        width = self.size.width
+        if self._strips is None or self._built_width != width:
+            self._strips, self._built_width = self._build(width), width
+        return self._strips[y] if y < len(self._strips) else Strip.blank(width, self.rich_style)
+
+
 # ---------------------------------------------------------------- messages (from workers)
 
 class GpuSampled(Message):
@@ -117,6 +176,21 @@ class RunPolled(Message):
     def __init__(self, view: RunView, log_lines: list[str], log_name: str | None, server: dict, job: dict):
         super().__init__()
         self.view, self.log_lines, self.log_name, self.server, self.job = view, log_lines, log_name, server, job
+
+    def shown(self) -> tuple:
+        """What the run panel shows: running stages' clocks only to the minute, as they are drawn."""
+        stages = tuple(replace(s, elapsed_s=s.elapsed_s // 60, eta_s=s.eta_s and s.eta_s // 60)
+                       if s.status == "running" and s.elapsed_s is not None else s for s in self.view.stages)
+        return replace(self.view, stages=stages), self.log_name, self.server, self.job
+
+    def same_as(self, other: RunPolled | None) -> bool:
+        return other is not None and not self.log_lines and self.shown() == other.shown()
+
+
+class Flash(Message):
+    def __init__(self, text: str):
+        super().__init__()
+        self.text = text
 
 
 class ServerActionDone(Message):
@@ -235,6 +309,7 @@ class ConsoleApp(App):
         self.sampler = sampler or gpu.sample
         self.watcher = RunWatcher(self.rundir, stage_names(), clock=clock)
         self.tailer: LogTailer | None = None
+        self.tailer_name: str | None = None
         self.log_name: str | None = None
         self.log_buffer: deque[str] = deque(maxlen=10_000)
         self.log_filter = ""
@@ -254,7 +329,7 @@ class ConsoleApp(App):
                 yield Input(placeholder="filter the log (Enter applies, empty = all)", id="filter")
                 yield Log(id="log", max_lines=10_000, auto_scroll=True)
             with TabPane("2 GPUs", id="gpus-tab"):
-                yield DataTable(id="gpus", cursor_type="row")
+                yield Grid("gpus", ("GPU", "name", "util", "history", "memory", "history", "temp", "power", "SM MHz"))
                 yield DataTable(id="gpu-procs")
             with TabPane("3 Server", id="server"):
                 yield Static(id="server-info")
@@ -278,35 +353,49 @@ class ConsoleApp(App):
         self.tabs = self.query_one(TabbedContent)
         table = self.query_one("#stages", DataTable)
         table.add_columns("stage", "status", "progress", "elapsed", "ETA", "figures")
-        self.query_one("#gpus", DataTable).add_columns("GPU", "name", "util", "history", "memory",
-                                                       "history", "temp", "power", "SM MHz")
         self.query_one("#gpu-procs", DataTable).add_columns("GPU", "PID", "process", "GPU memory")
         self.query_one("#matrix", DataTable).add_columns("method", "conc.", "tok/s", "TPOT ms", "τ",
                                                          "acceptance per position", "speedup", "same output")
         if self.readonly:
             for b in self.query(Button):
                 b.disabled = True
-        self.tick()
-        self.set_interval(self.interval, self.tick)
+        self._feed_stop = threading.Event()
+        threading.Thread(target=self._feed, name="console-feed", daemon=True).start()
 
-    # ---- workers: one short thread job per tick (a looping thread worker would block exit)
-    def tick(self) -> None:
-        self.sample_gpus()
-        self.poll_run()
+    def on_unmount(self) -> None:
+        self._feed_stop.set()
 
-    @work(thread=True, exclusive=True, group="nvml", exit_on_error=False)
-    def sample_gpus(self) -> None:
-        self.post_message(GpuSampled(self.sampler()))
+    # ---- the feed: one daemon thread samples NVML and reads the run each interval and posts what
+    # it found. Not a Textual worker per tick: each worker's start and state changes are messages
+    # the app dispatches, which cost more than the sampling itself; a daemon thread never blocks exit.
+    def _feed(self) -> None:
+        last_run = None
+        while not self._feed_stop.is_set():
+            started = time.monotonic()
+            try:
+                self.post_message(GpuSampled(self.sampler()))
+            except Exception as exc:  # the sampler reports NVML errors itself; anything else is shown
+                self.post_message(GpuSampled(gpu.GpuSnapshot(time.time(), (), unavailable=f"sampler: {exc}")))
+            try:
+                polled = self.poll_run()
+                if not polled.same_as(last_run):  # unchanged run, log, server and job: nothing to render
+                    last_run = polled
+                    self.post_message(polled)
+            except Exception as exc:
+                self.post_message(Flash(f"reading the run failed: {exc}"))
+            self._feed_stop.wait(max(0.0, self.interval - (time.monotonic() - started)))
 
-    @work(thread=True, exclusive=True, group="run", exit_on_error=False)
-    def poll_run(self) -> None:
+    def poll_run(self) -> RunPolled:
         view = self.watcher.poll()
         name = view.current or self.log_name or next((s.name for s in reversed(view.stages)
                                                       if s.status != "pending"), None)
-        if name and name != self.log_name:
-            self.tailer = LogTailer(self.rundir.log_path(name))
+        if name and name != self.tailer_name:
+            self.tailer, self.tailer_name = LogTailer(self.rundir.log_path(name)), name
         lines = self.tailer.new_lines() if self.tailer else []
-        self.post_message(RunPolled(view, lines, name, box.controller(self.profile).status(), jobs.job_state(self.rundir)))
+        server = box.controller(self.profile).status()
+        if "uptime_s" in server:  # shown to 10 s, as the stages' elapsed: a finer figure repaints every tick
+            server["uptime_s"] = server["uptime_s"] // 10 * 10
+        return RunPolled(view, lines, name, server, jobs.job_state(self.rundir))
 
     # ---- rendering (message handlers own all state)
     def _set(self, widget: Static, content) -> None:
@@ -350,18 +439,17 @@ class ConsoleApp(App):
             self._draw_gpus(self.snapshot)
 
     def _draw_gpus(self, snap: gpu.GpuSnapshot) -> None:
-        rows: list[tuple] = [("-", snap.hint, "", "", "", "", "", "", "")] if snap.unavailable else []
+        rows: list[tuple] = [("-", snap.hint)] if snap.unavailable else []
         for g in snap.gpus:
             if g.lost:
-                rows.append((str(g.index), g.name.removeprefix("NVIDIA "), Text("✖ GPU LOST", style="bold red"), Text(g.error[:30]),
-                             "", "", "", "", ""))
+                rows.append((str(g.index), g.name.removeprefix("NVIDIA "), Text("✖ GPU LOST", style="bold red"), Text(g.error[:30])))
                 continue
             util_hist, mem_hist = self.history[g.index]
             mem = f"{na(g.mem_used and g.mem_used / 2**30, '{:.1f}')}/{na(g.mem_total and g.mem_total / 2**30, '{:.0f}')}G"
             power = f"{na(g.power_w, '{:.0f}')}/{na(g.power_limit_w, '{:.0f}')}W"
             rows.append((str(g.index), g.name.removeprefix("NVIDIA "), na(g.util_pct, "{}%"), spark(util_hist), mem, spark(mem_hist),
                          na(g.temp_c, "{}°C"), power, na(g.sm_clock_mhz)))
-        self._fill(self.w["gpus"], rows)
+        self.w["gpus"].set(rows)
         self._fill(self.w["gpu-procs"], [(str(g.index), str(p.pid), p.name, human_bytes(p.used_bytes))
                                          for g in snap.gpus for p in g.processes])
 
@@ -515,6 +603,10 @@ class ConsoleApp(App):
     def _server_done(self, msg: ServerActionDone) -> None:
         self.notify(msg.text, severity="information" if msg.ok else "error", timeout=8)
         notes.add(self.rundir, f"console: server {msg.text}", source="operator")
+
+    @on(Flash)
+    def _flash(self, msg: Flash) -> None:
+        self.notify(msg.text, severity="error", timeout=8)
 
     # ---- log, display, notes
     def action_filter(self) -> None:

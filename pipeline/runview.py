@@ -104,9 +104,11 @@ class RunWatcher:
             elapsed = entry.get("seconds") if status in ("done", "failed") else (now - started if started else None)
             done, total = prog.get("done"), prog.get("total")
             eta = None
-            if status == "running" and elapsed and total and done:
-                frac = min(1.0, done / total)
-                eta = elapsed / frac - elapsed if frac > 0 else None
+            if status == "running" and started and total and done and prog.get("t", 0) > started:
+                # The rate at the last progress report, counted down since: an ETA from "now" and an
+                # old fraction would grow between reports instead of falling.
+                finish = started + (prog["t"] - started) * total / done
+                eta = max(0.0, finish - now)
             figs = dict(entry.get("figures") or {}) if status == "done" else {
                 **self._metrics.get(name, {}), **{k: v for k, v in prog.items() if k not in
                                                    ("ts", "t", "stage", "kind", "done", "total", "unit")}}
