@@ -101,6 +101,7 @@ class EvaluateSection:
     k: int = 3
     num_prompts: int = 16
     max_new_tokens: int = 64
+    batch_size: int = 16  # offline evaluator: prompts speculated (and verified) together
 
 
 @dataclass(frozen=True)
@@ -241,7 +242,7 @@ def _check_semantics(p: Profile, source: Path) -> None:
         "data.seq_length": p.data.seq_length, "vocab.draft_vocab_size": p.vocab.draft_vocab_size,
         "train.epochs": p.train.epochs, "train.total_seq_len": p.train.total_seq_len,
         "train.ttt_steps": p.train.ttt_steps, "train.num_layers": p.train.num_layers,
-        "train.nproc_per_node": p.train.nproc_per_node, "evaluate.k": p.evaluate.k,
+        "train.nproc_per_node": p.train.nproc_per_node, "evaluate.k": p.evaluate.k, "evaluate.batch_size": p.evaluate.batch_size,
         "evaluate.max_new_tokens": p.evaluate.max_new_tokens, "extract.batch_size": p.extract.batch_size,
         "extract.writer_threads": p.extract.writer_threads, "extract.concurrency": p.extract.concurrency,
         "server.port": p.server.port, "server.max_model_len": p.server.max_model_len,

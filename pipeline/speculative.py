@@ -42,20 +42,31 @@ class DraftProposer:
             mask &= (q - k) < self.window
         return mask.view(1, 1, n, n)
 
-    def _extra_mask(self, n: int, step: int, sliding: bool) -> torch.Tensor:
-        keys = torch.ones(n + step, dtype=torch.bool)
+    def _extra_mask(self, lengths: torch.Tensor, width: int, step: int, sliding: bool) -> torch.Tensor:
+        """Keys a step-`step` query of each row sees: that row's own context (not the padding after
+        it, not outside its sliding window) and its own earlier steps."""
+        j = torch.arange(width).unsqueeze(0)
+        n = lengths.unsqueeze(1)
+        context = j < n
         if sliding and self.window:
-            keys[: n] = (n - 1 - torch.arange(n)) < self.window
-        return keys.view(1, 1, 1, n + step)
+            context &= (n - 1 - j) < self.window
+        own = torch.ones(len(lengths), step, dtype=torch.bool)
+        return torch.cat([context, own], dim=1).view(len(lengths), 1, 1, width + step)
 
     @torch.no_grad()
-    def propose(self, aux: torch.Tensor, next_ids: list[int], k: int) -> list[int]:
-        """aux: [1, n, n_aux*H] target states of positions 0..n-1; next_ids: tokens 1..n. Returns k
-        draft tokens (target vocabulary) continuing the sequence."""
+    def propose(self, aux: torch.Tensor, next_ids, k: int, lengths: list[int] | None = None) -> list:
+        """aux: [B, n, n_aux*H] target states of positions 0..n-1 (rows right-padded to n, real length
+        `lengths[b]`); next_ids: [B, n] tokens 1..n. Returns k draft tokens (target vocabulary) per row
+        continuing each sequence; a single unpadded row may be given as plain lists."""
         from transformers import DynamicCache
 
+        single = not isinstance(next_ids, torch.Tensor)
+        if single:
+            next_ids = torch.tensor([next_ids], dtype=torch.long)
         d = self.draft
-        n = aux.shape[1]
+        batch, n = next_ids.shape
+        lens = torch.tensor(lengths if lengths is not None else [n] * batch)
+        rows = torch.arange(batch)
         h = aux.to(d.fc.weight.dtype)
         if d.input_norm is not None:
             h = d.input_norm(h)
@@ -64,30 +75,31 @@ class DraftProposer:
             h = torch.cat([norm(c) for norm, c in zip(d.fc_norm, chunks)], dim=-1)
         h = d.fc(h)
         cache = DynamicCache()
-        ids = torch.tensor([next_ids], dtype=torch.long)
-        positions = 1 + torch.arange(n).unsqueeze(0)
-        out: list[int] = []
+        ids = next_ids
+        positions = 1 + torch.arange(n).unsqueeze(0).expand(batch, n)
+        out = torch.empty(batch, k, dtype=torch.long)
         for step in range(k):
             x = torch.cat([d.embed_tokens(ids), h], dim=-1)
             pe = d.rotary_emb(x, positions)
             cache_position = torch.arange(n) if step == 0 else torch.tensor([n + step - 1])
             for i, layer in enumerate(d.layers):
                 sliding = i in self.sliding
-                mask = self._step0_mask(n, sliding) if step == 0 else self._extra_mask(n, step, sliding)
+                mask = self._step0_mask(n, sliding) if step == 0 else self._extra_mask(lens, n, step, sliding)
                 x = layer(x, attention_mask=mask, position_ids=positions, past_key_values=cache,
                           cache_position=cache_position, position_embeddings=pe)
-            if d.config.norm_output:
-                x = d.norm(x)
-                logits = d.lm_head(x)
+            last = x[rows, lens - 1] if step == 0 else x[:, -1]  # [B, H]: each row's newest position
+            if d.config.norm_output:  # the next step reads the normed state, as speculators' forward
+                last = d.norm(last)
+                logits = d.lm_head(last)
             else:
-                logits = d.lm_head(d.norm(x))
-            draft_id = int(logits[0, -1].argmax())
-            token = draft_id + int(d.d2t[draft_id]) if d.d2t is not None else draft_id
-            out.append(token)
-            h = x[:, -1:]
-            ids = torch.tensor([[token]], dtype=torch.long)
-            positions = positions[:, -1:] + 1
-        return out
+                logits = d.lm_head(d.norm(last))
+            draft_ids = logits.argmax(-1)
+            tokens = draft_ids + d.d2t[draft_ids] if d.d2t is not None else draft_ids
+            out[:, step] = tokens
+            h = last.unsqueeze(1)
+            ids = tokens.unsqueeze(1)
+            positions = (lens + 1 + step).unsqueeze(1)
+        return out[0].tolist() if single else out.tolist()
 
 
 @dataclass
@@ -125,40 +137,85 @@ def _truncate(tokens: list[int], eos: set[int], limit: int) -> list[int]:
     return tokens[:limit]
 
 
+def _right_padded(rows: list[list[int]], pad: int) -> torch.Tensor:
+    width = max(map(len, rows))
+    return torch.tensor([r + [pad] * (width - len(r)) for r in rows], dtype=torch.long)
+
+
 @torch.no_grad()
+def speculative_generate_batch(reader: HiddenStateReader, proposer: DraftProposer, prompts: list[list[int]], k: int,
+                               max_new_tokens: int, eos: set[int]) -> list[tuple[list[int], SpecStats]]:
+    """Chain speculation for several prompts at once: every target forward (prefill, verify) and
+    every draft step runs over the rows still generating, right-padded. The target is causal, so
+    padding after a row's last real token changes nothing at its real positions."""
+    seqs = [list(p) for p in prompts]
+    outs: list[list[int]] = [[] for _ in prompts]
+    stats = [SpecStats(k=k) for _ in prompts]
+    aux: list[torch.Tensor] = [torch.empty(0)] * len(prompts)
+
+    def verify(rows: list[int], tails: list[list[int]]) -> torch.Tensor:
+        """Target forward over seq+tail of each row; returns logits and stores each row's aux states."""
+        full = [seqs[r] + t for r, t in zip(rows, tails)]
+        logits, states = reader(_right_padded(full, pad=0))
+        states = states.flatten(2)  # the reader reads the head's aux layers only
+        for b, r in enumerate(rows):
+            aux[r] = states[b, : len(full[b])]
+            stats[r].target_forwards += 1
+        return logits
+
+    active = list(range(len(prompts)))
+    logits = verify(active, [[] for _ in active])
+    for b, r in enumerate(active):
+        first = int(logits[b, len(seqs[r]) - 1].argmax())
+        outs[r].append(first)
+        seqs[r].append(first)
+    while active := [r for r in active if len(outs[r]) < max_new_tokens and not eos.intersection(outs[r])]:
+        lengths = [len(seqs[r]) - 1 for r in active]
+        width = max(lengths)
+        ctx = torch.zeros(len(active), width, aux[active[0]].shape[-1], dtype=aux[active[0]].dtype)
+        for b, r in enumerate(active):
+            ctx[b, : lengths[b]] = aux[r][: lengths[b]]
+        drafts = proposer.propose(ctx, _right_padded([seqs[r][1:] for r in active], pad=0), k, lengths)
+        logits = verify(active, drafts)
+        for b, r in enumerate(active):
+            n = len(seqs[r])
+            preds = logits[b, n - 1: n + k].argmax(-1).tolist()
+            accepted = 0
+            while accepted < k and drafts[b][accepted] == preds[accepted]:
+                accepted += 1
+            st = stats[r]
+            st.rounds += 1
+            st.accepted += accepted
+            for i in range(accepted):
+                st.per_position[i] += 1
+            new = drafts[b][:accepted] + [preds[accepted]]
+            seqs[r] += new
+            outs[r] += new
+    results = []
+    for out, st in zip(outs, stats):
+        out = _truncate(out, eos, max_new_tokens)
+        st.generated = len(out)
+        results.append((out, st))
+    return results
+
+
 def speculative_generate(reader: HiddenStateReader, proposer: DraftProposer, prompt: list[int], k: int,
                          max_new_tokens: int, eos: set[int]) -> tuple[list[int], SpecStats]:
-    stats = SpecStats(k=k)
-    seq = list(prompt)
-    logits, states = reader(torch.tensor([seq]))
-    stats.target_forwards += 1
-    out = [int(logits[0, -1].argmax())]
-    seq.append(out[0])
-    aux = states.flatten(2)  # the reader reads the head's aux layers only
-    while len(out) < max_new_tokens and not eos.intersection(out):
-        drafts = proposer.propose(aux[:, : len(seq) - 1], seq[1:], k)
-        logits, states = reader(torch.tensor([seq + drafts]))
-        stats.target_forwards += 1
-        preds = logits[0, len(seq) - 1: len(seq) + k].argmax(-1).tolist()
-        accepted = 0
-        while accepted < k and drafts[accepted] == preds[accepted]:
-            accepted += 1
-        stats.rounds += 1
-        stats.accepted += accepted
-        for i in range(accepted):
-            stats.per_position[i] += 1
-        new = drafts[:accepted] + [preds[accepted]]
-        seq += new
-        out += new
-        aux = states.flatten(2)
-    out = _truncate(out, eos, max_new_tokens)
-    stats.generated = len(out)
-    return out, stats
+    return speculative_generate_batch(reader, proposer, [prompt], k, max_new_tokens, eos)[0]
 
 
 @torch.no_grad()
 def greedy_reference(model, prompt: list[int], max_new_tokens: int, eos: set[int]) -> list[int]:
-    """The target's own greedy output, through transformers' generate (an independent code path)."""
-    out = model.generate(input_ids=torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                         max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0)
-    return _truncate(out[0, len(prompt):].tolist(), eos, max_new_tokens)
+    return greedy_reference_batch(model, [prompt], max_new_tokens, eos)[0]
+
+
+@torch.no_grad()
+def greedy_reference_batch(model, prompts: list[list[int]], max_new_tokens: int, eos: set[int]) -> list[list[int]]:
+    """The target's own greedy outputs, through transformers' generate (an independent code path),
+    left-padded as generate expects; positions come from the attention mask."""
+    width = max(map(len, prompts))
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts], dtype=torch.long)
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], dtype=torch.long)
+    out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False,
+                         pad_token_id=0)
+    return [_truncate(row[width:].tolist(), eos, max_new_tokens) for row in out]

@@ -72,11 +72,29 @@ def test_stage_fails_when_output_differs_from_greedy(finished_run, tmp_path, mon
     run_dir = tmp_path / "copy"
     shutil.copytree(finished_run, run_dir, symlinks=True)
     run = RunDir.open(run_dir)
-    real = speculative.greedy_reference
-    monkeypatch.setattr(speculative, "greedy_reference",
-                        lambda *a, **k: [t + 1 for t in real(*a, **k)])  # a verifier that disagrees
+    real = speculative.greedy_reference_batch
+    monkeypatch.setattr(speculative, "greedy_reference_batch",
+                        lambda *a, **k: [[t + 1 for t in row] for row in real(*a, **k)])  # a verifier that disagrees
     run.update_stage("evaluate-offline", status="pending")
     with pytest.raises(Exception, match="lossless check failed: 4/4"):
         run_stages(run, start="evaluate-offline")
     assert run.stage_state("evaluate-offline")["status"] == "failed"
     assert json.loads((run.eval_dir / "offline.json").read_text())["lossless"] is False
+
+
+def test_batched_speculation_equals_one_prompt_at_a_time(finished_run):
+    """Right padding must change nothing: each row of a batch gets the drafts, acceptances and output it
+    gets alone, and the batched greedy reference equals the one-prompt one."""
+    _, model, tok, draft, prompts = load(finished_run)
+    eos = evaluate_offline.eos_ids(model)
+    proposer = speculative.DraftProposer(draft)
+    reader = target.HiddenStateReader(model, proposer.aux_ids)
+    ids = [conversations.render_ids(tok, msgs, add_generation_prompt=True) for msgs in prompts[:4]]
+    assert len({len(i) for i in ids}) > 1  # rows of different lengths: padding is exercised
+    batched = speculative.speculative_generate_batch(reader, proposer, ids, 3, 24, eos)
+    refs = speculative.greedy_reference_batch(model, ids, 24, eos)
+    for p, (out, st), ref in zip(ids, batched, refs):
+        alone, st1 = speculative.speculative_generate(reader, proposer, p, 3, 24, eos)
+        assert out == alone == ref == speculative.greedy_reference(model, p, 24, eos)
+        assert (st.rounds, st.accepted, st.per_position, st.target_forwards) == \
+            (st1.rounds, st1.accepted, st1.per_position, st1.target_forwards)

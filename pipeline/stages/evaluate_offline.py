@@ -43,21 +43,25 @@ class EvaluateOffline(Stage):
         total = speculative.SpecStats(k=ev.k)
         per_prompt, mismatches = [], []
         t_spec = t_ref = 0.0
-        for i, p in enumerate(prompts):
-            ids = conversations.render_ids(tok, p["messages"], add_generation_prompt=True)
+        done = 0
+        for start in range(0, len(prompts), ev.batch_size):
+            batch = prompts[start: start + ev.batch_size]
+            ids = [conversations.render_ids(tok, p["messages"], add_generation_prompt=True) for p in batch]
             t0 = time.perf_counter()
-            out, stats = speculative.speculative_generate(reader, proposer, ids, ev.k, ev.max_new_tokens, eos)
+            results = speculative.speculative_generate_batch(reader, proposer, ids, ev.k, ev.max_new_tokens, eos)
             t1 = time.perf_counter()
-            ref = speculative.greedy_reference(model, ids, ev.max_new_tokens, eos)
+            refs = speculative.greedy_reference_batch(model, ids, ev.max_new_tokens, eos)
             t_ref += time.perf_counter() - t1
             t_spec += t1 - t0
-            total.merge(stats)
-            same = out == ref
-            if not same:
-                first = next((j for j, (a, b) in enumerate(zip(out, ref)) if a != b), min(len(out), len(ref)))
-                mismatches.append({"id": p["id"], "first_difference": first})
-            per_prompt.append({"id": p["id"], "tau": round(stats.tau, 4), "tokens": len(out), "lossless": same})
-            ctx.progress(self.name, i + 1, len(prompts), "prompts", tau=round(total.tau, 3))
+            for p, (out, stats), ref in zip(batch, results, refs):
+                total.merge(stats)
+                same = out == ref
+                if not same:
+                    first = next((j for j, (a, b) in enumerate(zip(out, ref)) if a != b), min(len(out), len(ref)))
+                    mismatches.append({"id": p["id"], "first_difference": first})
+                per_prompt.append({"id": p["id"], "tau": round(stats.tau, 4), "tokens": len(out), "lossless": same})
+            done += len(batch)
+            ctx.progress(self.name, done, len(prompts), "prompts", tau=round(total.tau, 3))
         result = {
             "k": ev.k, "prompts": len(prompts), "tau": round(total.tau, 4),
             "acceptance_per_position": [round(a, 4) for a in total.acceptance()],
@@ -65,7 +69,7 @@ class EvaluateOffline(Stage):
             "target_forwards": total.target_forwards,
             "tokens_per_target_forward": round(total.generated / total.target_forwards, 4),
             "lossless": not mismatches, "mismatches": mismatches, "per_prompt": per_prompt,
-            "seconds_speculative": round(t_spec, 3), "seconds_greedy_reference": round(t_ref, 3),
+            "batch_size": ev.batch_size, "seconds_speculative": round(t_spec, 3), "seconds_greedy_reference": round(t_ref, 3),
         }
         atomicio.atomic_write_json(result_path(ctx), result)
         if mismatches:
