@@ -23,7 +23,11 @@ class ProfileError(ValueError):
 class TargetSection:
     source: Literal["demo", "path"] = "demo"
     model_path: str = ""  # source = "path": a local HF model directory
+    # config.json to plan and preflight from where the weights are not on this machine (a copy of
+    # the model's own); the weights themselves are checked by preflight before any GPU work
+    config: str = ""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    quantization: str = ""  # as served, e.g. "int4" (compressed-tensors); planning only
 
 
 @dataclass(frozen=True)
@@ -52,6 +56,8 @@ class DataSection:
     regenerate: bool = False  # replace assistant turns with the target's own greedy output
     regenerate_max_tokens: int = 96
     regenerate_batch_size: int = 16
+    max_samples: int = 0  # training rows kept after preparation (0 = all); the planner's sample count
+    mean_sample_tokens: int = 0  # planning estimate until a prepared dataset measures it (0 = seq_length / 2)
     seed: int = 0
 
 
@@ -81,7 +87,11 @@ class TrainSection:
     draft_attn_impl: Literal["auto", "simple_flex_attention", "sdpa", "eager"] = "auto"
     loss_implementation: Literal["auto", "fused", "eager"] = "auto"
     hidden_states_dtype: Literal["auto", "bfloat16", "float32"] = "auto"
-    nproc_per_node: int = 1
+    nproc_per_node: int = 1  # torchrun processes per node (one per GPU); > 1 = data parallel
+    fsdp: bool = False  # shard the draft with FSDP2 (speculators --fsdp-shard) instead of DDP
+    nnodes: int = 1  # > 1: multi-node torchrun through a c10d rendezvous at rdzv_endpoint
+    node_rank: int = 0
+    rdzv_endpoint: str = ""  # host:port of node 0, reachable from every node
     num_workers: int = 0
     seed: int = 42
     extra_args: list[str] = field(default_factory=list)
@@ -126,6 +136,20 @@ class ServerSection:
 
 
 @dataclass(frozen=True)
+class HardwareSection:
+    """The machine the profile is written for: preflight compares it with what NVML finds, the
+    planner turns it into time and GPU-hours. Rates are estimates until an earlier run measured them."""
+    gpus: int = 0
+    gpu_name: str = ""
+    gpu_memory_gib: float = 0.0
+    nodes: int = 1
+    # per-GPU planning rates (tokens/s) when no earlier run on this target measured them
+    extract_tokens_per_s: float = 0.0
+    train_tokens_per_s: float = 0.0
+    min_free_disk_gib: float = 50.0  # headroom kept free beyond the plan
+
+
+@dataclass(frozen=True)
 class RunSection:
     runs_dir: str = "runs"
     cache_dir: str = "runs/.cache"
@@ -143,6 +167,7 @@ class Profile:
     train: TrainSection = field(default_factory=TrainSection)
     evaluate: EvaluateSection = field(default_factory=EvaluateSection)
     server: ServerSection = field(default_factory=ServerSection)
+    hardware: HardwareSection = field(default_factory=HardwareSection)
     run: RunSection = field(default_factory=RunSection)
 
     def to_dict(self) -> dict:
@@ -242,7 +267,7 @@ def _check_semantics(p: Profile, source: Path) -> None:
         "data.seq_length": p.data.seq_length, "vocab.draft_vocab_size": p.vocab.draft_vocab_size,
         "train.epochs": p.train.epochs, "train.total_seq_len": p.train.total_seq_len,
         "train.ttt_steps": p.train.ttt_steps, "train.num_layers": p.train.num_layers,
-        "train.nproc_per_node": p.train.nproc_per_node, "evaluate.k": p.evaluate.k, "evaluate.batch_size": p.evaluate.batch_size,
+        "train.nproc_per_node": p.train.nproc_per_node, "train.nnodes": p.train.nnodes, "evaluate.k": p.evaluate.k, "evaluate.batch_size": p.evaluate.batch_size,
         "evaluate.max_new_tokens": p.evaluate.max_new_tokens, "extract.batch_size": p.extract.batch_size,
         "extract.writer_threads": p.extract.writer_threads, "extract.concurrency": p.extract.concurrency,
         "server.port": p.server.port, "server.max_model_len": p.server.max_model_len,
@@ -251,6 +276,12 @@ def _check_semantics(p: Profile, source: Path) -> None:
     for key, value in positive.items():
         if value < 1:
             bad(key, value, "must be >= 1")
+    if p.train.nnodes > 1 and not p.train.rdzv_endpoint:
+        bad("train.rdzv_endpoint", p.train.rdzv_endpoint, f"is required when train.nnodes = {p.train.nnodes}")
+    if not 0 <= p.train.node_rank < p.train.nnodes:
+        bad("train.node_rank", p.train.node_rank, f"must be in [0, train.nnodes = {p.train.nnodes})")
+    if p.train.fsdp and p.train.nproc_per_node * p.train.nnodes < 2:
+        bad("train.fsdp", p.train.fsdp, "needs more than one process (train.nproc_per_node × train.nnodes)")
     if p.train.lr <= 0:
         bad("train.lr", p.train.lr, "must be > 0")
     if p.target.source == "path" and not p.target.model_path:
@@ -273,28 +304,32 @@ def _check_semantics(p: Profile, source: Path) -> None:
         bad("extract.layer_ids", ids, "must be >= 2 strictly increasing layer ids >= 0")
 
 
-def _resolve_inputs(p: Profile, source: Path) -> Profile:
+def _resolve_inputs(p: Profile, source: Path, check: bool = True) -> Profile:
     """Input paths are relative to the profile file's directory (so a profile works from any cwd) and
-    must exist: a missing model or data file is refused before anything runs."""
+    must exist: a missing model or data file is refused before anything runs. With check=False
+    (plan, preflight) paths are resolved but not required: preflight reports what is missing."""
     base = source.parent
     target, data = p.target, p.data
     if target.source == "path":
         model = (base / target.model_path).resolve()
-        if not (model / "config.json").is_file():
+        config = (base / target.config).resolve() if target.config else None
+        if config is not None and not config.is_file():
+            raise ProfileError(f"{source}: key 'target.config': file not found {str(config)!r}")
+        if check and not (model / "config.json").is_file():
             raise ProfileError(f"{source}: key 'target.model_path': no model (config.json) at {str(model)!r}")
-        target = dataclasses.replace(target, model_path=str(model))
+        target = dataclasses.replace(target, model_path=str(model), config=str(config) if config else "")
     if data.conversations != "demo":
         conv = (base / data.conversations).resolve()
-        if not conv.is_file():
+        if check and not conv.is_file():
             raise ProfileError(f"{source}: key 'data.conversations': file not found {str(conv)!r}")
         data = dataclasses.replace(data, conversations=str(conv))
     return dataclasses.replace(p, target=target, data=data)
 
 
-def load_profile(path: str | Path, overrides: dict | None = None) -> Profile:
+def load_profile(path: str | Path, overrides: dict | None = None, check_inputs: bool = True) -> Profile:
     """Load a profile file (a bare name is looked up in profiles/), apply dotted overrides."""
     path = Path(path)
-    if not path.suffix and not path.exists():
+    if not path.exists() and path.suffix != ".toml":  # a bare name, e.g. "kimi-k2.5-b300x8-full"
         path = PROFILES_DIR / f"{path}.toml"
     path = path.resolve()
     data = _read_toml(path)
@@ -308,7 +343,7 @@ def load_profile(path: str | Path, overrides: dict | None = None) -> Profile:
         data["name"] = path.stem
     profile = _build(Profile, data, path, "")
     _check_semantics(profile, path)
-    return _resolve_inputs(profile, path)
+    return _resolve_inputs(profile, path, check_inputs)
 
 
 # --------------------------------------------------------------------------- saving

@@ -17,10 +17,15 @@ def load_tokenizer(path: Path):
     return AutoTokenizer.from_pretrained(str(path))
 
 
-def load_model(path: Path, dtype: str):
-    from transformers import AutoModelForCausalLM
+def load_model(path: Path, dtype: str, device: str = "auto"):
+    """The target for transformers-side work; "auto" = spread over the visible GPUs when there are
+    any (accelerate's device map), else the CPU."""
     import torch
-    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=getattr(torch, dtype))
+    from transformers import AutoModelForCausalLM
+    if device == "auto":
+        device = "auto" if torch.cuda.is_available() else "cpu"
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=getattr(torch, dtype),
+                                                 device_map=None if device == "cpu" else device)
     return model.eval()
 
 
@@ -65,6 +70,9 @@ class HiddenStateReader:
 
     def _forward(self, input_ids, attention_mask):
         import torch
+        device = self.model.get_input_embeddings().weight.device
+        input_ids = input_ids.to(device)
+        attention_mask = attention_mask.to(device) if attention_mask is not None else None
         out = self.model(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True,
                          use_cache=False)
         layers = [self._prenorm if i == self._final else out.hidden_states[i] for i in self.layer_ids]

@@ -4,10 +4,10 @@ import inspect
 
 import pytest
 
-from pipeline.compat import speculators_cpu
+from pipeline.compat import speculators_compat
 
 
-@pytest.mark.parametrize("module,attr", speculators_cpu.ADAPTED)
+@pytest.mark.parametrize("module,attr", speculators_compat.ADAPTED)
 def test_adapted_names_still_exist(module, attr):
     assert hasattr(importlib.import_module(module), attr), f"{module}.{attr} is gone: update the compat layer"
 
@@ -26,19 +26,22 @@ def test_adapt_on_cpu_and_not_on_gpu(monkeypatch):
     trainer = importlib.import_module("speculators.train.trainer")
     monkeypatch.setattr(torch.accelerator, "is_available", lambda: True)
     original = trainer.get_local_rank
-    assert speculators_cpu.adapt() == []  # on an accelerator nothing is touched
+    assert speculators_compat.adapt() == []  # on an accelerator nothing is touched
     assert trainer.get_local_rank is original
     monkeypatch.setattr(torch.accelerator, "is_available", lambda: False)
     ckpt = importlib.import_module("speculators.train.checkpointer")
-    saved = (trainer.get_local_rank, ckpt.get_current_device, trainer._StepTimer.mark, trainer._StepTimer.now)
+    cli = importlib.import_module("speculators.train.cli")
+    saved = (trainer.get_local_rank, ckpt.get_current_device, trainer._StepTimer.mark, trainer._StepTimer.now,
+             cli.maybe_setup_distributed)
     try:
-        assert len(speculators_cpu.adapt()) == len(speculators_cpu.ADAPTED)
+        assert len(speculators_compat.adapt()) == len(speculators_compat.ADAPTED)
         assert trainer.get_local_rank() == "cpu" and ckpt.get_current_device() == "cpu"
         timer = trainer._StepTimer(enabled=True)
         timer.mark("start")  # would raise "Cannot access accelerator device" unadapted
         assert timer.now() is not None
     finally:
-        trainer.get_local_rank, ckpt.get_current_device, trainer._StepTimer.mark, trainer._StepTimer.now = saved
+        (trainer.get_local_rank, ckpt.get_current_device, trainer._StepTimer.mark, trainer._StepTimer.now,
+         cli.maybe_setup_distributed) = saved
 
 
 def test_train_log_line_parsing():

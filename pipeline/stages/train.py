@@ -60,12 +60,21 @@ def build_command(ctx: StageContext, *, python: str = sys.executable) -> list[st
     if t.hidden_states_dtype != "auto":
         flags += ["--hidden-states-dtype", t.hidden_states_dtype]
     flags += list(t.extra_args)
-    if t.nproc_per_node > 1:
-        return [python, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={t.nproc_per_node}",
-                "-m", "speculators.train", *flags]
-    if gpu:
-        return [python, "-m", "speculators", "train", *flags]
-    return [python, "-m", "pipeline.compat.speculators_cpu", "train", *flags]
+    if t.fsdp:
+        flags.append("--fsdp-shard")
+    # Always through the compat launcher: it adapts nothing that works as released (a CPU's three
+    # accelerator assumptions and gloo; on a GPU the fused loss's shared autotuner lists).
+    launch = ["-m", "pipeline.compat.speculators_compat", "train", *flags]
+    if t.nproc_per_node * t.nnodes > 1:
+        return [python, "-m", "torch.distributed.run", *torchrun_args(t, ctx.run.root.name), *launch]
+    return [python, *launch]
+
+
+def torchrun_args(t, run_name: str) -> list[str]:
+    if t.nnodes == 1:
+        return ["--standalone", f"--nproc-per-node={t.nproc_per_node}"]
+    return [f"--nnodes={t.nnodes}", f"--node-rank={t.node_rank}", f"--nproc-per-node={t.nproc_per_node}",
+            "--rdzv-backend=c10d", f"--rdzv-endpoint={t.rdzv_endpoint}", f"--rdzv-id={run_name}"]
 
 
 def epoch_dirs(save_path: Path) -> list[Path]:

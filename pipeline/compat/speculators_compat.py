@@ -1,0 +1,134 @@
+"""Run `speculators train` where speculators 0.9.0 does not run as released, without editing
+installed files; this launcher adapts names in its own process, then hands over to speculators' CLI.
+
+Without an accelerator (REFERENCE.md §3.3): three places that are fatal on a CPU, plus, under
+torchrun, the process-group setup, which derives NCCL from the accelerator: on a CPU it uses gloo.
+With an accelerator: the fused Triton loss's two kernels share one autotuner `configs`/`keys` list,
+which torch ≥ 2.11's compiler refuses ("ListVariable … is already tracked for mutation",
+REFERENCE.md §7); the backward kernel gets its own copies. Nothing else is touched on a GPU.
+
+Usage: python -m pipeline.compat.speculators_compat train <speculators train flags>
+       python -m torch.distributed.run … -m pipeline.compat.speculators_compat train <flags>
+
+Every adapted name is listed in ADAPTED; tests/test_compat.py fails loudly if a speculators release
+renames or removes one of them.
+"""
+from __future__ import annotations
+
+import sys
+
+import torch
+
+# (module, attribute) pairs this module replaces or wraps; checked by the tests.
+ADAPTED = [
+    ("speculators.train.trainer", "get_local_rank"),   # .to(local_rank) -> "cpu" instead of an accelerator index
+    ("speculators.train.trainer", "_StepTimer"),        # calls torch.accelerator.synchronize() per logged step
+    ("speculators.train.checkpointer", "get_current_device"),  # resume loads onto "cuda:0" without accelerator
+    ("speculators.train.cli", "maybe_setup_distributed"),  # NCCL from the accelerator; gloo on a CPU
+]
+# With an accelerator: the fused loss kernels whose shared autotuner lists are split.
+FUSED_KERNELS = ("speculators.losses.fused", ("loss_forward_kernel", "loss_backward_kernel"))
+
+
+def needs_adapting() -> bool:
+    return not torch.accelerator.is_available()
+
+
+def adapt() -> list[str]:
+    """Patch speculators' trainer for CPU; return what was adapted (empty on an accelerator)."""
+    if not needs_adapting():
+        return []
+    import importlib
+
+    trainer = importlib.import_module("speculators.train.trainer")
+    checkpointer = importlib.import_module("speculators.train.checkpointer")
+    for module, attr in ADAPTED:
+        if not hasattr(importlib.import_module(module), attr):
+            raise RuntimeError(f"speculators changed: {module}.{attr} no longer exists; "
+                               f"pipeline/compat/speculators_compat.py must be updated")
+
+    trainer.get_local_rank = lambda: "cpu"
+    checkpointer.get_current_device = lambda: "cpu"
+
+    timer = trainer._StepTimer
+    original_mark, original_now = timer.mark, timer.now
+
+    def mark(self, name):  # the same bookkeeping; nothing to synchronize on a CPU
+        with _no_accelerator_sync():
+            return original_mark(self, name)
+
+    def now(self):
+        with _no_accelerator_sync():
+            return original_now(self)
+
+    timer.mark, timer.now = mark, now
+    cli = importlib.import_module("speculators.train.cli")
+    cli.maybe_setup_distributed = _setup_distributed_on_cpu
+    # Trainer.device_type stays "cuda", which leaves autocast off (fp32 compute). Deliberately: CPU bf16
+    # autocast measured 1,550 ms/step against 215 ms/step in fp32 on the 2-core CI machine (NOTES.md).
+    return [f"{m}.{a}" for m, a in ADAPTED]
+
+
+def _setup_distributed_on_cpu(sp_size: int = 1) -> None:
+    """speculators' maybe_setup_distributed with gloo and no device: the same module state, set the
+    same way, so its getters (rank, world size, data-parallel groups) answer as under NCCL."""
+    import os
+
+    import torch.distributed as dist
+    from speculators.train import distributed as sd
+
+    sd._local_rank = int(os.environ.get("LOCAL_RANK", "0"))  # noqa: SLF001 - the module's own state
+    sd._is_distributed = "LOCAL_RANK" in os.environ  # noqa: SLF001
+    if not sd._is_distributed:  # noqa: SLF001
+        return
+    dist.init_process_group("gloo")
+    sd._rank, sd._world_size = dist.get_rank(), dist.get_world_size()  # noqa: SLF001
+    sd._init_sp_process_groups(sd._rank, sd._world_size, sp_size)  # noqa: SLF001
+    print(f"[eagle3-console] gloo process group: rank {sd._rank} of {sd._world_size}", file=sys.stderr, flush=True)  # noqa: SLF001
+
+
+def split_fused_autotuner_lists() -> list[str]:
+    """Give each fused-loss kernel's autotuner its own list and dict objects (GPU only: Triton)."""
+    import copy
+    import importlib
+
+    try:
+        fused = importlib.import_module(FUSED_KERNELS[0])
+    except ImportError:  # no Triton: the eager loss is used anyway
+        return []
+    first, *others = (getattr(fused, name) for name in FUSED_KERNELS[1])
+    split = []
+    for kernel in others:
+        for attr, value in list(vars(kernel).items()):
+            if isinstance(value, (list, dict)) and value is vars(first).get(attr):
+                setattr(kernel, attr, copy.copy(value))
+                split.append(f"{kernel.fn.__name__ if hasattr(kernel, 'fn') else kernel}.{attr}")
+    return split
+
+
+class _no_accelerator_sync:
+    def __enter__(self):
+        self._saved = torch.accelerator.synchronize
+        torch.accelerator.synchronize = lambda *a, **k: None
+
+    def __exit__(self, *exc):
+        torch.accelerator.synchronize = self._saved
+        return False
+
+
+def main(argv: list[str] | None = None) -> None:
+    adapted = adapt()
+    if adapted:
+        print(f"[eagle3-console] no accelerator: adapted {', '.join(adapted)} for CPU", file=sys.stderr,
+              flush=True)
+    else:
+        split = split_fused_autotuner_lists()
+        print(f"[eagle3-console] fused loss: split shared autotuner state {split or 'none found'}",
+              file=sys.stderr, flush=True)
+    from speculators.cli import app
+
+    app(args=list(sys.argv[1:] if argv is None else argv), prog_name="speculators")
+
+
+if __name__ == "__main__":
+    main()
