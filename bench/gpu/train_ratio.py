@@ -85,6 +85,7 @@ def main() -> int:
     ap.add_argument("--tag", default="")
     ap.add_argument("--json", type=Path)
     a = ap.parse_args()
+    a.work = a.work.resolve()  # profile paths resolve against the profile's folder, not the cwd
 
     sizes = {"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2,
              "vocab_size": 1000} if a.small else {}
