@@ -69,6 +69,10 @@ class ExtractSection:
     batch_size: int = 8
     batch_tokens: int = 16384
     writer_threads: int = 2
+    # Split the rows over several extraction servers/machines: this one takes slice `rank` of
+    # `world_size` contiguous slices (speculators generate-offline-data's own split)
+    world_size: int = 1
+    rank: int = 0
 
 
 @dataclass(frozen=True)
@@ -269,13 +273,15 @@ def _check_semantics(p: Profile, source: Path) -> None:
         "train.ttt_steps": p.train.ttt_steps, "train.num_layers": p.train.num_layers,
         "train.nproc_per_node": p.train.nproc_per_node, "train.nnodes": p.train.nnodes, "evaluate.k": p.evaluate.k, "evaluate.batch_size": p.evaluate.batch_size,
         "evaluate.max_new_tokens": p.evaluate.max_new_tokens, "extract.batch_size": p.extract.batch_size,
-        "extract.writer_threads": p.extract.writer_threads, "extract.concurrency": p.extract.concurrency,
+        "extract.writer_threads": p.extract.writer_threads, "extract.concurrency": p.extract.concurrency, "extract.world_size": p.extract.world_size,
         "server.port": p.server.port, "server.max_model_len": p.server.max_model_len,
         "server.tensor_parallel_size": p.server.tensor_parallel_size, "server.health_timeout": p.server.health_timeout,
     }
     for key, value in positive.items():
         if value < 1:
             bad(key, value, "must be >= 1")
+    if not 0 <= p.extract.rank < p.extract.world_size:
+        bad("extract.rank", p.extract.rank, f"must be in [0, extract.world_size = {p.extract.world_size})")
     if p.train.nnodes > 1 and not p.train.rdzv_endpoint:
         bad("train.rdzv_endpoint", p.train.rdzv_endpoint, f"is required when train.nnodes = {p.train.nnodes}")
     if not 0 <= p.train.node_rank < p.train.nnodes:

@@ -63,3 +63,15 @@ def test_checkpoint_is_a_speculators_eagle3_model(finished_run):
     draft = load_draft(ckpt)
     assert draft.target_layer_ids == [1, 2, 3]
     assert draft.lm_head.weight.shape[0] == 512
+
+
+def test_extraction_shards_cover_every_row_once_like_speculators():
+    """Several extraction servers split the rows as generate-offline-data --world-size/--rank does."""
+    from speculators.data_generation.offline import get_indices_to_process  # noqa: PLC0415
+
+    from pipeline.stages.extract import shard
+    for total, world in ((10, 3), (7, 4), (3, 5), (100, 8)):
+        slices = [shard(total, world, r) for r in range(world)]
+        assert sorted(i for s in slices for i in s) == list(range(total))
+        for r, s in enumerate(slices):
+            assert list(s) == get_indices_to_process(total, None, [], world, r)

@@ -64,6 +64,14 @@ class _PinnedRing:
         return host, ready, self.readers[i]
 
 
+def shard(total: int, world_size: int, rank: int) -> range:
+    """Rank `rank`'s contiguous slice of `total` rows, sizes differing by at most one: the split
+    speculators' generate-offline-data makes with --world-size/--rank, so both backends agree."""
+    chunk, extra = divmod(total, world_size)
+    start = rank * chunk + min(rank, extra)
+    return range(start, start + chunk + (1 if rank < extra else 0))
+
+
 def plan_batches(lengths: dict[int, int], batch_size: int, batch_tokens: int) -> list[list[int]]:
     """Length-sorted batches (little padding), capped by count and by padded tokens."""
     order = sorted(lengths, key=lambda i: lengths[i])
@@ -80,15 +88,17 @@ def plan_batches(lengths: dict[int, int], batch_size: int, batch_tokens: int) ->
 
 
 def extract(model, dataset, hs_dir: Path, layer_ids: list[int], batch_size: int, batch_tokens: int,
-            writer_threads: int, on_progress=lambda done, total, tokens: None) -> dict:
+            writer_threads: int, on_progress=lambda done, total, tokens: None, indices: range | None = None) -> dict:
     import torch
 
     hs_dir.mkdir(parents=True, exist_ok=True)
     for stale in hs_dir.glob(".hs_*.tmp"):
         stale.unlink()
     dataset = dataset.with_format(None)  # plain lists; the saved format is torch
-    lengths = {i: n for i, n in enumerate(dataset["seq_len"]) if not hs_path(hs_dir, i).exists()}
-    total, already = len(dataset), len(dataset) - len(lengths)
+    indices = indices if indices is not None else range(len(dataset))
+    seq_len = dataset["seq_len"]
+    lengths = {i: seq_len[i] for i in indices if not hs_path(hs_dir, i).exists()}
+    total, already = len(indices), len(indices) - len(lengths)
     reader = target.HiddenStateReader(model, layer_ids)
     pad = 0
     done, tokens, written = already, 0, 0
@@ -142,7 +152,9 @@ class Extract(Stage):
         ex = ctx.profile.extract
         figures = extract(model, ds, ctx.run.hidden_states_dir, layer_ids, ex.batch_size, ex.batch_tokens,
                           ex.writer_threads,
-                          on_progress=lambda d, t, n: ctx.progress(self.name, d, t, "samples", tokens=n))
+                          on_progress=lambda d, t, n: ctx.progress(self.name, d, t, "samples", tokens=n),
+                          indices=shard(len(ds), ex.world_size, ex.rank))
+        figures["shard"] = f"{ex.rank}/{ex.world_size}"
         ctx.log.info("extracted %s", figures)
         return figures
 
@@ -157,7 +169,14 @@ def extract_with_vllm(ctx: StageContext, stage: str) -> dict:
 
     prepared = ctx.run.prepared_dir
     ds = load_from_disk(str(prepared))
-    total, tokens = len(ds), int(sum(ds.with_format(None)["seq_len"]))
+    ex = ctx.profile.extract
+    rows = shard(len(ds), ex.world_size, ex.rank)
+    seq_len = ds.with_format(None)["seq_len"]
+    total, tokens = len(rows), int(sum(seq_len[i] for i in rows))
+
+    def have_files() -> int:
+        return sum(hs_path(ctx.run.hidden_states_dir, i).exists() for i in rows)
+
     _, mode_args = box.mode_inputs(ctx.profile, ctx.run, "extraction")
     layer_ids = mode_args["layer_ids"]
     t0 = time.perf_counter()
@@ -167,10 +186,12 @@ def extract_with_vllm(ctx: StageContext, stage: str) -> dict:
                          **mode_args)
     server_start = time.perf_counter() - t0
     ctx.emit("server", stage, mode="extraction", pid=rec.pid, port=rec.port, start_s=round(server_start, 1))
-    before = len(list(ctx.run.hidden_states_dir.glob("hs_*.safetensors"))) if ctx.run.hidden_states_dir.is_dir() else 0
+    before = have_files()
     cmd = [sys.executable, "-m", "speculators", "generate-offline-data", "--endpoint", f"{rec.base_url}/v1",
            "--preprocessed-data", str(prepared), "--concurrency", str(ctx.profile.extract.concurrency),
            "--validate-outputs", "--fail-on-error"]
+    if ex.world_size > 1:
+        cmd += ["--world-size", str(ex.world_size), "--rank", str(ex.rank)]
     ctx.log.info("command: %s", " ".join(cmd))
     t1 = time.perf_counter()
     try:
@@ -181,9 +202,11 @@ def extract_with_vllm(ctx: StageContext, stage: str) -> dict:
     if rc != 0:
         raise StageError(f"speculators generate-offline-data exited with {rc}: "
                          f"{procs.last_error_line(ctx.run.log_path(stage))}")
-    have = len(list(ctx.run.hidden_states_dir.glob("hs_*.safetensors")))
+    have = have_files()
     if have != total:
-        raise StageError(f"generate-offline-data finished with {have}/{total} hidden-state files")
+        raise StageError(f"generate-offline-data finished with {have}/{total} hidden-state files of shard "
+                         f"{ex.rank}/{ex.world_size}")
     return {"backend": "vllm", "samples": total, "extracted": total - before, "resumed_from": before,
             "tokens": tokens, "server_start_s": round(server_start, 1), "seconds": round(seconds, 3),
-            "samples_per_s": round((total - before) / seconds, 2) if seconds else 0.0, "layer_ids": layer_ids}
+            "samples_per_s": round((total - before) / seconds, 2) if seconds else 0.0, "layer_ids": layer_ids,
+            "shard": f"{ex.rank}/{ex.world_size}"}
