@@ -228,6 +228,33 @@ def cmd_server(args) -> int:
         return code
 
 
+def cmd_plan(args) -> int:
+    from pipeline import plan
+    from pipeline.profile import ProfileError, load_profile
+    from pipeline.targetinfo import TargetInfoError
+    try:
+        plans = [plan.make_plan(load_profile(p, _overrides(args.set), check_inputs=False)) for p in args.profiles]
+    except (ProfileError, TargetInfoError) as exc:
+        return _die(str(exc))
+    print(json.dumps([p.to_dict() for p in plans], indent=1) if args.json else plan.table(plans))
+    return 0
+
+
+def cmd_preflight(args) -> int:
+    from pipeline import preflight
+    from pipeline.profile import ProfileError, load_profile
+    try:
+        profile = load_profile(args.profile, _overrides(args.set), check_inputs=False)
+    except ProfileError as exc:
+        return _die(str(exc))
+    findings = preflight.preflight(profile)
+    print(preflight.to_json(findings) if args.json else "\n".join(f.line() for f in findings))
+    blocked = preflight.blocking(findings)
+    if blocked and not args.json:
+        print(f"{len(blocked)} blocking finding(s): a run of this profile would stop here", file=sys.stderr)
+    return EXIT_FAILED if blocked else 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     from pipeline.stages import stage_names
 
@@ -280,6 +307,14 @@ def build_parser() -> argparse.ArgumentParser:
         if name == "status":
             sp.add_argument("--json", action="store_true")
     sv.set_defaults(func=cmd_server)
+    pl = sub.add_parser("plan", help="disk, GPU memory, time and GPU-hours of profiles, side by side")
+    pl.add_argument("profiles", nargs="+", metavar="PROFILE")
+    pf = sub.add_parser("preflight", help="check target, versions, GPUs, port and disk before a run")
+    pf.add_argument("profile")
+    for p, func in ((pl, cmd_plan), (pf, cmd_preflight)):
+        p.add_argument("--json", action="store_true")
+        p.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a profile value")
+        p.set_defaults(func=func)
     return parser
 
 

@@ -53,7 +53,10 @@ def select(profile, start: str | None, until: str | None) -> list[Stage]:
     hi = names.index(until) if until else len(names) - 1
     if lo > hi:
         raise RunnerError(f"--from {start} comes after --until {until}")
-    return [s for s in STAGES[lo:hi + 1] if s.applies(profile)]
+    chosen = STAGES[lo:hi + 1]
+    # Checks that must hold before any work (preflight) run whatever --from says.
+    chosen = [s for s in STAGES[:lo] if getattr(s, "always_run", False)] + chosen
+    return [s for s in chosen if s.applies(profile)]
 
 
 def _stage_logger(run: RunDir, stage: str) -> tuple[logging.Logger, logging.Handler]:
@@ -67,6 +70,8 @@ def _stage_logger(run: RunDir, stage: str) -> tuple[logging.Logger, logging.Hand
 
 
 def is_done(run: RunDir, stage: Stage) -> bool:
+    if getattr(stage, "always_run", False):
+        return False
     entry = run.stage_state(stage.name)
     return entry.get("status") == "done" and outputs_intact(run, entry.get("outputs", {}))
 

@@ -100,7 +100,8 @@ def main() -> int:
     overrides = {"target.model_path": str(stub), "target.config": "", "run.runs_dir": str(a.work / "runs"), "run.cache_dir": str(a.work / "cache"),
                  "train.epochs": a.epochs, "train.total_seq_len": a.total_seq_len, "train.nproc_per_node": a.nproc,
                  "train.fsdp": a.fsdp, "train.loss_implementation": a.loss, "train.draft_attn_impl": a.attn,
-                 "vocab.draft_vocab_size": 256 if a.small else 32000, "data.seq_length": a.seq}
+                 "vocab.draft_vocab_size": 256 if a.small else 32000, "data.seq_length": a.seq,
+                 "data.max_samples": a.samples, "data.mean_sample_tokens": a.seq, "hardware.min_free_disk_gib": 1.0}
     profile = load_profile(ROOT / "bench/gpu/train-8b.toml", overrides)
     # One synthetic dataset per size, shared by every run of this work directory (runs link to it).
     data = RunDir.create(profile, a.work / f"data-{a.samples}x{a.seq}") if not (a.work / f"data-{a.samples}x{a.seq}").exists() \

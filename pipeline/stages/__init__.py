@@ -4,12 +4,13 @@ from pipeline.stages.deploy_measure import DeployMeasure
 from pipeline.stages.evaluate_offline import EvaluateOffline
 from pipeline.stages.extract import Extract
 from pipeline.stages.handover import Handover
+from pipeline.stages.preflight import Preflight
 from pipeline.stages.prepare import Prepare
 from pipeline.stages.regenerate import Regenerate
 from pipeline.stages.train import Train
 from pipeline.stages.vocab import Vocab
 
-STAGES = [BuildTarget(), Regenerate(), Prepare(), Extract(), Vocab(), Train(), EvaluateOffline(), DeployMeasure(),
+STAGES = [Preflight(), BuildTarget(), Regenerate(), Prepare(), Extract(), Vocab(), Train(), EvaluateOffline(), DeployMeasure(),
           Handover()]
 
 

@@ -131,6 +131,7 @@ class Train(Stage):
         ctx.emit("command", self.name, argv=cmd, resumed_from=resumed.name if resumed else None)
         epochs = ctx.profile.train.epochs
         last: dict[str, float] = {}
+        step_ms: list[float] = []
         steps = 0
         epoch = int(resumed.name) + 1 if resumed else 0
 
@@ -141,6 +142,8 @@ class Train(Stage):
             step = metrics.pop("global_step", None)
             if any(k.startswith("train/") for k in metrics):
                 steps += 1
+                if "profile/step_ms" in metrics:
+                    step_ms.append(metrics["profile/step_ms"])
                 last.update(metrics)
                 ctx.emit("metric", self.name, step=int(step) if step is not None else steps, epoch=epoch, **metrics)
                 ctx.progress(self.name, epoch, epochs, "epochs", step=steps, loss=metrics.get("train/loss"))
@@ -162,10 +165,21 @@ class Train(Stage):
             raise StageError(f"speculators train exited 0 but the last complete epoch is "
                              f"{ckpt.name if ckpt else 'none'}, expected {epochs - 1}")
         figures = {"checkpoint": str(ckpt), "epochs": epochs, "logged_steps": steps,
+                   # the planner's measured rate: median step after the first (compile), all ranks
+                   "tokens_per_s": steady_tokens_per_s(step_ms, ctx.profile),
                    "resumed_from_epoch": int(resumed.name) if resumed else None, "quarantined": moved}
         figures.update({k.replace("/", "_"): round(v, 4) for k, v in last.items()
                         if k == "train/loss" or (k.startswith("val/") and re.search(r"(loss|acc)", k))})
         return figures
+
+
+def steady_tokens_per_s(step_ms: list[float], profile) -> float | None:
+    import statistics
+    steady = step_ms[1:] or step_ms
+    if not steady:
+        return None
+    t = profile.train
+    return round(t.total_seq_len * t.nproc_per_node * t.nnodes / (statistics.median(steady) / 1000), 1)
 
 
 def _stop_orphan(ctx: StageContext) -> None:

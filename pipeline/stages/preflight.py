@@ -1,0 +1,36 @@
+"""preflight: the run's first stage. Every check of pipeline/preflight.py, written to
+RUN/preflight.json and the notes; a blocking finding fails the run before any GPU work. It runs
+again on every resume: GPUs, the port and the disk change between attempts."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from pipeline import atomicio, notes
+from pipeline import preflight as checks
+from pipeline.stages.base import Stage, StageContext, StageError
+
+
+def result_path(ctx: StageContext) -> Path:
+    return ctx.run.root / "preflight.json"
+
+
+class Preflight(Stage):
+    name = "preflight"
+    always_run = True
+
+    def outputs(self, ctx: StageContext) -> list[Path]:
+        return [result_path(ctx)]
+
+    def run(self, ctx: StageContext) -> dict:
+        findings = checks.preflight(ctx.profile)
+        atomicio.atomic_write_text(result_path(ctx), checks.to_json(findings))
+        for f in findings:
+            ctx.log.info("%s", f.line())
+        worth_noting = [f for f in findings if f.severity in ("warn", "block")]
+        for f in worth_noting:
+            notes.add(ctx.run, f"preflight {f.severity}: {f.check}: {f.message}", source="auto", stage=self.name)
+        if blocked := checks.blocking(findings):
+            raise StageError(f"preflight: {len(blocked)} blocking finding(s); first: {blocked[0].check}: "
+                             f"{blocked[0].message}")
+        counts = {s: sum(f.severity == s for f in findings) for s in checks.SEVERITIES}
+        return {"ok": counts["ok"], "info": counts["info"], "warnings": counts["warn"]}

