@@ -33,10 +33,11 @@ class DraftProposer:
         self.window = getattr(tl, "sliding_window", None)
         self.sliding = set(draft.sliding_window_indices)
         self.aux_ids = list(draft.target_layer_ids)
+        self.device = draft.fc.weight.device
 
     def _step0_mask(self, n: int, sliding: bool) -> torch.Tensor:
-        q = torch.arange(n).unsqueeze(1)
-        k = torch.arange(n).unsqueeze(0)
+        q = torch.arange(n, device=self.device).unsqueeze(1)
+        k = torch.arange(n, device=self.device).unsqueeze(0)
         mask = k <= q
         if sliding and self.window:
             mask &= (q - k) < self.window
@@ -45,12 +46,12 @@ class DraftProposer:
     def _extra_mask(self, lengths: torch.Tensor, width: int, step: int, sliding: bool) -> torch.Tensor:
         """Keys a step-`step` query of each row sees: that row's own context (not the padding after
         it, not outside its sliding window) and its own earlier steps."""
-        j = torch.arange(width).unsqueeze(0)
+        j = torch.arange(width, device=self.device).unsqueeze(0)
         n = lengths.unsqueeze(1)
         context = j < n
         if sliding and self.window:
             context &= (n - 1 - j) < self.window
-        own = torch.ones(len(lengths), step, dtype=torch.bool)
+        own = torch.ones(len(lengths), step, dtype=torch.bool, device=self.device)
         return torch.cat([context, own], dim=1).view(len(lengths), 1, 1, width + step)
 
     @torch.no_grad()
@@ -63,11 +64,12 @@ class DraftProposer:
         single = not isinstance(next_ids, torch.Tensor)
         if single:
             next_ids = torch.tensor([next_ids], dtype=torch.long)
-        d = self.draft
+        d, dev = self.draft, self.device
+        next_ids = next_ids.to(dev)
         batch, n = next_ids.shape
-        lens = torch.tensor(lengths if lengths is not None else [n] * batch)
-        rows = torch.arange(batch)
-        h = aux.to(d.fc.weight.dtype)
+        lens = torch.tensor(lengths if lengths is not None else [n] * batch, device=dev)
+        rows = torch.arange(batch, device=dev)
+        h = aux.to(device=dev, dtype=d.fc.weight.dtype)
         if d.input_norm is not None:
             h = d.input_norm(h)
         if d.fc_norm is not None:
@@ -76,12 +78,12 @@ class DraftProposer:
         h = d.fc(h)
         cache = DynamicCache()
         ids = next_ids
-        positions = 1 + torch.arange(n).unsqueeze(0).expand(batch, n)
-        out = torch.empty(batch, k, dtype=torch.long)
+        positions = 1 + torch.arange(n, device=dev).unsqueeze(0).expand(batch, n)
+        out = torch.empty(batch, k, dtype=torch.long, device=dev)
         for step in range(k):
             x = torch.cat([d.embed_tokens(ids), h], dim=-1)
             pe = d.rotary_emb(x, positions)
-            cache_position = torch.arange(n) if step == 0 else torch.tensor([n + step - 1])
+            cache_position = torch.arange(n, device=dev) if step == 0 else torch.tensor([n + step - 1], device=dev)
             for i, layer in enumerate(d.layers):
                 sliding = i in self.sliding
                 mask = self._step0_mask(n, sliding) if step == 0 else self._extra_mask(lens, n, step, sliding)
@@ -172,7 +174,8 @@ def speculative_generate_batch(reader: HiddenStateReader, proposer: DraftPropose
     while active := [r for r in active if len(outs[r]) < max_new_tokens and not eos.intersection(outs[r])]:
         lengths = [len(seqs[r]) - 1 for r in active]
         width = max(lengths)
-        ctx = torch.zeros(len(active), width, aux[active[0]].shape[-1], dtype=aux[active[0]].dtype)
+        ctx = torch.zeros(len(active), width, aux[active[0]].shape[-1], dtype=aux[active[0]].dtype,
+                          device=aux[active[0]].device)
         for b, r in enumerate(active):
             ctx[b, : lengths[b]] = aux[r][: lengths[b]]
         drafts = proposer.propose(ctx, _right_padded([seqs[r][1:] for r in active], pad=0), k, lengths)
@@ -214,8 +217,8 @@ def greedy_reference_batch(model, prompts: list[list[int]], max_new_tokens: int,
     """The target's own greedy outputs, through transformers' generate (an independent code path),
     left-padded as generate expects; positions come from the attention mask."""
     width = max(map(len, prompts))
-    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts], dtype=torch.long)
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], dtype=torch.long)
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts], dtype=torch.long, device=model.device)
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], dtype=torch.long, device=model.device)
     out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False,
                          pad_token_id=0)
     return [_truncate(row[width:].tolist(), eos, max_new_tokens) for row in out]

@@ -14,6 +14,7 @@ from pipeline import gpu, notes, procs
 from pipeline.profile import load_profile
 from pipeline.rundir import RunDir
 from pipeline.server import ServerRecord
+from pipeline.stages import stage_names
 from tests.conftest import TINY
 from tests.fake_nvml import NVML_ERROR_GPU_IS_LOST, NVML_ERROR_NOT_SUPPORTED, FakeNvml, h200
 
@@ -189,7 +190,7 @@ def test_notes_input_export_and_help(run):
 @pytest.mark.parametrize("size", [(80, 24), (160, 48)])
 def test_fits_small_and_large_terminals(run, size):
     async def check(app, pilot):
-        assert app.query_one("#stages", DataTable).row_count == 9
+        assert app.query_one("#stages", DataTable).row_count == len(stage_names())
         assert app.query_one("#summary").region.y == 0  # the summary line is on screen
 
     run_app(ConsoleApp(run.root), check, size=size)

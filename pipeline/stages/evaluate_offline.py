@@ -36,7 +36,7 @@ class EvaluateOffline(Stage):
             raise StageError(f"{heldout_path(ctx)}: no held-out prompts (data.heldout = 0?)")
         tok = target.load_tokenizer(ctx.target_dir())
         model = target.load_model(ctx.target_dir(), ctx.profile.target.dtype)
-        draft = speculative.load_draft(ctx.draft_checkpoint())
+        draft = speculative.load_draft(ctx.draft_checkpoint()).to(model.get_input_embeddings().weight.device)
         proposer = speculative.DraftProposer(draft)
         reader = target.HiddenStateReader(model, proposer.aux_ids)
         eos = eos_ids(model)
