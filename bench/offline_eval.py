@@ -13,9 +13,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from pipeline import conversations, speculative, target  # noqa: E402
-from pipeline.rundir import RunDir  # noqa: E402
-from pipeline.stages import evaluate_offline  # noqa: E402
+from pipeline import conversations, speculative, target
+from pipeline.rundir import RunDir
+from pipeline.stages import evaluate_offline
 
 
 def main() -> int:

@@ -103,7 +103,8 @@ def _sample_tokens(profile: Profile) -> tuple[int, int, str]:
         samples = d.num_conversations - d.heldout
     else:
         try:
-            samples = sum(1 for line in open(d.conversations) if line.strip()) - d.heldout
+            with open(d.conversations) as fh:
+                samples = sum(1 for line in fh if line.strip()) - d.heldout
         except OSError:
             samples = 0
     mean = measured or d.mean_sample_tokens or d.seq_length // 2

@@ -13,7 +13,7 @@ from pathlib import Path
 from pipeline import gpu
 from pipeline.plan import GIB, disk_verdict, human, make_plan
 from pipeline.profile import Profile
-from pipeline.targetinfo import TargetInfoError, config_path, draft_plan, target_info
+from pipeline.targetinfo import TargetInfoError, draft_plan, target_info
 
 SEVERITIES = ("ok", "info", "warn", "block")
 GLYPHS = {"ok": "✔ ok   ", "info": "· info ", "warn": "! warn ", "block": "✖ BLOCK"}
@@ -59,7 +59,7 @@ def installed(name: str, python: str = "") -> str | None:
             return None
     code = f"import importlib.metadata as m\ntry: print(m.version({name!r}))\nexcept Exception: pass"
     try:
-        out = subprocess.run([python, "-c", code], capture_output=True, text=True, timeout=60)
+        out = subprocess.run([python, "-c", code], capture_output=True, text=True, timeout=60, check=False)
     except (OSError, subprocess.TimeoutExpired):
         return None
     return out.stdout.strip() or None
@@ -106,7 +106,7 @@ def connector_refuses_mla(python: str = "") -> bool | None:
         code = (f"import importlib.util as u\ns = u.find_spec({CONNECTOR!r})\n"
                 f"print(open(s.origin).read().count({MLA_REFUSAL!r}) if s else -1)")
         try:
-            out = subprocess.run([python, "-c", code], capture_output=True, text=True, timeout=60).stdout.strip()
+            out = subprocess.run([python, "-c", code], capture_output=True, text=True, timeout=60, check=False).stdout.strip()
         except (OSError, subprocess.TimeoutExpired):
             return None
         return None if out in ("", "-1") else out != "0"

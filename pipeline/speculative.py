@@ -21,7 +21,7 @@ def load_draft(checkpoint: Path, dtype: torch.dtype = torch.float32):
     from speculators.models.eagle3 import Eagle3DraftModel, Eagle3SpeculatorConfig
 
     config = Eagle3SpeculatorConfig.from_pretrained(str(checkpoint))
-    config.transformer_layer_config._attn_implementation = "sdpa"  # noqa: SLF001 - dense masks below
+    config.transformer_layer_config._attn_implementation = "sdpa"
     model = Eagle3DraftModel.from_pretrained(str(checkpoint), config=config, dtype=dtype)
     return model.eval()
 
@@ -124,7 +124,7 @@ class SpecStats:
     def acceptance(self) -> list[float]:
         return [c / self.rounds if self.rounds else 0.0 for c in self.per_position]
 
-    def merge(self, other: "SpecStats") -> None:
+    def merge(self, other: SpecStats) -> None:
         self.rounds += other.rounds
         self.accepted += other.accepted
         self.target_forwards += other.target_forwards

@@ -19,10 +19,10 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from synthetic import llama_config  # noqa: E402
+from synthetic import llama_config
 
-from pipeline.stages.extract import extract, plan_batches  # noqa: E402
-from pipeline.target import default_layer_ids  # noqa: E402
+from pipeline.stages.extract import extract, plan_batches
+from pipeline.target import default_layer_ids
 
 
 def main() -> int:

@@ -16,20 +16,19 @@ import json
 import os
 import signal
 import statistics
-import subprocess
 import sys
 import threading
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from synthetic import ROOT, llama_config, write_prepared, write_verifier_stub  # noqa: E402
+from synthetic import ROOT, llama_config, write_prepared, write_verifier_stub
 
-from pipeline import gpu, procs  # noqa: E402
-from pipeline.profile import load_profile  # noqa: E402
-from pipeline.rundir import RunDir  # noqa: E402
-from pipeline.runner import run_stages  # noqa: E402
-from pipeline.stages.train import build_command, parse_metrics  # noqa: E402
+from pipeline import gpu, procs
+from pipeline.profile import load_profile
+from pipeline.rundir import RunDir
+from pipeline.runner import run_stages
+from pipeline.stages.train import build_command, parse_metrics
 
 
 def steady(step_ms: list[float], per_epoch: int) -> float:
@@ -145,8 +144,9 @@ def main() -> int:
                 run_stages(run, start="train", until="train")
             report("stage", run.log_path("train"), time.perf_counter() - t, pm.peak)
         else:
-            from pipeline.stages.base import StageContext
             import logging
+
+            from pipeline.stages.base import StageContext
             ctx = StageContext(run=run, profile=profile, log=logging.getLogger("bench"))
             cmd = build_command(ctx)
             i = cmd.index("pipeline.compat.speculators_compat")

@@ -77,14 +77,14 @@ def _setup_distributed_on_cpu(sp_size: int = 1) -> None:
     import torch.distributed as dist
     from speculators.train import distributed as sd
 
-    sd._local_rank = int(os.environ.get("LOCAL_RANK", "0"))  # noqa: SLF001 - the module's own state
-    sd._is_distributed = "LOCAL_RANK" in os.environ  # noqa: SLF001
-    if not sd._is_distributed:  # noqa: SLF001
+    sd._local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    sd._is_distributed = "LOCAL_RANK" in os.environ
+    if not sd._is_distributed:
         return
     dist.init_process_group("gloo")
-    sd._rank, sd._world_size = dist.get_rank(), dist.get_world_size()  # noqa: SLF001
-    sd._init_sp_process_groups(sd._rank, sd._world_size, sp_size)  # noqa: SLF001
-    print(f"[eagle3-console] gloo process group: rank {sd._rank} of {sd._world_size}", file=sys.stderr, flush=True)  # noqa: SLF001
+    sd._rank, sd._world_size = dist.get_rank(), dist.get_world_size()
+    sd._init_sp_process_groups(sd._rank, sd._world_size, sp_size)
+    print(f"[eagle3-console] gloo process group: rank {sd._rank} of {sd._world_size}", file=sys.stderr, flush=True)
 
 
 def split_fused_autotuner_lists() -> list[str]:

@@ -165,6 +165,7 @@ def extract_with_vllm(ctx: StageContext, stage: str) -> dict:
     import sys
 
     from datasets import load_from_disk
+
     from pipeline import box, procs
 
     prepared = ctx.run.prepared_dir
