@@ -196,7 +196,12 @@ def port_findings(profile: Profile) -> list[Finding]:
     from pipeline import box
     from pipeline.server import port_in_use, port_owner
 
+    from pipeline import portlock
+
     s = profile.server
+    if (other := portlock.holder(profile)) is not None:
+        return [Finding("block", "port", f"port {s.port} belongs to another run in progress (pid {other.get('pid')}, "
+                                         f"{other.get('run')}): one run at a time per serving port")]
     if not port_in_use(s.host, s.port):
         return [Finding("ok", "port", f"{s.host}:{s.port} is free")]
     rec = box.controller(profile).record()

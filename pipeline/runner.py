@@ -7,7 +7,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from pipeline import gpu, notes
+from pipeline import gpu, notes, portlock
 from pipeline.rundir import RunDir, now_iso
 from pipeline.stages import STAGES, stage_names
 from pipeline.stages.base import Stage, StageContext, StageError
@@ -80,6 +80,17 @@ def run_stages(run: RunDir, start: str | None = None, until: str | None = None,
                on_event: Callable[[dict], None] = lambda r: None) -> dict:
     profile = run.profile()
     stages = select(profile, start, until)
+    try:
+        lock = portlock.hold(profile, run.root)
+    except portlock.PortTaken as exc:
+        raise RunnerError(str(exc)) from None
+    try:
+        return _run_stages(run, profile, stages, on_event)
+    finally:
+        lock.close()
+
+
+def _run_stages(run: RunDir, profile, stages: list[Stage], on_event: Callable[[dict], None]) -> dict:
     run.logs_dir.mkdir(exist_ok=True)
     summary = {}
     for stage in stages:

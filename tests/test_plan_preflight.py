@@ -127,3 +127,30 @@ def test_distributed_train_settings_are_validated_and_launched():
                             "train.rdzv_endpoint": "10.0.0.1:29500"}).train
     assert torchrun_args(t, "run-x") == ["--nnodes=2", "--node-rank=1", "--nproc-per-node=8", "--rdzv-backend=c10d",
                                          "--rdzv-endpoint=10.0.0.1:29500", "--rdzv-id=run-x"]
+
+
+def test_one_run_at_a_time_per_serving_port(tmp_path):
+    """A second run on the same box and port is refused before it could stop the first one's server."""
+    import subprocess
+    import sys
+
+    from pipeline import portlock
+    runs = tmp_path / "runs"
+    profile = load_profile(TINY, {"run.runs_dir": str(runs)})
+    holder = subprocess.Popen([sys.executable, "-c", (
+        "import sys, time; from pathlib import Path; from pipeline import portlock; "
+        "from pipeline.profile import load_profile; "
+        f"p = load_profile({str(TINY)!r}, {{'run.runs_dir': {str(runs)!r}}}); "
+        "fh = portlock.hold(p, Path('/runs/first')); print('held', flush=True); time.sleep(60)")],
+        stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        assert portlock.holder(profile)["run"] == "/runs/first"
+        assert preflight.port_findings(profile)[0].severity == "block"
+        proc = cli("run", TINY, "--no-tui", "--run-dir", tmp_path / "second", "--set", f'run.runs_dir="{runs}"')
+        assert proc.returncode != 0
+        assert f"belongs to another run in progress (pid {holder.pid}, /runs/first)" in proc.stderr
+    finally:
+        holder.kill()
+        holder.wait()
+    assert portlock.holder(profile) is None  # the kernel dropped the dead holder's lock
