@@ -129,6 +129,16 @@ def train_memory(draft: DraftPlan, profile: Profile, info: TargetInfo) -> int:
     return weights + logits + states + GIB
 
 
+def _rate(profile: Profile, stage: str, rate_of, hardware_key: str, gpus: int) -> Rate:
+    """What an earlier run of this profile measured for `stage`, else the profile's per-GPU estimate."""
+    if (m := _measured(profile, stage, rate_of)):
+        return Rate(round(m[0], 1), f"measured: {m[1]}")
+    per_gpu = getattr(profile.hardware, hardware_key)
+    if per_gpu:
+        return Rate(per_gpu * gpus, f"estimate: hardware.{hardware_key} {per_gpu:g} × {gpus} GPU(s)")
+    return Rate(None, f"unknown: no earlier run, no hardware.{hardware_key}")
+
+
 def make_plan(profile: Profile) -> Plan:
     info = target_info(profile)
     draft = draft_plan(info, profile)
@@ -141,20 +151,8 @@ def make_plan(profile: Profile) -> Plan:
     per_ckpt = (draft.trainable_params + draft.frozen_params) * 2 + draft.trainable_params * 8
     checkpoints = per_ckpt * t.epochs
 
-    if (m := _measured(profile, "extract", _extract_rate)):
-        extract = Rate(round(m[0], 1), f"measured: {m[1]}")
-    elif hw.extract_tokens_per_s:
-        extract = Rate(hw.extract_tokens_per_s * extract_gpus, f"estimate: hardware.extract_tokens_per_s "
-                                                              f"{hw.extract_tokens_per_s:g} × {extract_gpus} GPU(s)")
-    else:
-        extract = Rate(None, "unknown: no earlier run, no hardware.extract_tokens_per_s")
-    if (m := _measured(profile, "train", lambda f: f.get("tokens_per_s"))):
-        train = Rate(round(m[0], 1), f"measured: {m[1]}")
-    elif hw.train_tokens_per_s:
-        train = Rate(hw.train_tokens_per_s * train_gpus, f"estimate: hardware.train_tokens_per_s "
-                                                        f"{hw.train_tokens_per_s:g} × {train_gpus} GPU(s)")
-    else:
-        train = Rate(None, "unknown: no earlier run, no hardware.train_tokens_per_s")
+    extract = _rate(profile, "extract", _extract_rate, "extract_tokens_per_s", extract_gpus)
+    train = _rate(profile, "train", lambda f: f.get("tokens_per_s"), "train_tokens_per_s", train_gpus)
     extract_s = tokens / extract.tokens_per_s if extract.tokens_per_s else None
     train_s = tokens * TRAIN_RATIO * t.epochs / train.tokens_per_s if train.tokens_per_s else None
     gpu_hours = None
