@@ -75,3 +75,23 @@ def test_extraction_shards_cover_every_row_once_like_speculators():
         assert sorted(i for s in slices for i in s) == list(range(total))
         for r, s in enumerate(slices):
             assert list(s) == get_indices_to_process(total, None, [], world, r)
+
+
+def test_two_extraction_shards_together_write_what_one_extraction_writes(finished_run, tmp_path):
+    """extract.world_size = 2: ranks 0 and 1 (as on two machines) each write only their slice; together
+    they reproduce the single extraction file for file."""
+    from datasets import load_from_disk
+
+    from pipeline.stages.extract import extract, hs_path, shard
+
+    run = RunDir.open(finished_run)
+    model = target.load_model(run.stage_state("build-target")["figures"]["target_dir"], "float32")
+    ds = load_from_disk(str(run.prepared_dir))
+    ids = run.stage_state("extract")["figures"]["layer_ids"]
+    out = tmp_path / "hs"
+    counts = [extract(model, ds, out, ids, 4, 4096, 2, indices=shard(len(ds), 2, r))["extracted"] for r in (0, 1)]
+    assert counts == [len(shard(len(ds), 2, 0)), len(shard(len(ds), 2, 1))] and sum(counts) == len(ds)
+    for i in range(len(ds)):
+        mine, whole = load_file(str(hs_path(out, i))), load_file(str(hs_path(run.hidden_states_dir, i)))
+        assert torch.equal(mine["token_ids"], whole["token_ids"])
+        torch.testing.assert_close(mine["hidden_states"], whole["hidden_states"], rtol=1e-5, atol=1e-5)
