@@ -3,7 +3,6 @@ blocking finding stops the run (the `preflight` stage is the first of every run)
 `eagle3-console preflight PROFILE` exits 1. Works on machines without GPUs: those are findings too."""
 from __future__ import annotations
 
-import importlib.metadata as md
 import importlib.util
 import json
 import subprocess
@@ -13,6 +12,7 @@ from pathlib import Path
 from pipeline import gpu
 from pipeline.plan import GIB, disk_verdict, human, make_plan
 from pipeline.profile import Profile
+from pipeline.rundir import package_versions
 from pipeline.targetinfo import TargetInfoError, draft_plan, target_info
 
 SEVERITIES = ("ok", "info", "warn", "block")
@@ -51,12 +51,10 @@ def _version_key(v: str) -> tuple:
 
 
 def installed(name: str, python: str = "") -> str | None:
-    """Version of a distribution in this interpreter, or in `python` (argv, never a shell)."""
+    """Version of a distribution in this interpreter (the versions every run records), or in
+    `python` (argv, never a shell)."""
     if not python:
-        try:
-            return md.version(name)
-        except md.PackageNotFoundError:
-            return None
+        return package_versions().get(name)
     code = f"import importlib.metadata as m\ntry: print(m.version({name!r}))\nexcept Exception: pass"
     try:
         out = subprocess.run([python, "-c", code], capture_output=True, text=True, timeout=60, check=False)
@@ -193,10 +191,8 @@ def gpu_findings(profile: Profile, snapshot: gpu.GpuSnapshot | None = None) -> l
 
 
 def port_findings(profile: Profile) -> list[Finding]:
-    from pipeline import box
+    from pipeline import box, portlock
     from pipeline.server import port_in_use, port_owner
-
-    from pipeline import portlock
 
     s = profile.server
     if (other := portlock.holder(profile)) is not None:
