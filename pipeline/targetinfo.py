@@ -26,6 +26,9 @@ class TargetInfo:
     intermediate: int
     attention: str  # "MLA" / "GQA" / "MHA"
     experts: int = 0
+    kv_lora_rank: int = 0  # MLA: the latent the KV cache holds, plus the decoupled rope part
+    qk_rope_head_dim: int = 0
+    int4_group_size: int = 0  # compressed-tensors W4A16 weights (Kimi's routed experts): their group size
     experts_per_token: int = 0
     quantization: str = ""
     notes: list[str] = field(default_factory=list)
@@ -62,21 +65,39 @@ def from_config(path: Path) -> TargetInfo:
     kv = int(text.get("num_key_value_heads", heads) or heads)
     attention = "MLA" if any(text.get(k) for k in MLA_KEYS) else ("GQA" if kv and kv < heads else "MHA")
     quant = text.get("quantization_config") or outer.get("quantization_config") or {}
-    qdesc = f"{quant.get('quant_method', '')} {quant.get('bits', '')}-bit".strip() if quant else ""
+    bits, group = quant_weights(quant)
+    qdesc = f"{quant.get('quant_method', '')} W{bits}A16 group {group}" if bits else ""
     arch = (outer.get("architectures") or text.get("architectures") or ["?"])[0]
     return TargetInfo(source=str(path), architecture=arch, model_type=str(outer.get("model_type", "")),
                       hidden=hidden, layers=layers, vocab=vocab, heads=heads, kv_heads=kv,
                       intermediate=int(text.get("intermediate_size", 4 * hidden)), attention=attention,
                       experts=int(text.get("n_routed_experts") or text.get("num_local_experts") or 0),
-                      experts_per_token=int(text.get("num_experts_per_tok") or 0), quantization=qdesc)
+                      experts_per_token=int(text.get("num_experts_per_tok") or 0), quantization=qdesc,
+                      kv_lora_rank=int(text.get("kv_lora_rank") or 0),
+                      qk_rope_head_dim=int(text.get("qk_rope_head_dim") or 0) if attention == "MLA" else 0,
+                      int4_group_size=group if bits == 4 and quant.get("quant_method") == "compressed-tensors" else 0)
+
+
+def quant_weights(quant: dict) -> tuple[int, int]:
+    """(bits, group size) of a compressed-tensors weight scheme (Kimi-K2.5: 4, 32), or (0, 0)."""
+    groups = quant.get("config_groups") or {}
+    weights = next((g.get("weights") or {} for g in groups.values() if g.get("weights")), {})
+    return int(weights.get("num_bits") or 0), int(weights.get("group_size") or 0)
 
 
 def demo_info(profile: Profile) -> TargetInfo:
     d = profile.demo_target
-    return TargetInfo(source="profile [demo_target]", architecture="LlamaForCausalLM", model_type="llama",
-                      hidden=d.hidden_size, layers=d.num_layers, vocab=d.vocab_size, heads=d.num_heads,
-                      kv_heads=d.num_kv_heads, intermediate=d.intermediate_size,
-                      attention="GQA" if d.num_kv_heads < d.num_heads else "MHA")
+    common = dict(source="profile [demo_target]", hidden=d.hidden_size, layers=d.num_layers, vocab=d.vocab_size,
+                  heads=d.num_heads, intermediate=d.intermediate_size)
+    if d.architecture == "deepseek_v3":
+        int4 = d.quantization == "w4a16"
+        return TargetInfo(architecture="DeepseekV3ForCausalLM", model_type="deepseek_v3", kv_heads=d.num_heads,
+                          attention="MLA", experts=d.n_routed_experts, experts_per_token=d.num_experts_per_tok,
+                          kv_lora_rank=d.kv_lora_rank, qk_rope_head_dim=d.qk_rope_head_dim,
+                          quantization=f"compressed-tensors W4A16 group {d.quant_group_size}" if int4 else "",
+                          int4_group_size=d.quant_group_size if int4 else 0, **common)
+    return TargetInfo(architecture="LlamaForCausalLM", model_type="llama", kv_heads=d.num_kv_heads,
+                      attention="GQA" if d.num_kv_heads < d.num_heads else "MHA", **common)
 
 
 def target_info(profile: Profile) -> TargetInfo:

@@ -1,9 +1,11 @@
-"""build-target (demo only): a tiny Llama target and a byte-level BPE tokenizer with a chat template,
-trained and built locally from offline text, cached by their configuration."""
+"""build-target (demo only): a tiny target (Llama, or a Kimi-class DeepSeek-V3 with MLA and MoE) and a
+byte-level BPE tokenizer with a chat template, trained and built locally from offline text, cached by
+their configuration."""
 from __future__ import annotations
 
 import hashlib
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -22,8 +24,15 @@ CHAT_TEMPLATE = (
 BUILD_VERSION = 1  # bump when the builder changes what it produces
 
 
+LLAMA_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
+                "max_position_embeddings", "tokenizer_source_files", "seed")
+
+
 def cache_key(spec: DemoTargetSection) -> str:
-    blob = json.dumps({"v": BUILD_VERSION, **spec.__dict__}, sort_keys=True).encode()
+    """Content hash of what the builder produces: only the fields the architecture uses count, so a
+    Llama target keeps its key when DeepSeek-V3 fields are added or changed."""
+    fields = spec.__dict__ if spec.architecture != "llama" else {f: getattr(spec, f) for f in LLAMA_FIELDS}
+    blob = json.dumps({"v": BUILD_VERSION, **fields}, sort_keys=True).encode()
     return hashlib.sha256(blob).hexdigest()[:12]
 
 
@@ -44,22 +53,97 @@ def build_tokenizer(spec: DemoTargetSection):
     return fast
 
 
+def _common(spec: DemoTargetSection, vocab_size: int) -> dict:
+    return dict(vocab_size=vocab_size, hidden_size=spec.hidden_size, intermediate_size=spec.intermediate_size,
+                num_hidden_layers=spec.num_layers, num_attention_heads=spec.num_heads,
+                max_position_embeddings=spec.max_position_embeddings, tie_word_embeddings=False,
+                bos_token_id=1, eos_token_id=[2, END_TOKEN_ID], pad_token_id=0, dtype="float32")
+
+
+def llama_model(spec: DemoTargetSection, vocab_size: int):
+    from transformers import LlamaConfig, LlamaForCausalLM
+    return LlamaForCausalLM(LlamaConfig(**_common(spec, vocab_size), num_key_value_heads=spec.num_kv_heads))
+
+
+def deepseek_v3_model(spec: DemoTargetSection, vocab_size: int):
+    """A Kimi-K2.5-shaped text model: MLA (low-rank q and kv, decoupled rope) and DeepSeek MoE
+    (sigmoid-scored routed experts with a correction bias, one shared expert, dense first layers)."""
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+    config = DeepseekV3Config(
+        **_common(spec, vocab_size), num_key_value_heads=spec.num_heads,
+        q_lora_rank=spec.q_lora_rank, kv_lora_rank=spec.kv_lora_rank, qk_rope_head_dim=spec.qk_rope_head_dim,
+        qk_nope_head_dim=spec.qk_nope_head_dim, v_head_dim=spec.v_head_dim,
+        n_routed_experts=spec.n_routed_experts, num_experts_per_tok=spec.num_experts_per_tok,
+        n_shared_experts=spec.n_shared_experts, moe_intermediate_size=spec.moe_intermediate_size,
+        first_k_dense_replace=spec.first_k_dense_replace, n_group=1, topk_group=1, norm_topk_prob=True,
+        # vLLM creates the gate's e_score_correction_bias only for "noaux_tc" (else loading fails with
+        # KeyError '…mlp.gate.e_score_correction_bias'); transformers always has it. Both as DeepSeek-V3.
+        topk_method="noaux_tc", scoring_func="sigmoid",
+    )
+    return DeepseekV3ForCausalLM(config)
+
+
+BUILDERS = {"llama": llama_model, "deepseek_v3": deepseek_v3_model}
+
+
 def build_model(spec: DemoTargetSection, vocab_size: int):
     import torch
-    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+    from transformers import GenerationConfig
 
-    config = LlamaConfig(
-        vocab_size=vocab_size, hidden_size=spec.hidden_size, intermediate_size=spec.intermediate_size,
-        num_hidden_layers=spec.num_layers, num_attention_heads=spec.num_heads,
-        num_key_value_heads=spec.num_kv_heads, max_position_embeddings=spec.max_position_embeddings,
-        tie_word_embeddings=False, bos_token_id=1, eos_token_id=[2, END_TOKEN_ID], pad_token_id=0,
-        dtype="float32",
-    )
     torch.manual_seed(spec.seed)
-    model = LlamaForCausalLM(config).eval()
+    model = BUILDERS[spec.architecture](spec, vocab_size).eval()
     model.generation_config = GenerationConfig(bos_token_id=1, eos_token_id=[2, END_TOKEN_ID], pad_token_id=0,
                                                do_sample=False)
     return model
+
+
+ROUTED_EXPERT = re.compile(r"^model\.layers\.\d+\.mlp\.experts\.\d+\.(gate|up|down)_proj\.weight$")
+
+
+def int4_quantization_config(group_size: int) -> dict:
+    """Kimi-K2.5's own quantization_config shape: routed experts only (attention, dense MLPs, shared
+    experts and lm_head stay float)."""
+    return {
+        "quant_method": "compressed-tensors", "format": "pack-quantized", "quantization_status": "compressed",
+        "config_groups": {"group_0": {"targets": ["Linear"], "input_activations": None, "output_activations": None,
+                                      "weights": {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group",
+                                                  "group_size": group_size, "dynamic": False, "actorder": None,
+                                                  "observer": "minmax", "observer_kwargs": {}}}},
+        "ignore": ["lm_head", "re:.*self_attn.*", "re:.*shared_experts.*", "re:.*mlp\\.(gate|up|gate_up|down)_proj.*"],
+        "kv_cache_scheme": None,
+    }
+
+
+def quantize_routed_experts(model_dir: Path, group_size: int) -> int:
+    """Rewrite the saved routed-expert weights as compressed-tensors pack-quantized INT4 (symmetric,
+    min-max scale per group of `group_size` inputs), with compressed-tensors' own packer; returns how
+    many matrices were quantized. transformers keeps the experts as fused 3-D parameters in memory, so
+    the quantizer works on the per-expert tensors save_pretrained writes."""
+    from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+    from compressed_tensors.quantization.utils import calculate_qparams
+    from safetensors.torch import load_file, save_file
+
+    args = QuantizationArgs(num_bits=4, type="int", symmetric=True, strategy="group", group_size=group_size,
+                            observer="minmax", dynamic=False)
+    scheme = QuantizationScheme(targets=["Linear"], weights=args)
+    path = model_dir / "model.safetensors"
+    tensors, out, count = load_file(str(path)), {}, 0
+    for name, w in tensors.items():
+        if not ROUTED_EXPERT.match(name):
+            out[name] = w
+            continue
+        groups = w.reshape(w.shape[0], -1, group_size)
+        scale, zero = calculate_qparams(groups.amin(-1), groups.amax(-1), args)
+        packed = PackedQuantizationCompressor.compress(
+            {"weight": w, "weight_scale": scale.to(w.dtype), "weight_zero_point": zero}, scheme)
+        out.update({name[: -len("weight")] + k: v.contiguous() for k, v in packed.items()})
+        count += 1
+    save_file(out, str(path), metadata={"format": "pt"})
+    config = json.loads((model_dir / "config.json").read_text())
+    config["quantization_config"] = int4_quantization_config(group_size)
+    (model_dir / "config.json").write_text(json.dumps(config, indent=2))
+    return count
 
 
 def build_target(spec: DemoTargetSection, cache_dir: Path) -> Path:
@@ -73,6 +157,8 @@ def build_target(spec: DemoTargetSection, cache_dir: Path) -> Path:
     tokenizer = build_tokenizer(spec)
     tokenizer.save_pretrained(tmp)
     build_model(spec, len(tokenizer)).save_pretrained(tmp)
+    if spec.quantization == "w4a16":
+        quantize_routed_experts(tmp, spec.quant_group_size)
     shutil.rmtree(final, ignore_errors=True)
     tmp.rename(final)
     atomicio.fsync_dir(final.parent)
@@ -103,7 +189,8 @@ class BuildTarget(Stage):
             target = build_target(spec, cache)
             ctx.run.update_stage(self.name, figures={"target_dir": str(target)})
             figures.update(target_dir=str(target), cached=cached,
-                           params=_param_count(target), vocab_size=spec.vocab_size, layers=spec.num_layers)
+                           params=_param_count(target), vocab_size=spec.vocab_size, layers=spec.num_layers,
+                           architecture=spec.architecture)
         if ctx.profile.data.conversations == "demo":
             convs = demo_data.conversations(ctx.profile.data.num_conversations, ctx.profile.data.seed)
             text = "".join(json.dumps(c) + "\n" for c in convs)

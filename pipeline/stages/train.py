@@ -15,6 +15,7 @@ import psutil
 from pipeline import procs
 from pipeline.stages.base import Stage, StageContext, StageError
 from pipeline.target import resolve_layer_ids
+from pipeline.targetinfo import from_config
 from pipeline.stages.vocab import mapping_paths
 
 # speculators logs metrics as "key=value" pairs, e.g. "train/loss_0=1.23 ... train/full_acc_0=0.41".
@@ -34,8 +35,7 @@ def build_command(ctx: StageContext, *, python: str = sys.executable) -> list[st
     """The argv (never a shell string) that trains the draft with this profile."""
     p, t = ctx.profile, ctx.profile.train
     gpu = accelerator_available()
-    from transformers import AutoConfig
-    n_layers = AutoConfig.from_pretrained(str(ctx.target_dir())).num_hidden_layers
+    n_layers = from_config(ctx.target_dir() / "config.json").layers  # multimodal wrappers: text_config
     layer_ids = resolve_layer_ids(p.extract.layer_ids, n_layers)
     d2t, t2d = mapping_paths(ctx)
     flags = [
