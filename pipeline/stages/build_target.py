@@ -78,9 +78,17 @@ def deepseek_v3_model(spec: DemoTargetSection, vocab_size: int):
         first_k_dense_replace=spec.first_k_dense_replace, n_group=1, topk_group=1, norm_topk_prob=True,
         # vLLM creates the gate's e_score_correction_bias only for "noaux_tc" (else loading fails with
         # KeyError '…mlp.gate.e_score_correction_bias'); transformers always has it. Both as DeepSeek-V3.
-        topk_method="noaux_tc", scoring_func="sigmoid",
+        topk_method="noaux_tc", scoring_func="sigmoid", rope_parameters=_rope(spec),
     )
     return DeepseekV3ForCausalLM(config)
+
+
+def _rope(spec: DemoTargetSection) -> dict:
+    if not spec.yarn_factor:
+        return {"rope_type": "default", "rope_theta": 50000.0}
+    return {"rope_type": "yarn", "rope_theta": 50000.0, "factor": spec.yarn_factor, "beta_fast": 1.0, "beta_slow": 1.0,
+            "mscale": 1.0, "mscale_all_dim": 1.0,
+            "original_max_position_embeddings": max(1, int(spec.max_position_embeddings / spec.yarn_factor))}
 
 
 BUILDERS = {"llama": llama_model, "deepseek_v3": deepseek_v3_model}
