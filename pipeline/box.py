@@ -61,8 +61,8 @@ def mode_inputs(profile: Profile, run, mode: str, draft: str | None = None, stor
         raise ValueError("a demo target lives in a run: pass --run-dir RUN_DIR")
     target_dir = StageContext(run=run, profile=profile, log=None).target_dir() if run else Path(profile.target.model_path)
     if mode == "extraction":
-        from transformers import AutoConfig
-        n = AutoConfig.from_pretrained(str(target_dir)).num_hidden_layers
+        from pipeline.targetinfo import from_config
+        n = from_config(target_dir / "config.json").layers  # multimodal wrappers: text_config
         where = Path(storage) if storage else (run.data_dir / "hs_raw" if run else None)
         if where is None:
             raise ValueError("extraction mode needs --storage DIR (or --run-dir)")

@@ -123,7 +123,8 @@ def probe_question(profile: Profile, info) -> dict:
     q = {"hidden": info.hidden, "layers": info.layers, "dtype": dtype,
          "aux_ids": resolve_layer_ids(profile.extract.layer_ids, info.layers)}
     if info.attention == "MLA":
-        q.update(kv_lora_rank=info.kv_lora_rank, qk_rope_head_dim=info.qk_rope_head_dim)
+        q.update(kv_lora_rank=info.kv_lora_rank, qk_rope_head_dim=info.qk_rope_head_dim, rope_type=info.rope_type,
+                 heads=info.heads)
     if info.int4_group_size:
         q["int4_group_size"] = info.int4_group_size
     return q
@@ -153,6 +154,11 @@ def vllm_target_findings(profile: Profile, info) -> list[Finding]:
             found.append(Finding(stop, "mla", f"{where} selects {m['backend']} for MLA, which refuses this target: "
                                  f"{'; '.join(m['invalid'])} (head size kv_lora_rank + qk_rope_head_dim = "
                                  f"{m['head_size']}; {m['backend']} supports {m['supported_head_sizes']}){tail}"))
+        elif m.get("rope", {}).get("max_abs_diff", 0) > 1e-3:
+            found.append(Finding(stop, "mla", f"{where}'s CPU rotary op mis-rotates this target's MLA queries "
+                                 f"(plain rope, [tokens, heads, {info.qk_rope_head_dim}] query: max |Δ| "
+                                 f"{m['rope']['max_abs_diff']:.2g} against vLLM's own reference), so its hidden "
+                                 f"states would be wrong; YaRN targets (DeepSeek-V3, Kimi) are not affected{tail}"))
         elif m["refusal"]:
             found.append(Finding(stop, "mla", f"{where}'s hidden-states connector refuses this target: KV-cache "
                                  f"groups {_groups(m['groups'])}: {m['refusal']} Fallback: extract.backend = "
@@ -203,7 +209,7 @@ def target_findings(profile: Profile) -> list[Finding]:
         draft = draft_plan(info, profile)
         found.append(Finding("ok", "draft", f"aux layer ids {draft.layer_ids} (trainer --target-layer-ids "
                              f"{draft.trainer_layer_ids}); draft: {draft.num_layers} Llama layer(s), hidden "
-                             f"{draft.hidden}, {draft.heads}/{draft.kv_heads} heads, vocab {draft.draft_vocab} of "
+                             f"{draft.hidden}, {draft.heads}/{draft.kv_heads} heads of {draft.head_dim}, vocab {draft.draft_vocab} of "
                              f"{draft.target_vocab}, k = {profile.evaluate.k}, "
                              f"{draft.trainable_params / 1e6:.3g} M trainable parameters"))
     found += vllm_target_findings(profile, info)

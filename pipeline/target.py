@@ -21,16 +21,28 @@ def load_model(path: Path, dtype: str, device: str = "auto"):
     """The target for transformers-side work; "auto" = spread over the visible GPUs when there are
     any (accelerate's device map), else the CPU."""
     import torch
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
     if device == "auto":
         device = "auto" if torch.cuda.is_available() else "cpu"
-    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=getattr(torch, dtype),
-                                                 device_map=None if device == "cpu" else device)
+    # A multimodal wrapper (Kimi-K2.5: the text model under text_config) loads through its own class.
+    auto = AutoModelForImageTextToText if _is_wrapper(path) else AutoModelForCausalLM
+    model = auto.from_pretrained(str(path), dtype=getattr(torch, dtype), device_map=None if device == "cpu" else device)
     return model.eval()
 
 
+def _is_wrapper(path: Path) -> bool:
+    import json
+    return "text_config" in json.loads((Path(path) / "config.json").read_text())
+
+
 def num_layers(model) -> int:
-    return model.config.num_hidden_layers
+    return model.config.get_text_config().num_hidden_layers
+
+
+def text_decoder(model):
+    """The decoder stack whose final norm ends the residual stream (LlamaModel, the wrapper's
+    language model)."""
+    return model.get_decoder()
 
 
 def default_layer_ids(n: int) -> list[int]:
@@ -58,7 +70,7 @@ class HiddenStateReader:
         self.layer_ids = list(layer_ids)
         self._prenorm = None
         self._final = n
-        model.model.norm.register_forward_pre_hook(self._capture)
+        text_decoder(model).norm.register_forward_pre_hook(self._capture)
 
     def _capture(self, module, args):
         self._prenorm = args[0]

@@ -26,8 +26,10 @@ class TargetInfo:
     intermediate: int
     attention: str  # "MLA" / "GQA" / "MHA"
     experts: int = 0
+    head_dim: int = 0  # as transformers reports it (DeepSeek-V3/Kimi: qk_rope_head_dim); speculators' draft uses it
     kv_lora_rank: int = 0  # MLA: the latent the KV cache holds, plus the decoupled rope part
     qk_rope_head_dim: int = 0
+    rope_type: str = ""  # "default", "yarn", … (rope_parameters or the older rope_scaling)
     int4_group_size: int = 0  # compressed-tensors W4A16 weights (Kimi's routed experts): their group size
     experts_per_token: int = 0
     quantization: str = ""
@@ -73,8 +75,12 @@ def from_config(path: Path) -> TargetInfo:
                       intermediate=int(text.get("intermediate_size", 4 * hidden)), attention=attention,
                       experts=int(text.get("n_routed_experts") or text.get("num_local_experts") or 0),
                       experts_per_token=int(text.get("num_experts_per_tok") or 0), quantization=qdesc,
+                      head_dim=int(text.get("head_dim") or (text.get("qk_rope_head_dim") if attention == "MLA" else 0)
+                                   or (hidden // heads if heads else 0)),
                       kv_lora_rank=int(text.get("kv_lora_rank") or 0),
                       qk_rope_head_dim=int(text.get("qk_rope_head_dim") or 0) if attention == "MLA" else 0,
+                      rope_type=str((text.get("rope_parameters") or text.get("rope_scaling") or {}).get("rope_type")
+                                    or (text.get("rope_scaling") or {}).get("type") or "default"),
                       int4_group_size=group if bits == 4 and quant.get("quant_method") == "compressed-tensors" else 0)
 
 
@@ -89,14 +95,19 @@ def demo_info(profile: Profile) -> TargetInfo:
     d = profile.demo_target
     common = dict(source="profile [demo_target]", hidden=d.hidden_size, layers=d.num_layers, vocab=d.vocab_size,
                   heads=d.num_heads, intermediate=d.intermediate_size)
-    if d.architecture == "deepseek_v3":
+    if d.architecture in ("deepseek_v3", "kimi_k25"):
         int4 = d.quantization == "w4a16"
-        return TargetInfo(architecture="DeepseekV3ForCausalLM", model_type="deepseek_v3", kv_heads=d.num_heads,
+        arch, model_type = (("KimiK25ForConditionalGeneration", "kimi_k25") if d.architecture == "kimi_k25"
+                            else ("DeepseekV3ForCausalLM", "deepseek_v3"))
+        return TargetInfo(architecture=arch, model_type=model_type, kv_heads=d.num_heads,
+                          head_dim=d.qk_rope_head_dim,
                           attention="MLA", experts=d.n_routed_experts, experts_per_token=d.num_experts_per_tok,
                           kv_lora_rank=d.kv_lora_rank, qk_rope_head_dim=d.qk_rope_head_dim,
+                          rope_type="yarn" if d.yarn_factor else "default",
                           quantization=f"compressed-tensors W4A16 group {d.quant_group_size}" if int4 else "",
                           int4_group_size=d.quant_group_size if int4 else 0, **common)
     return TargetInfo(architecture="LlamaForCausalLM", model_type="llama", kv_heads=d.num_kv_heads,
+                      head_dim=d.hidden_size // d.num_heads,
                       attention="GQA" if d.num_kv_heads < d.num_heads else "MHA", **common)
 
 
@@ -117,6 +128,7 @@ class DraftPlan:
     hidden: int
     heads: int
     kv_heads: int
+    head_dim: int
     intermediate: int
     draft_vocab: int
     target_vocab: int
@@ -129,18 +141,20 @@ class DraftPlan:
 def draft_plan(info: TargetInfo, profile: Profile) -> DraftPlan:
     """speculators' EAGLE-3 Llama draft on this target: fc over the aux states, `num_layers` decoder
     layers whose first attention reads [embedding, hidden] (2H wide), lm_head over the draft vocabulary;
-    the target's embeddings are loaded and frozen."""
+    the target's embeddings are loaded and frozen. Heads, KV heads, head_dim and the MLP width are the
+    verifier's as transformers reports them (speculators' create_transformer_layer_config): an MLA
+    target gives head_dim = qk_rope_head_dim and every head a KV head."""
     ids = resolve_layer_ids(profile.extract.layer_ids, info.layers)
     h, n_aux = info.hidden, len(ids) - 1
     heads = info.heads or max(1, h // 128)
     kv_heads = info.kv_heads or heads
-    head_dim = h // heads
+    head_dim = info.head_dim or h // heads
     d = min(profile.vocab.draft_vocab_size, info.vocab)
-    attn = 2 * h * h + 2 * (2 * h * kv_heads * head_dim) + h * h  # q, k, v read 2H; o
+    attn = 2 * h * heads * head_dim + 2 * (2 * h * kv_heads * head_dim) + heads * head_dim * h  # q, k, v read 2H; o
     mlp = 3 * h * info.intermediate
     layer = attn + mlp + 3 * h
     trainable = n_aux * h * h + profile.train.num_layers * layer + d * h + h
-    return DraftPlan(layer_ids=ids, trainer_layer_ids=ids[:-1], hidden=h, heads=heads, kv_heads=kv_heads,
+    return DraftPlan(layer_ids=ids, trainer_layer_ids=ids[:-1], hidden=h, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
                      intermediate=info.intermediate, draft_vocab=d, target_vocab=info.vocab,
                      num_layers=profile.train.num_layers, ttt_steps=profile.train.ttt_steps,
                      trainable_params=trainable, frozen_params=info.vocab * h)

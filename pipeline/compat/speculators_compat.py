@@ -5,7 +5,8 @@ Without an accelerator (REFERENCE.md §3.3): three places that are fatal on a CP
 torchrun, the process-group setup, which derives NCCL from the accelerator: on a CPU it uses gloo.
 With an accelerator: the fused Triton loss's two kernels share one autotuner `configs`/`keys` list,
 which torch ≥ 2.11's compiler refuses ("ListVariable … is already tracked for mutation",
-REFERENCE.md §7); the backward kernel gets its own copies. Nothing else is touched on a GPU.
+REFERENCE.md §7); the backward kernel gets its own copies. Everywhere: the verifier's processor, which
+a multimodal verifier (Kimi-K2.5) cannot load without torchvision, falls back to its tokenizer.
 
 Usage: python -m pipeline.compat.speculators_compat train <speculators train flags>
        python -m torch.distributed.run … -m pipeline.compat.speculators_compat train <flags>
@@ -26,6 +27,8 @@ ADAPTED = [
     ("speculators.train.checkpointer", "get_current_device"),  # resume loads onto "cuda:0" without accelerator
     ("speculators.train.cli", "maybe_setup_distributed"),  # NCCL from the accelerator; gloo on a CPU
 ]
+# Always: the verifier's processor, which speculators loads to pick the draft's mask token.
+PROCESSOR = ("speculators.train.utils", "load_processor")
 # With an accelerator: the fused loss kernels whose shared autotuner lists are split.
 FUSED_KERNELS = ("speculators.losses.fused", ("loss_forward_kernel", "loss_backward_kernel"))
 
@@ -87,6 +90,30 @@ def _setup_distributed_on_cpu(sp_size: int = 1) -> None:
     print(f"[eagle3-console] gloo process group: rank {sd._rank} of {sd._world_size}", file=sys.stderr, flush=True)
 
 
+def tokenizer_when_no_processor() -> str:
+    """speculators resolves the draft's mask token through `AutoProcessor` of the verifier. For a
+    multimodal verifier such as Kimi-K2.5 (KimiK25ForConditionalGeneration) that loads the image
+    processor, which needs torchvision (not installed: it pulls a CUDA torch, README); the mask token
+    only needs the tokenizer, so that is used when the processor cannot load."""
+    import importlib
+
+    module, name = PROCESSOR
+    utils = importlib.import_module(module)
+    original = getattr(utils, name)
+
+    def load_processor(path, *args, **kwargs):
+        try:
+            return original(path, *args, **kwargs)
+        except Exception as exc:  # noqa: BLE001 - ImportError, ValueError, OSError from the image processor
+            from transformers import AutoTokenizer
+            print(f"[eagle3-console] {path}: processor unavailable ({type(exc).__name__}: {str(exc)[:120]}); "
+                  f"using its tokenizer", file=sys.stderr, flush=True)
+            return AutoTokenizer.from_pretrained(path, trust_remote_code=kwargs.get("trust_remote_code", False))
+
+    setattr(utils, name, load_processor)
+    return f"{module}.{name}"
+
+
 def split_fused_autotuner_lists() -> list[str]:
     """Give each fused-loss kernel's autotuner its own list and dict objects (GPU only: Triton)."""
     import copy
@@ -117,6 +144,7 @@ class _no_accelerator_sync:
 
 
 def main(argv: list[str] | None = None) -> None:
+    tokenizer_when_no_processor()
     adapted = adapt()
     if adapted:
         print(f"[eagle3-console] no accelerator: adapted {', '.join(adapted)} for CPU", file=sys.stderr,

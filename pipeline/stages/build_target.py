@@ -36,6 +36,11 @@ def cache_key(spec: DemoTargetSection) -> str:
     return hashlib.sha256(blob).hexdigest()[:12]
 
 
+# Kimi-K2.5's media tokens, which vLLM's KimiK25 model and its processor look up even for text only
+MEDIA_TOKENS = ["<|media_begin|>", "<|media_content|>", "<|media_pad|>", "<|media_end|>",
+                "<|kimi_k25_video_placeholder|>"]
+
+
 def build_tokenizer(spec: DemoTargetSection):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
@@ -43,12 +48,13 @@ def build_tokenizer(spec: DemoTargetSection):
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=spec.vocab_size, special_tokens=SPECIAL_TOKENS,
+    specials = SPECIAL_TOKENS + (MEDIA_TOKENS if spec.architecture == "kimi_k25" else [])
+    trainer = trainers.BpeTrainer(vocab_size=spec.vocab_size, special_tokens=specials,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     files = [str(p) for p in demo_data.stdlib_sources(spec.tokenizer_source_files)]
     tok.train(files, trainer)
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|bos|>", eos_token="<|eos|>",
-                                   pad_token="<|pad|>", additional_special_tokens=SPECIAL_TOKENS[3:])
+                                   pad_token="<|pad|>", additional_special_tokens=specials[3:])
     fast.chat_template = CHAT_TEMPLATE
     return fast
 
@@ -60,16 +66,16 @@ def _common(spec: DemoTargetSection, vocab_size: int) -> dict:
                 bos_token_id=1, eos_token_id=[2, END_TOKEN_ID], pad_token_id=0, dtype="float32")
 
 
-def llama_model(spec: DemoTargetSection, vocab_size: int):
+def llama_model(spec: DemoTargetSection, vocab_size: int, tokenizer=None):
     from transformers import LlamaConfig, LlamaForCausalLM
     return LlamaForCausalLM(LlamaConfig(**_common(spec, vocab_size), num_key_value_heads=spec.num_kv_heads))
 
 
-def deepseek_v3_model(spec: DemoTargetSection, vocab_size: int):
+def deepseek_v3_config(spec: DemoTargetSection, vocab_size: int):
     """A Kimi-K2.5-shaped text model: MLA (low-rank q and kv, decoupled rope) and DeepSeek MoE
     (sigmoid-scored routed experts with a correction bias, one shared expert, dense first layers)."""
-    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
-    config = DeepseekV3Config(
+    from transformers import DeepseekV3Config
+    return DeepseekV3Config(
         **_common(spec, vocab_size), num_key_value_heads=spec.num_heads,
         q_lora_rank=spec.q_lora_rank, kv_lora_rank=spec.kv_lora_rank, qk_rope_head_dim=spec.qk_rope_head_dim,
         qk_nope_head_dim=spec.qk_nope_head_dim, v_head_dim=spec.v_head_dim,
@@ -80,7 +86,61 @@ def deepseek_v3_model(spec: DemoTargetSection, vocab_size: int):
         # KeyError '…mlp.gate.e_score_correction_bias'); transformers always has it. Both as DeepSeek-V3.
         topk_method="noaux_tc", scoring_func="sigmoid", rope_parameters=_rope(spec),
     )
-    return DeepseekV3ForCausalLM(config)
+
+
+def deepseek_v3_model(spec: DemoTargetSection, vocab_size: int, tokenizer=None):
+    from transformers import DeepseekV3ForCausalLM
+    return DeepseekV3ForCausalLM(deepseek_v3_config(spec, vocab_size))
+
+
+def kimi_k25_model(spec: DemoTargetSection, vocab_size: int, tokenizer=None):
+    """Kimi-K2.5's own wrapper (`KimiK25ForConditionalGeneration`: the DeepSeek-V3 text model under
+    `text_config`, a MoonViT vision tower and projector) with a one-layer 32-wide vision tower, so
+    vLLM and transformers run the exact Kimi code path on text."""
+    from transformers import Kimi_K25Config, Kimi_K25ForConditionalGeneration
+    media = {t: tokenizer.convert_tokens_to_ids(t) for t in MEDIA_TOKENS}
+    text = deepseek_v3_config(spec, vocab_size).to_dict()
+    text["model_type"] = "deepseek_v3"
+    vision = dict(patch_size=14, pos_emb_height=8, pos_emb_width=8, pos_emb_time=4, num_attention_heads=2,
+                  num_hidden_layers=1, hidden_size=32, intermediate_size=64, merge_kernel_size=[2, 2])
+    config = Kimi_K25Config(text_config=text, vision_config=vision, projection_hidden_size=32,
+                            image_token_id=media["<|media_pad|>"], video_token_id=media["<|media_pad|>"],
+                            vision_start_token_id=media["<|media_begin|>"], vision_end_token_id=media["<|media_end|>"],
+                            tie_word_embeddings=False, dtype="float32")
+    # vLLM's EAGLE-3 proposer reads this top-level key of Kimi's own config
+    config.media_placeholder_token_id = media["<|media_pad|>"]
+    return Kimi_K25ForConditionalGeneration(config).float()
+
+
+# transformers 5.19 saves the wrapper under names that vLLM's KimiK25ForConditionalGeneration (and
+# Kimi's own checkpoints) do not use; transformers loads either layout.
+KIMI_RENAMES = {"language_model.model.blocks.": "language_model.model.layers.",
+                "model.mm_projector.": "mm_projector.", "vision_tower.encoder.patch_embed": "vision_tower.patch_embed"}
+KIMI_PREPROCESSOR = {
+    "image_processor_type": "KimiK25VisionProcessor",
+    "media_proc_cfg": {"in_patch_limit": 16384, "patch_size": 14, "image_mean": [0.5, 0.5, 0.5],
+                       "image_std": [0.5, 0.5, 0.5], "merge_kernel_size": 2, "fixed_output_tokens": None,
+                       "patch_limit_on_one_side": 512, "in_patch_limit_each_frame": 4096, "in_patch_limit_video": None,
+                       "sample_fps": 2.0, "max_num_frames_each_video": None, "temporal_merge_kernel_size": 4,
+                       "timestamp_mode": "hh:mm:ss.fff", "config_type": "media_proc"}}
+
+
+def kimi_layout(model_dir: Path) -> None:
+    """Kimi-K2.5's checkpoint layout: its weight names and architecture name, a preprocessor config."""
+    from safetensors.torch import load_file, save_file
+    path = model_dir / "model.safetensors"
+    renamed = {}
+    for name, tensor in load_file(str(path)).items():
+        for old, new in KIMI_RENAMES.items():
+            if name.startswith(old):
+                name = new + name[len(old):]
+                break
+        renamed[name] = tensor.contiguous()
+    save_file(renamed, str(path), metadata={"format": "pt"})
+    config = json.loads((model_dir / "config.json").read_text())
+    config["architectures"] = ["KimiK25ForConditionalGeneration"]  # transformers writes "Kimi_K25…"
+    (model_dir / "config.json").write_text(json.dumps(config, indent=2))
+    (model_dir / "preprocessor_config.json").write_text(json.dumps(KIMI_PREPROCESSOR, indent=2))
 
 
 def _rope(spec: DemoTargetSection) -> dict:
@@ -91,21 +151,21 @@ def _rope(spec: DemoTargetSection) -> dict:
             "original_max_position_embeddings": max(1, int(spec.max_position_embeddings / spec.yarn_factor))}
 
 
-BUILDERS = {"llama": llama_model, "deepseek_v3": deepseek_v3_model}
+BUILDERS = {"llama": llama_model, "deepseek_v3": deepseek_v3_model, "kimi_k25": kimi_k25_model}
 
 
-def build_model(spec: DemoTargetSection, vocab_size: int):
+def build_model(spec: DemoTargetSection, vocab_size: int, tokenizer=None):
     import torch
     from transformers import GenerationConfig
 
     torch.manual_seed(spec.seed)
-    model = BUILDERS[spec.architecture](spec, vocab_size).eval()
+    model = BUILDERS[spec.architecture](spec, vocab_size, tokenizer).eval()
     model.generation_config = GenerationConfig(bos_token_id=1, eos_token_id=[2, END_TOKEN_ID], pad_token_id=0,
                                                do_sample=False)
     return model
 
 
-ROUTED_EXPERT = re.compile(r"^model\.layers\.\d+\.mlp\.experts\.\d+\.(gate|up|down)_proj\.weight$")
+ROUTED_EXPERT = re.compile(r"^(language_model\.)?model\.layers\.\d+\.mlp\.experts\.\d+\.(gate|up|down)_proj\.weight$")
 
 
 def int4_quantization_config(group_size: int) -> dict:
@@ -164,7 +224,9 @@ def build_target(spec: DemoTargetSection, cache_dir: Path) -> Path:
     tmp.mkdir(parents=True)
     tokenizer = build_tokenizer(spec)
     tokenizer.save_pretrained(tmp)
-    build_model(spec, len(tokenizer)).save_pretrained(tmp)
+    build_model(spec, len(tokenizer), tokenizer).save_pretrained(tmp)
+    if spec.architecture == "kimi_k25":
+        kimi_layout(tmp)
     if spec.quantization == "w4a16":
         quantize_routed_experts(tmp, spec.quant_group_size)
     shutil.rmtree(final, ignore_errors=True)
