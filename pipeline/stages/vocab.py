@@ -23,10 +23,10 @@ class Vocab(Stage):
     def run(self, ctx: StageContext) -> dict:
         import torch
         from speculators.train.vocab_mapping import build_vocab_mappings_from_distribution
-        from transformers import AutoConfig
+        from pipeline.targetinfo import from_config
 
         freq = torch.load(token_freq_path(ctx), weights_only=True)
-        target_vocab = AutoConfig.from_pretrained(str(ctx.target_dir())).vocab_size
+        target_vocab = from_config(ctx.target_dir() / "config.json").vocab  # multimodal wrappers: text_config
         size = ctx.profile.vocab.draft_vocab_size
         if size > target_vocab:
             raise StageError(f"vocab.draft_vocab_size {size} > target vocab size {target_vocab}")
