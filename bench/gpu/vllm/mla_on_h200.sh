@@ -4,6 +4,7 @@
 # copied to /tmp/vlparts (README.md beside this file) and with .whl/ from bench/gpu/fetch_wheels.sh:
 #   bash bench/gpu/vllm/mla_on_h200.sh probe      # install, ask vLLM about MLA/INT4, run until extract
 #   bash bench/gpu/vllm/mla_on_h200.sh rest       # train, evaluate offline, serve with the new head
+#   bash bench/gpu/vllm/mla_on_h200.sh int4       # demo-int4 (INT4 routed experts) through every stage
 # Results go to $OUT (or ./out): the probe answers, preflight, state.json, online.json, the comparison.
 set -uo pipefail
 OUT=${OUT:-$PWD/out}; mkdir -p "$OUT"
@@ -57,6 +58,14 @@ for dtype in ("float32", "bfloat16"):
 PY
   cp $RUN/state.json "$OUT/state-extract.json" 2>/dev/null
   tail -c 20000 $RUN/logs/server-extraction.log | grep -a -E "backend|Using|MLA|MoE|ERROR|Error" | cut -c1-250 | tail -15
+  ;;
+int4)
+  python3 -m pipeline.compat.vllm_extract_probe '{"hidden": 7168, "layers": 61, "aux_ids": [2,30,58,61], "kv_lora_rank": 512, "qk_rope_head_dim": 64, "dtype": "bfloat16", "int4_group_size": 32, "rope_type": "yarn"}' 2>"$OUT/probe.err" | tail -1 | tee "$OUT/probe-int4.jsonl"
+  python3 -m pipeline run demo-int4 --no-tui --run-dir /tmp/gpu-int4 "${SETS[@]}" --set 'train.epochs=4' \
+    --set 'data.num_conversations=48' 2>&1 | grep -v -E "server_wait|^\[train\] [0-9]|^\[regenerate\] [0-9]" | tail -24
+  cp /tmp/gpu-int4/state.json "$OUT/state-int4.json"; cp /tmp/gpu-int4/eval/online.json "$OUT/online-int4.json" 2>/dev/null
+  cp /tmp/gpu-int4/preflight.json "$OUT/preflight-int4.json" 2>/dev/null
+  tail -c 30000 /tmp/gpu-int4/logs/server-extraction.log 2>/dev/null | grep -a -E "WNA16|Marlin|MoE|backend|ERROR|Error" | cut -c1-250 | tail -8
   ;;
 rest)
   python3 -m pipeline run --resume $RUN --no-tui 2>&1 | grep -v -E "server_wait|^\[train\] [0-9]" | tail -20
