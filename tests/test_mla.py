@@ -93,3 +93,53 @@ def test_offline_lossless_and_vllm_serves_the_mla_target_with_the_head(mla_run):
     assert matrix["eagle3"]["identical_outputs"] and base["output_tokens"] == eagle["output_tokens"]
     assert eagle["drafts"] > 0 and eagle["accepted"] > 0
     assert abs(offline["tau"] - eagle["mean_acceptance_length"]) <= 0.05
+
+
+@pytest.fixture(scope="module")
+def kimi_target(cache_dir):
+    from pipeline.profile import load_profile
+    from pipeline.stages.build_target import build_target
+    return build_target(load_profile("demo-kimi").demo_target, cache_dir)
+
+
+def test_kimi_wrapper_target_has_kimis_layout_and_reads_as_its_text_model(kimi_target):
+    """Kimi-K2.5's own wrapper: the architecture name and weight names vLLM's KimiK25ForConditionalGeneration
+    loads, the DeepSeek-V3 text model under text_config; the pre-norm last slot is the text model's."""
+    from safetensors import safe_open
+
+    from pipeline.targetinfo import from_config
+    config = json.loads((kimi_target / "config.json").read_text())
+    assert config["architectures"] == ["KimiK25ForConditionalGeneration"] and config["model_type"] == "kimi_k25"
+    assert config["text_config"]["kv_lora_rank"] == 512 and "media_placeholder_token_id" in config
+    with safe_open(str(kimi_target / "model.safetensors"), framework="pt") as fh:
+        names = list(fh.keys())
+    assert "language_model.model.layers.1.mlp.experts.0.gate_proj.weight" in names, names[:5]
+    assert not [n for n in names if n.startswith(("language_model.model.blocks.", "model.mm_projector"))]
+    info = from_config(kimi_target / "config.json")
+    assert (info.attention, info.layers, info.head_dim, info.rope_type) == ("MLA", 4, 64, "yarn")
+    model = target.load_model(kimi_target, "float32")
+    reader = target.HiddenStateReader(model, [1, 2, 3, 4])
+    ids = torch.tensor([[1, 40, 41, 42, 43]])
+    logits, states = reader(ids)
+    with torch.no_grad():
+        out = model(input_ids=ids, output_hidden_states=True)
+    assert torch.allclose(target.text_decoder(model).norm(states[:, :, -1]), out.hidden_states[-1], atol=1e-6)
+    assert torch.equal(logits, out.logits)
+
+
+def test_speculators_mask_token_for_a_multimodal_verifier(kimi_target):
+    """speculators resolves the draft's mask token through AutoProcessor, which cannot load Kimi's image
+    processor here (no torchvision); the compat launcher falls back to the tokenizer."""
+    import importlib
+
+    from pipeline.compat import speculators_compat
+    utils = importlib.import_module("speculators.train.utils")
+    original = utils.load_processor
+    with pytest.raises(Exception):  # the behaviour adapted; if this passes, drop the adaptation
+        utils.resolve_mask_token_id(str(kimi_target), 2048)
+    try:
+        assert speculators_compat.tokenizer_when_no_processor() == "speculators.train.utils.load_processor"
+        tok = target.load_tokenizer(kimi_target)
+        assert utils.resolve_mask_token_id(str(kimi_target), 2048) in (tok.pad_token_id, len(tok))
+    finally:
+        utils.load_processor = original
