@@ -28,13 +28,20 @@ def extract_copy(run_dir: Path, work: Path, backend: str):
     copy = work / backend
     shutil.copytree(run_dir, copy, symlinks=True,
                     ignore=shutil.ignore_patterns("hidden_states", "hs_raw", "checkpoints", "deploy", "eval", "report"))
+    # A resumed run keeps its profile: the copy's resolved profile gets the backend under test.
+    import tomllib
+
+    from pipeline.profile import dump_toml
+    resolved = tomllib.loads((copy / "profile.toml").read_text())
+    resolved["extract"]["backend"] = backend
+    (copy / "profile.toml").write_text(dump_toml(resolved))
     proc = subprocess.run([sys.executable, "-m", "pipeline", "run", "--resume", str(copy), "--no-tui", "--from", "extract",
-                           "--until", "extract", "--set", f'extract.backend="{backend}"'],
-                          cwd=ROOT, capture_output=True, text=True, check=False)
+                           "--until", "extract"], cwd=ROOT, capture_output=True, text=True, check=False)
     if proc.returncode != 0:
         sys.exit(f"{backend} extraction failed: {proc.stderr.strip().splitlines()[-1:]}")
     run = RunDir.open(copy)
     entry = run.stage_state("extract")
+    assert entry["figures"].get("backend", "transformers") == backend, entry["figures"]
     return run, entry["figures"], entry.get("seconds") or 0.0
 
 

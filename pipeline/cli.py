@@ -38,6 +38,9 @@ def cmd_run(args) -> int:
         if args.resume:
             if args.profile:
                 return _die("give either PROFILE or --resume RUN_DIR, not both")
+            if args.set:
+                return _die(f"--set {args.set[0]}: a resumed run keeps the profile it was created with "
+                            f"({Path(args.resume) / 'profile.toml'}); start a new run to change it")
             run = RunDir.open(Path(args.resume))
             profile = run.profile()
         else:

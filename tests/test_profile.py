@@ -107,3 +107,11 @@ def test_relative_input_paths_resolve_against_the_profile(tmp_path):
     (tmp_path / "convs.jsonl").write_text("")
     p = write(tmp_path, "rel.toml", '[data]\nconversations = "convs.jsonl"\n')
     assert load_profile(p).data.conversations == str(tmp_path / "convs.jsonl")
+
+
+def test_set_with_resume_is_refused_not_ignored(tmp_path):
+    """A resumed run keeps the profile it was created with; an override there used to be dropped silently."""
+    proc = cli("run", "--resume", tmp_path / "run", "--no-tui", "--set", 'extract.backend="vllm"')
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr
+    assert "extract.backend" in proc.stderr and "profile.toml" in proc.stderr
+    assert not (tmp_path / "run").exists()
