@@ -38,10 +38,11 @@ def extract_copy(run_dir: Path, work: Path, backend: str):
     proc = subprocess.run([sys.executable, "-m", "pipeline", "run", "--resume", str(copy), "--no-tui", "--from", "extract",
                            "--until", "extract"], cwd=ROOT, capture_output=True, text=True, check=False)
     if proc.returncode != 0:
-        sys.exit(f"{backend} extraction failed: {proc.stderr.strip().splitlines()[-1:]}")
+        sys.exit(f"{backend} extraction failed: {(proc.stderr.strip().splitlines() or ['no output'])[-1]}")
     run = RunDir.open(copy)
     entry = run.stage_state("extract")
-    assert entry["figures"].get("backend", "transformers") == backend, entry["figures"]
+    if entry["figures"].get("backend", "transformers") != backend:
+        sys.exit(f"{copy}: extract ran with {entry['figures'].get('backend')}, not {backend}")
     return run, entry["figures"], entry.get("seconds") or 0.0
 
 

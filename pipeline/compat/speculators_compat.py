@@ -11,8 +11,8 @@ a multimodal verifier (Kimi-K2.5) cannot load without torchvision, falls back to
 Usage: python -m pipeline.compat.speculators_compat train <speculators train flags>
        python -m torch.distributed.run … -m pipeline.compat.speculators_compat train <flags>
 
-Every adapted name is listed in ADAPTED; tests/test_compat.py fails loudly if a speculators release
-renames or removes one of them.
+Every adapted name is listed in ADAPTED (CPU) or ALWAYS_ADAPTED; tests/test_compat.py fails loudly if a
+speculators release renames or removes one of them.
 """
 from __future__ import annotations
 
@@ -27,8 +27,10 @@ ADAPTED = [
     ("speculators.train.checkpointer", "get_current_device"),  # resume loads onto "cuda:0" without accelerator
     ("speculators.train.cli", "maybe_setup_distributed"),  # NCCL from the accelerator; gloo on a CPU
 ]
-# Always: the verifier's processor, which speculators loads to pick the draft's mask token.
+# Always (speculators 0.9.0): the verifier's processor, which speculators loads to pick the draft's mask
+# token; a multimodal verifier's (Kimi-K2.5) needs torchvision, which is not installed.
 PROCESSOR = ("speculators.train.utils", "load_processor")
+ALWAYS_ADAPTED = [PROCESSOR]
 # With an accelerator: the fused loss kernels whose shared autotuner lists are split.
 FUSED_KERNELS = ("speculators.losses.fused", ("loss_forward_kernel", "loss_backward_kernel"))
 
@@ -99,7 +101,10 @@ def tokenizer_when_no_processor() -> str:
 
     module, name = PROCESSOR
     utils = importlib.import_module(module)
-    original = getattr(utils, name)
+    original = getattr(utils, name, None)
+    if original is None:
+        raise RuntimeError(f"speculators changed: {module}.{name} no longer exists; "
+                           f"pipeline/compat/speculators_compat.py must be updated")
 
     def load_processor(path, *args, **kwargs):
         try:

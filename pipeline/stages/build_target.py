@@ -10,6 +10,7 @@ import shutil
 from pathlib import Path
 
 from pipeline import atomicio, demo_data
+from pipeline.compat import kimi_layout
 from pipeline.profile import DemoTargetSection, Profile
 from pipeline.stages.base import Stage, StageContext
 
@@ -112,37 +113,6 @@ def kimi_k25_model(spec: DemoTargetSection, vocab_size: int, tokenizer=None):
     return Kimi_K25ForConditionalGeneration(config).float()
 
 
-# transformers 5.19 saves the wrapper under names that vLLM's KimiK25ForConditionalGeneration (and
-# Kimi's own checkpoints) do not use; transformers loads either layout.
-KIMI_RENAMES = {"language_model.model.blocks.": "language_model.model.layers.",
-                "model.mm_projector.": "mm_projector.", "vision_tower.encoder.patch_embed": "vision_tower.patch_embed"}
-KIMI_PREPROCESSOR = {
-    "image_processor_type": "KimiK25VisionProcessor",
-    "media_proc_cfg": {"in_patch_limit": 16384, "patch_size": 14, "image_mean": [0.5, 0.5, 0.5],
-                       "image_std": [0.5, 0.5, 0.5], "merge_kernel_size": 2, "fixed_output_tokens": None,
-                       "patch_limit_on_one_side": 512, "in_patch_limit_each_frame": 4096, "in_patch_limit_video": None,
-                       "sample_fps": 2.0, "max_num_frames_each_video": None, "temporal_merge_kernel_size": 4,
-                       "timestamp_mode": "hh:mm:ss.fff", "config_type": "media_proc"}}
-
-
-def kimi_layout(model_dir: Path) -> None:
-    """Kimi-K2.5's checkpoint layout: its weight names and architecture name, a preprocessor config."""
-    from safetensors.torch import load_file, save_file
-    path = model_dir / "model.safetensors"
-    renamed = {}
-    for name, tensor in load_file(str(path)).items():
-        for old, new in KIMI_RENAMES.items():
-            if name.startswith(old):
-                name = new + name[len(old):]
-                break
-        renamed[name] = tensor.contiguous()
-    save_file(renamed, str(path), metadata={"format": "pt"})
-    config = json.loads((model_dir / "config.json").read_text())
-    config["architectures"] = ["KimiK25ForConditionalGeneration"]  # transformers writes "Kimi_K25…"
-    (model_dir / "config.json").write_text(json.dumps(config, indent=2))
-    (model_dir / "preprocessor_config.json").write_text(json.dumps(KIMI_PREPROCESSOR, indent=2))
-
-
 def _rope(spec: DemoTargetSection) -> dict:
     if not spec.yarn_factor:
         return {"rope_type": "default", "rope_theta": 50000.0}
@@ -177,7 +147,8 @@ def int4_quantization_config(group_size: int) -> dict:
                                       "weights": {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group",
                                                   "group_size": group_size, "dynamic": False, "actorder": None,
                                                   "observer": "minmax", "observer_kwargs": {}}}},
-        "ignore": ["lm_head", "re:.*self_attn.*", "re:.*shared_experts.*", "re:.*mlp\\.(gate|up|gate_up|down)_proj.*"],
+        "ignore": ["lm_head", "re:.*self_attn.*", "re:.*shared_experts.*", "re:.*mlp\\.(gate|up|gate_up|down)_proj.*",
+                   "re:vision_tower.*", "re:mm_projector.*"],
         "kv_cache_scheme": None,
     }
 
@@ -226,7 +197,7 @@ def build_target(spec: DemoTargetSection, cache_dir: Path) -> Path:
     tokenizer.save_pretrained(tmp)
     build_model(spec, len(tokenizer), tokenizer).save_pretrained(tmp)
     if spec.architecture == "kimi_k25":
-        kimi_layout(tmp)
+        kimi_layout.write_kimi_layout(tmp)
     if spec.quantization == "w4a16":
         quantize_routed_experts(tmp, spec.quant_group_size)
     shutil.rmtree(final, ignore_errors=True)

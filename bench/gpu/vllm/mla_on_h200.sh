@@ -8,7 +8,6 @@
 # Results go to $OUT (or ./out): the probe answers, preflight, state.json, online.json, the comparison.
 set -uo pipefail
 OUT=${OUT:-$PWD/out}; mkdir -p "$OUT"
-here=$(cd "$(dirname "$0")" && pwd)
 T0=$(date +%s); el() { echo "[$(( $(date +%s) - T0 ))s]"; }
 source .vls/install_on_device.sh || exit 1   # vLLM into /tmp/site (idempotent while the machine is warm)
 [ -f /tmp/site2/.done ] || { python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site2 .whl/*.whl \
@@ -32,7 +31,7 @@ probe)
   python3 -m pipeline preflight demo-int4 "${SETS[@]}" | grep -E "int4|mla" | tee "$OUT/preflight-demo-int4.txt"
   python3 -m pipeline preflight kimi-k2.5-rtx6000x8-lowered | grep -E " mla | int4 " | tee "$OUT/preflight-kimi.txt"
   echo "$(el) run until extract"
-  python3 -m pipeline run demo-mla --no-tui --run-dir $RUN "${SETS[@]}" --until extract 2>&1 | grep -v server_wait | tail -12
+  python3 -m pipeline run demo-mla --no-tui --run-dir "$RUN" "${SETS[@]}" --until extract 2>&1 | grep -v server_wait | tail -12
   python3 - "$RUN" <<'PY' 2>&1 | tail -3 | tee "$OUT/compare.txt"
 import sys, torch
 from pathlib import Path
@@ -56,8 +55,8 @@ for dtype in ("float32", "bfloat16"):
     print(f"vLLM (bf16) vs transformers {dtype}: max |diff| per layer id {figs['layer_ids']}: "
           + ", ".join(f"{w:.2e}" for w in worst), f"({figs['samples']} files, {figs['tokens']} tokens)")
 PY
-  cp $RUN/state.json "$OUT/state-extract.json" 2>/dev/null
-  tail -c 20000 $RUN/logs/server-extraction.log | grep -a -E "backend|Using|MLA|MoE|ERROR|Error" | cut -c1-250 | tail -15
+  cp "$RUN"/state.json "$OUT/state-extract.json" 2>/dev/null
+  tail -c 20000 "$RUN"/logs/server-extraction.log | grep -a -E "backend|Using|MLA|MoE|ERROR|Error" | cut -c1-250 | tail -15
   ;;
 int4)
   python3 -m pipeline.compat.vllm_extract_probe '{"hidden": 7168, "layers": 61, "aux_ids": [2,30,58,61], "kv_lora_rank": 512, "qk_rope_head_dim": 64, "dtype": "bfloat16", "int4_group_size": 32, "rope_type": "yarn"}' 2>"$OUT/probe.err" | tail -1 | tee "$OUT/probe-int4.jsonl"
@@ -68,9 +67,9 @@ int4)
   tail -c 30000 /tmp/gpu-int4/logs/server-extraction.log 2>/dev/null | grep -a -E "WNA16|Marlin|MoE|backend|ERROR|Error" | cut -c1-250 | tail -8
   ;;
 rest)
-  python3 -m pipeline run --resume $RUN --no-tui 2>&1 | grep -v -E "server_wait|^\[train\] [0-9]" | tail -20
-  cp $RUN/state.json "$OUT/state.json"; cp $RUN/eval/online.json $RUN/eval/offline.json "$OUT/" 2>/dev/null
-  tail -c 20000 $RUN/logs/server-speculative.log 2>/dev/null | grep -a -E "backend|Using|ERROR|Error" | cut -c1-250 | tail -8
+  python3 -m pipeline run --resume "$RUN" --no-tui 2>&1 | grep -v -E "server_wait|^\[train\] [0-9]" | tail -20
+  cp "$RUN"/state.json "$OUT/state.json"; cp "$RUN"/eval/online.json "$RUN"/eval/offline.json "$OUT/" 2>/dev/null
+  tail -c 20000 "$RUN"/logs/server-speculative.log 2>/dev/null | grep -a -E "backend|Using|ERROR|Error" | cut -c1-250 | tail -8
   ;;
 esac
 echo "$(el) done"
