@@ -102,8 +102,8 @@ def version_findings(profile: Profile) -> list[Finding]:
 def ask_vllm(python: str, question: str) -> dict:
     """Run pipeline/compat/vllm_extract_probe.py in the interpreter that has vLLM and return its
     answer; {"error": why} when it cannot be asked (no vLLM there, a crash, a timeout)."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT) + (os.pathsep + os.environ["PYTHONPATH"]
-                                                     if os.environ.get("PYTHONPATH") else ""),
+    from pipeline.procs import last_error_text, repo_on_path
+    env = {**os.environ, "PYTHONPATH": repo_on_path(os.environ.get("PYTHONPATH")),
            "VLLM_LOGGING_LEVEL": "ERROR", "HF_HUB_OFFLINE": "1"}
     try:
         out = subprocess.run([python or sys.executable, "-m", "pipeline.compat.vllm_extract_probe", question],
@@ -114,7 +114,6 @@ def ask_vllm(python: str, question: str) -> dict:
     try:
         return json.loads(lines[-1])
     except (IndexError, json.JSONDecodeError):
-        from pipeline.procs import last_error_text
         return {"error": last_error_text(out.stderr) or f"exit {out.returncode}, no answer"}
 
 

@@ -85,6 +85,12 @@ def last_error_text(text: str, tail: int = 200) -> str:
     return lines[-1].strip()[-400:] if lines else "empty log"
 
 
+def repo_on_path(pythonpath: str | None) -> str:
+    """A PYTHONPATH with this repository first: children import pipeline.compat from it."""
+    root = str(Path(__file__).resolve().parent.parent)
+    return root + (os.pathsep + pythonpath if pythonpath else "")
+
+
 def child_env(run_root: Path) -> dict:
     """Environment for the speculators subprocesses of a run: offline, unbuffered, uncoloured,
     caches inside the run, and this repository importable (the CPU compat launcher lives here)."""
@@ -95,6 +101,5 @@ def child_env(run_root: Path) -> dict:
     env["COLUMNS"] = "1000"  # speculators logs through rich, which wraps "key=value" pairs at 80 columns
     env.setdefault("TORCHINDUCTOR_CACHE_DIR", str(run_root / ".cache" / "inductor"))
     env.setdefault("TRITON_CACHE_DIR", str(run_root / ".cache" / "triton"))
-    root = str(Path(__file__).resolve().parent.parent)
-    env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    env["PYTHONPATH"] = repo_on_path(env.get("PYTHONPATH"))
     return env

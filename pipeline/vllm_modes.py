@@ -8,10 +8,10 @@ import os
 import sys
 from pathlib import Path
 
+from pipeline.procs import repo_on_path
 from pipeline.profile import Profile
 
 MODES = ("production", "extraction", "baseline", "speculative", "ngram")
-ROOT = Path(__file__).resolve().parent.parent
 
 
 def accelerator_available() -> bool:
@@ -86,7 +86,7 @@ def server_env(profile: Profile, cache_root: Path, mode: str = "production") -> 
            "VLLM_CACHE_ROOT": str(cache_root / "vllm"), "TORCHINDUCTOR_CACHE_DIR": str(cache_root / "inductor"),
            "VLLM_CPU_KVCACHE_SPACE": str(profile.server.cpu_kvcache_gib),
            # engine workers import the CPU connector from this repository
-           "PYTHONPATH": str(ROOT) + (os.pathsep + os.environ["PYTHONPATH"] if os.environ.get("PYTHONPATH") else "")}
+           "PYTHONPATH": repo_on_path(os.environ.get("PYTHONPATH"))}
     if profile.server.api_key_env and mode == "production":  # the internal modes stay on loopback, keyless
         key = os.environ.get(profile.server.api_key_env)
         if key:
