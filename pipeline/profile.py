@@ -32,7 +32,7 @@ class TargetSection:
 
 @dataclass(frozen=True)
 class DemoTargetSection:
-    """The tiny target and BPE tokenizer that the demo builds offline (REFERENCE.md §3.2): a Llama, or
+    """The tiny target and BPE tokenizer that the demo builds offline (NOTES.md "Decisions"): a Llama, or
     a Kimi-class DeepSeek-V3 text model (MLA attention, MoE with routed and shared experts)."""
     # deepseek_v3: the Kimi-K2.5 text model; kimi_k25: the same inside Kimi's multimodal wrapper
     architecture: Literal["llama", "deepseek_v3", "kimi_k25"] = "llama"

@@ -93,7 +93,7 @@ def _answer(profile):
 
 def test_vllm_groups_a_kimi_target_with_its_hidden_states_in_one_group():
     """vLLM's own KV-cache grouping of Kimi-K2.5's 61 MLA layers plus the hidden-state layer: one
-    group, so the connector's "MLA verifiers are unsupported" does not fire (REFERENCE §8)."""
+    group, so the connector's "MLA verifiers are unsupported" does not fire (NOTES.md "Kimi-class targets")."""
     m = _answer(load_profile(KIMI[1], check_inputs=False))["mla"]
     assert m["head_size"] == 512 + 64 and m["refusal"] == "" and m["hidden_state_group"] == 0
     assert m["groups"] == [{"spec": "UniformTypeKVCacheSpecs", "layers": 61 + 1}]

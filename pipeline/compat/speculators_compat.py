@@ -1,11 +1,11 @@
 """Run `speculators train` where speculators 0.9.0 does not run as released, without editing
 installed files; this launcher adapts names in its own process, then hands over to speculators' CLI.
 
-Without an accelerator (REFERENCE.md §3.3): three places that are fatal on a CPU, plus, under
+Without an accelerator (NOTES.md "speculators' trainer on CPU"): three places that are fatal on a CPU, plus, under
 torchrun, the process-group setup, which derives NCCL from the accelerator: on a CPU it uses gloo.
 With an accelerator: the fused Triton loss's two kernels share one autotuner `configs`/`keys` list,
 which torch ≥ 2.11's compiler refuses ("ListVariable … is already tracked for mutation",
-REFERENCE.md §7); the backward kernel gets its own copies. Everywhere: the verifier's processor, which
+NOTES.md "On H200s"); the backward kernel gets its own copies. Everywhere: the verifier's processor, which
 a multimodal verifier (Kimi-K2.5) cannot load without torchvision, falls back to its tokenizer.
 
 Usage: python -m pipeline.compat.speculators_compat train <speculators train flags>
