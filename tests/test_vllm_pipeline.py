@@ -96,3 +96,43 @@ def test_report_has_matrix_plots_and_decision(vllm_run, tmp_path):
     for png in ("training.png", "acceptance.png"):
         assert (vllm_run.root / "report" / png).stat().st_size > 5000
         assert png in md
+
+
+@pytest.mark.parametrize("decision,deploys", [
+    ("deploy: speedup x1.43 at concurrency 1 (threshold x1.10)", True),
+    ("do not deploy: speedup x0.92 at concurrency 1 (threshold x1.10)", False),
+    (None, False),
+])
+def test_production_gets_the_head_only_on_a_deploy_decision(decision, deploys):
+    from pipeline.stages.handover import draft_goes_to_production
+    ok, why = draft_goes_to_production({"decision": decision} if decision else {})
+    assert ok is deploys and why.startswith("deployed" if deploys else "not deployed")
+    assert (decision or "no measured decision") in why
+
+
+def test_handover_to_production_follows_the_runs_decision(vllm_run, tmp_path):
+    """after_run = "production-with-draft" on a finished run: production restarts, with the new head only
+    if this run's own benchmark said deploy, and the record says why; then the server is stopped."""
+    import shutil
+    import tomllib
+
+    from pipeline.profile import dump_toml
+    copy = tmp_path / "run"
+    shutil.copytree(vllm_run.root, copy, symlinks=True)
+    resolved = tomllib.loads((copy / "profile.toml").read_text())
+    resolved["server"]["after_run"] = "production-with-draft"
+    (copy / "profile.toml").write_text(dump_toml(resolved))
+    (copy / "server-handover.json").unlink()  # handover's output: without it the stage is not done
+    decision = vllm_run.stage_state("deploy-measure")["figures"]["decision"]
+    try:
+        proc = cli("run", "--resume", copy, "--no-tui", "--from", "handover", timeout=600)
+        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+        record = json.loads((copy / "server-handover.json").read_text())
+        deployed = decision.startswith("deploy:")
+        assert record["server"] == ("production with draft" if deployed else "production"), record
+        assert record["draft"] == ("deployed: " if deployed else "not deployed: ") + decision
+        notes = (copy / "notes.jsonl").read_text()
+        assert record["draft"] in notes  # the operator's notebook says what happened to the head
+    finally:
+        stop = cli("server", "stop", "--run-dir", copy)
+        assert stop.returncode == 0, stop.stderr

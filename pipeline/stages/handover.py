@@ -1,5 +1,6 @@
-"""handover: leave the serving port as the profile says: the production server restarted (with or
-without the new head) or nothing running."""
+"""handover: leave the serving port as the profile says: the production server restarted (with the new
+head only when deploy-measure decided "deploy", else without it and the reason recorded) or nothing
+running."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -11,6 +12,17 @@ from pipeline.stages.base import Stage, StageContext
 
 def record_path(ctx: StageContext) -> Path:
     return ctx.run.root / "server-handover.json"
+
+
+def draft_goes_to_production(measured: dict) -> tuple[bool, str]:
+    """Whether `after_run = "production-with-draft"` may put the new head into production: only on the
+    benchmark's own decision line "deploy: …"; otherwise the reason production keeps running without it."""
+    decision = measured.get("decision")
+    if not decision:
+        return False, "not deployed: no measured decision (deploy-measure did not run; evaluate.online = false?)"
+    if decision.startswith("deploy:"):
+        return True, f"deployed: {decision}"
+    return False, f"not deployed: {decision}"
 
 
 class Handover(Stage):
@@ -28,14 +40,18 @@ class Handover(Stage):
             stopped = box.free_port(ctx.profile, ctx.log.info)
             figures = {"after_run": after, "server": "stopped" if stopped else "none running"}
         else:
-            draft = None
+            draft, why = None, ""
             if after == "production-with-draft":
-                from pipeline.stages.deploy_measure import draft_dir
-                from pipeline.deploy import publish_draft
-                draft = publish_draft(ctx.draft_checkpoint(), draft_dir(ctx), ctx.target_dir())
+                deploy, why = draft_goes_to_production(ctx.run.stage_state("deploy-measure").get("figures", {}))
+                if deploy:
+                    from pipeline.deploy import publish_draft
+                    from pipeline.stages.deploy_measure import draft_dir
+                    draft = publish_draft(ctx.draft_checkpoint(), draft_dir(ctx), ctx.target_dir())
+                else:
+                    ctx.log.warning("production restarts without the new head: %s", why)
             rec = box.start_mode(ctx.profile, "production", ctx.target_dir(), ctx.run.log_path("server-production"),
                                  ctx.run.root / ".cache", ctx.log.info, draft_dir=draft)
             figures = {"after_run": after, "server": "production" + (" with draft" if draft else ""),
-                       "pid": rec.pid, "port": rec.port}
+                       "pid": rec.pid, "port": rec.port, **({"draft": why} if why else {})}
         atomicio.atomic_write_json(record_path(ctx), {**figures, "at": now_iso()})
         return figures
