@@ -6,18 +6,37 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pipeline import vllm_modes
+from pipeline import portlock, procs, vllm_modes
 from pipeline.profile import Profile
 from pipeline.server import ServerController, ServerError, port_owner, is_vllm
+
+
+class PortHeld(ServerError):
+    """A run in progress holds the port: its stages own the server there."""
+
+    def __init__(self, holder: dict, port: int):
+        self.holder = holder
+        super().__init__(f"port {port} is held by a run in progress (pid {holder.get('pid', '?')}, "
+                         f"{holder.get('run', '?')}): its stages use the server there; wait for it, stop it, "
+                         f"or pass --force")
+
+
+def guard(profile: Profile, force: bool = False) -> None:
+    """Refuse to touch the port's server while another process's run holds the port (the operator may
+    insist with force). The run's own stages hold the lock themselves and pass."""
+    holder = portlock.holder(profile)
+    if holder is not None and not force:
+        raise PortHeld(holder, profile.server.port)
 
 
 def controller(profile: Profile) -> ServerController:
     return ServerController(Path(profile.run.runs_dir).resolve() / ".servers" / f"port-{profile.server.port}.json")
 
 
-def free_port(profile: Profile, log) -> dict | None:
+def free_port(profile: Profile, log, force: bool = False) -> dict | None:
     """Stop whatever vLLM serves the profile's port (recorded, or found there and adopted). Returns
     what was stopped. A non-vLLM process on the port is an error: it is not ours to stop."""
+    guard(profile, force)
     ctl = controller(profile)
     status = ctl.status()
     if status["state"] == "none":
@@ -26,7 +45,7 @@ def free_port(profile: Profile, log) -> dict | None:
             return None
         if not is_vllm(owner):
             raise ServerError(f"port {profile.server.port} is in use by pid {owner.pid} "
-                              f"({' '.join(owner.cmdline())[:100]}), which is not vLLM")
+                              f"({procs.shown_cmdline(owner)}), which is not vLLM")
         ctl.adopt(profile.server.host, profile.server.port)
         status = ctl.status()
     log(f"stopping {status['mode']} server pid {status['pid']} (processes {status.get('pids')}) on port "
@@ -35,20 +54,26 @@ def free_port(profile: Profile, log) -> dict | None:
 
 
 def start_mode(profile: Profile, mode: str, target_dir: Path, log_path: Path, cache_root: Path, log,
-               on_wait=lambda s: None, **mode_args):
+               on_wait=lambda s: None, force: bool = False, **mode_args):
     """Serve `mode` on the port: reuse the running server if it is exactly this command and healthy,
     else stop what is there and start it."""
+    guard(profile, force)
     argv = vllm_modes.server_argv(profile, mode, target_dir, **mode_args)
     ctl = controller(profile)
     rec, status = ctl.record(), ctl.status()
-    if rec is not None and rec.argv == argv and status.get("healthy"):
+    if rec is not None and rec.argv == procs.redact_argv(argv) and status.get("healthy"):
         log(f"reusing the running {mode} server pid {rec.pid}")
         return rec
-    free_port(profile, log)
-    log(f"starting {mode} server: {' '.join(argv)}")
-    return ctl.start(argv, host=profile.server.host, port=profile.server.port, mode=mode,
+    free_port(profile, log, force)
+    log(f"starting {mode} server: {' '.join(procs.redact_argv(argv))}")
+    return ctl.start(argv, host=vllm_modes.bind_host(profile, mode), port=profile.server.port, mode=mode,
                      log=log_path, env=vllm_modes.server_env(profile, cache_root, mode),
                      health_timeout=profile.server.health_timeout, on_wait=on_wait)
+
+
+def adopt(profile: Profile, force: bool = False):
+    guard(profile, force)
+    return controller(profile).adopt(profile.server.host, profile.server.port, mode="production")
 
 
 def mode_inputs(profile: Profile, run, mode: str, draft: str | None = None, storage: str | None = None):

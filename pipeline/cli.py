@@ -195,33 +195,50 @@ def cmd_notes(args) -> int:
     return 0
 
 
+def _server_profile(args):
+    """The profile a server command acts on. With --run-dir it is the run's own (its port, its
+    server); a PROFILE given too must serve the same port."""
+    from pipeline.profile import ProfileError, load_profile
+    from pipeline.rundir import RunDir
+
+    run = RunDir.open(Path(args.run_dir)) if args.run_dir else None
+    if run is None and not args.profile:
+        raise ProfileError("give a PROFILE or --run-dir RUN_DIR")
+    profile = load_profile(args.profile or run.profile_path, _overrides(args.set))
+    if run is not None:
+        port = run.profile().server.port
+        if profile.server.port != port:
+            raise ProfileError(f"server.port {profile.server.port} is not the port of run {run.root} ({port}): "
+                               f"a server command with --run-dir acts on that run's server")
+    return run, profile
+
+
 def cmd_server(args) -> int:
     from pipeline import box
-    from pipeline.profile import ProfileError, load_profile
-    from pipeline.rundir import RunDir, RunDirError
+    from pipeline.profile import ProfileError
+    from pipeline.rundir import RunDirError
     from pipeline.server import ServerError
 
     try:
-        run = RunDir.open(Path(args.run_dir)) if args.run_dir else None
-        profile = run.profile() if run and not args.profile else load_profile(args.profile)
+        run, profile = _server_profile(args)
         if args.server_cmd == "status":
             status = box.controller(profile).status()
             print(json.dumps(status, indent=2) if args.json else
                   " ".join(f"{k}={v}" for k, v in status.items() if k != "argv"))
             return 0
         if args.server_cmd == "stop":
-            stopped = box.free_port(profile, print)
+            stopped = box.free_port(profile, print, force=args.force)
             print("stopped" if stopped else f"no vLLM server on port {profile.server.port}")
             return 0
         if args.server_cmd == "adopt":
-            rec = box.controller(profile).adopt(profile.server.host, profile.server.port, mode="production")
+            rec = box.adopt(profile, force=args.force)
             print(f"adopted vLLM pid {rec.pid} (process group {rec.pgid}) on port {rec.port}")
             return 0
         target_dir, mode_args = box.mode_inputs(profile, run, args.mode, args.draft, args.storage)
         logs = (run.logs_dir if run else Path(profile.run.runs_dir).resolve() / ".servers")
         rec = box.start_mode(profile, args.mode, target_dir, logs / f"server-{args.mode}.log",
                              (run.root if run else Path(profile.run.cache_dir).resolve()) / ".cache", print,
-                             **mode_args)
+                             force=args.force, **mode_args)
         print(f"{args.mode} server healthy: pid {rec.pid}, {rec.base_url}, log {rec.log}")
         return 0
     except (ProfileError, RunDirError, ServerError, ValueError) as exc:
@@ -301,7 +318,11 @@ def build_parser() -> argparse.ArgumentParser:
                        ("adopt", "take over a vLLM this tool did not start")):
         sp = ssub.add_parser(name, help=text)
         sp.add_argument("profile", nargs="?", help="profile (default: the run's, with --run-dir)")
-        sp.add_argument("--run-dir", help="a run: its target, draft and log directory")
+        sp.add_argument("--run-dir", help="a run: its port, target, draft and log directory")
+        sp.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a profile value")
+        if name != "status":
+            sp.add_argument("--force", action="store_true",
+                            help="act even while a run in progress holds the port (pulls its server from under it)")
         if name == "start":
             from pipeline.vllm_modes import MODES
             sp.add_argument("--mode", choices=MODES, default="production")

@@ -63,14 +63,23 @@ def run_logged(cmd: list[str], log_path, *, env: dict, cwd=None, on_line=lambda 
             raise
 
 
-def last_error_line(log: Path, tail: int = 200) -> str:
-    """The line of a log that best says why a child failed: its last error line (with the indented
-    detail line after it, as pydantic prints the actual reason there), else its last line."""
+def read_log(log: Path, since: int = 0) -> str | None:
+    """The text of a log from byte `since` on (one server instance's part of a shared log); None
+    when there is no log."""
     try:
-        text = Path(log).read_text(errors="replace")
+        with open(log, "rb") as fh:
+            fh.seek(since)
+            return fh.read().decode(errors="replace")
     except FileNotFoundError:
-        return "no log"
-    return last_error_text(text, tail)
+        return None
+
+
+def last_error_line(log: Path, tail: int = 200, since: int = 0) -> str:
+    """The line of a log that best says why a child failed: its last error line (with the indented
+    detail line after it, as pydantic prints the actual reason there), else its last line. `since`:
+    read only what this instance wrote (every start appends to the same log)."""
+    text = read_log(log, since)
+    return "no log" if text is None else last_error_text(text, tail)
 
 
 def last_error_text(text: str, tail: int = 200) -> str:
@@ -83,6 +92,36 @@ def last_error_text(text: str, tail: int = 200) -> str:
                 line = f"{line}: {lines[i + 1].strip()}"
             return line[:400]
     return lines[-1].strip()[-400:] if lines else "empty log"
+
+
+SECRET_FLAG_WORDS = ("key", "token", "secret", "password", "passwd", "credential")
+
+
+def redact_argv(argv: list[str]) -> list[str]:
+    """argv as it may be stored or shown: the value of any flag naming a secret (`--api-key X`,
+    `--hf-token=X`) replaced by ***. Every argv written to a file or a message goes through here."""
+    out, hide_next = [], False
+    for arg in argv:
+        if hide_next:
+            out.append("***")
+            hide_next = False
+            continue
+        flag, eq, _ = arg.partition("=")
+        secret = flag.startswith("-") and any(w in flag.lower() for w in SECRET_FLAG_WORDS)
+        if secret and eq:
+            out.append(f"{flag}=***")
+        else:
+            out.append(arg)
+            hide_next = secret
+    return out
+
+
+def shown_cmdline(proc, width: int = 120) -> str:
+    """A process's command line for a message: redacted, cut to `width`."""
+    try:
+        return " ".join(redact_argv(proc.cmdline()))[:width]
+    except Exception:  # noqa: BLE001 - psutil.Error: gone or not ours to read
+        return "?"
 
 
 def repo_on_path(pythonpath: str | None) -> str:

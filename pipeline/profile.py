@@ -390,8 +390,12 @@ def load_profile(path: str | Path, overrides: dict | None = None, check_inputs: 
     for dotted, value in (overrides or {}).items():
         node = data
         *parents, leaf = dotted.split(".")
-        for part in parents:
+        for depth, part in enumerate(parents):
             node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ProfileError(f"--set {dotted}: {'.'.join(parents[:depth + 1])} is a value, not a table")
+        if not all(p.strip() for p in (*parents, leaf)):
+            raise ProfileError(f"--set {dotted}: empty part in the key path")
         node[leaf] = value
     if "name" not in data:
         data["name"] = path.stem

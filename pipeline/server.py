@@ -29,11 +29,12 @@ class ServerError(RuntimeError):
         self.tail = tail or []
 
 
-def log_tail(log: Path, n: int = 8) -> list[str]:
-    try:
-        return [l.rstrip() for l in Path(log).read_text(errors="replace").splitlines() if l.strip()][-n:]
-    except FileNotFoundError:
-        return []
+def log_tail(log: Path, n: int = 8, since: int = 0) -> list[str]:
+    text = procs.read_log(Path(log), since)
+    return [l.rstrip() for l in (text or "").splitlines() if l.strip()][-n:]
+
+
+WILDCARD_HOSTS = {"0.0.0.0": "127.0.0.1", "": "127.0.0.1", "::": "[::1]"}
 
 
 @dataclass(frozen=True)
@@ -47,10 +48,19 @@ class ServerRecord:
     log: str
     started: float
     adopted: bool = False
+    log_offset: int = 0  # where this instance's part of the (shared, appended) log begins
 
     @property
     def base_url(self) -> str:
-        return f"http://{self.host}:{self.port}"
+        """Where this machine reaches the server: a wildcard bind is reached on loopback."""
+        return f"http://{WILDCARD_HOSTS.get(self.host, self.host)}:{self.port}"
+
+    def reason(self) -> str:
+        """The server's own last error line, from this instance's part of its log."""
+        return last_error_line(Path(self.log), since=self.log_offset) if self.log else "no log (adopted server)"
+
+    def tail(self) -> list[str]:
+        return log_tail(Path(self.log), since=self.log_offset) if self.log else []
 
 
 def http_get(url: str, timeout: float = 2.0, headers: dict | None = None) -> tuple[int, str]:
@@ -120,17 +130,19 @@ class ServerController:
                               f"{current.port}); stop it first")
         if port_in_use(host, port):
             owner = port_owner(host, port)
-            who = f" by pid {owner.pid} ({' '.join(owner.cmdline())[:120]})" if owner else ""
+            who = f" by pid {owner.pid} ({procs.shown_cmdline(owner)})" if owner else ""
             raise ServerError(f"port {port} on {host} is already in use{who}")
         log = Path(log)
         log.parent.mkdir(parents=True, exist_ok=True)
         with open(log, "ab") as fh:
-            fh.write(f"\n=== eagle3-console: starting {mode} server: {' '.join(argv)}\n".encode())
+            offset = fh.tell()
+            shown = " ".join(procs.redact_argv(argv))
+            fh.write(f"\n=== eagle3-console: starting {mode} server: {shown}\n".encode())
             fh.flush()
             proc = subprocess.Popen(argv, stdout=fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                     start_new_session=True, env={**os.environ, **(env or {})})
-        rec = ServerRecord(pid=proc.pid, pgid=proc.pid, host=host, port=port, mode=mode, argv=list(argv),
-                           log=str(log), started=time.time())
+        rec = ServerRecord(pid=proc.pid, pgid=proc.pid, host=host, port=port, mode=mode,
+                           argv=procs.redact_argv(argv), log=str(log), started=time.time(), log_offset=offset)
         self._save(rec)
         try:
             self.wait_healthy(rec, proc, health_timeout, on_wait)
@@ -151,11 +163,11 @@ class ServerController:
             exited = proc.poll() if proc is not None else (None if procs.group_members(rec.pgid) else -1)
             if exited is not None:
                 raise ServerError(f"vLLM ({rec.mode}) exited with {exited} before becoming healthy: "
-                                  f"{last_error_line(Path(rec.log))} (log: {rec.log})", log_tail(Path(rec.log)))
+                                  f"{rec.reason()} (log: {rec.log})", rec.tail())
             waited = time.monotonic() - t0
             if waited > timeout:
                 raise ServerError(f"vLLM ({rec.mode}) not healthy after {timeout:.0f}s: "
-                                  f"{last_error_line(Path(rec.log))} (log: {rec.log})", log_tail(Path(rec.log)))
+                                  f"{rec.reason()} (log: {rec.log})", rec.tail())
             on_wait(waited)
             time.sleep(1.0)
 
@@ -210,7 +222,7 @@ class ServerController:
         if owner is None:
             raise ServerError(f"nothing is listening on port {port}")
         if not is_vllm(owner):
-            raise ServerError(f"port {port} belongs to pid {owner.pid} ({' '.join(owner.cmdline())[:100]}), "
+            raise ServerError(f"port {port} belongs to pid {owner.pid} ({procs.shown_cmdline(owner)}), "
                               f"which is not a vLLM server")
         pgid = os.getpgid(owner.pid)
         family = {owner.pid} | {c.pid for c in owner.children(recursive=True)}
@@ -220,6 +232,7 @@ class ServerController:
             raise ServerError(f"vLLM pid {owner.pid} shares process group {pgid} with other processes "
                               f"{strangers[:5]}; stop it where it was started")
         rec = ServerRecord(pid=owner.pid, pgid=pgid, host=host, port=port, mode=mode,
-                           argv=owner.cmdline(), log="", started=owner.create_time(), adopted=True)
+                           argv=procs.redact_argv(owner.cmdline()), log="", started=owner.create_time(),
+                           adopted=True)
         self._save(rec)
         return rec

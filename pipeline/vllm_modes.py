@@ -12,6 +12,12 @@ from pipeline.procs import repo_on_path
 from pipeline.profile import Profile
 
 MODES = ("production", "extraction", "baseline", "speculative", "ngram")
+INTERNAL_HOST = "127.0.0.1"  # the internal modes are keyless: never on an interface others reach
+
+
+def bind_host(profile: Profile, mode: str) -> str:
+    """Production binds where the operator says; every internal mode binds loopback."""
+    return profile.server.host if mode == "production" else INTERNAL_HOST
 
 
 def accelerator_available() -> bool:
@@ -19,11 +25,11 @@ def accelerator_available() -> bool:
     return torch.accelerator.is_available()
 
 
-def base_argv(profile: Profile, target_dir: Path) -> list[str]:
+def base_argv(profile: Profile, target_dir: Path, host: str) -> list[str]:
     s = profile.server
     argv = [s.python or sys.executable, "-m", "vllm.entrypoints.openai.api_server",
             "--model", str(target_dir), "--served-model-name", s.served_model_name,
-            "--host", s.host, "--port", str(s.port), "--max-model-len", str(s.max_model_len),
+            "--host", host, "--port", str(s.port), "--max-model-len", str(s.max_model_len),
             "--dtype", s.dtype, "--tensor-parallel-size", str(s.tensor_parallel_size)]
     if accelerator_available():
         argv += ["--gpu-memory-utilization", str(s.gpu_memory_utilization)]
@@ -52,7 +58,7 @@ def server_argv(profile: Profile, mode: str, target_dir: Path, *, layer_ids: lis
                 storage: Path | None = None, draft_dir: Path | None = None) -> list[str]:
     if mode not in MODES:
         raise ValueError(f"unknown server mode {mode!r} (one of {', '.join(MODES)})")
-    argv = base_argv(profile, target_dir)
+    argv = base_argv(profile, target_dir, bind_host(profile, mode))
     if mode == "production":
         argv += list(profile.server.production_args)
         if draft_dir is not None:  # production with the new head
