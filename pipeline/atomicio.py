@@ -20,13 +20,21 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def atomic_write_bytes(path: Path, data: bytes) -> None:
+def atomic_write_bytes(path: Path, data: bytes, make_parents: bool = True) -> None:
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    if make_parents:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_rendered(path, lambda: data)
+
+
+def atomic_write_rendered(path: Path, render) -> None:
+    """Write `render()`'s bytes to `path`, its temp file created first: a destination that cannot be
+    written fails before anything is rendered (an export's plots, say). No directory is created."""
+    path = Path(path)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
         with os.fdopen(fd, "wb") as fh:
-            fh.write(data)
+            fh.write(render())
             fh.flush()
             os.fsync(fh.fileno())
         os.replace(tmp, path)

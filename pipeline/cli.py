@@ -30,7 +30,7 @@ def _setup_env() -> None:
 def cmd_run(args) -> int:
     from pipeline.profile import ProfileError, load_profile
     from pipeline.rundir import RunDir, RunDirError
-    from pipeline.runner import RunnerError, run_stages, select
+    from pipeline.runner import Interrupted, RunnerError, run_stages, select
     from pipeline.progress import ProgressPrinter
 
     run = None
@@ -56,12 +56,17 @@ def cmd_run(args) -> int:
         run_stages(run, args.start, args.until, on_event=ProgressPrinter())
     except (ProfileError, RunDirError, RunnerError) as exc:
         return _die(str(exc))
-    except KeyboardInterrupt:
-        return _die("interrupted" + (f"; resume with: eagle3-console run --resume {run.root}" if run else ""), 130)
+    except (KeyboardInterrupt, Interrupted) as exc:
+        why = "SIGINT" if isinstance(exc, KeyboardInterrupt) else str(exc)
+        return _die(f"interrupted ({why})" + (f"; resume with: eagle3-console run --resume {run.root}" if run else ""),
+                    130 if isinstance(exc, KeyboardInterrupt) else 143)
     except Exception as exc:  # noqa: BLE001 - the stage already recorded it; one line here
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        where = f"\n  logs: {run.logs_dir}  resume: eagle3-console run --resume {run.root}" if run else ""
-        return _die(first + where, EXIT_FAILED)
+        if run is None:
+            return _die(first, EXIT_FAILED)
+        then = (f"resume: eagle3-console run --resume {run.root}" if getattr(exc, "resumable", True) else
+                f"a resume keeps this run's profile ({run.profile_path}): start a new run with it corrected")
+        return _die(f"{first}\n  logs: {run.logs_dir}  {then}", EXIT_FAILED)
     _print_summary(run)
     return 0
 
@@ -141,8 +146,9 @@ def _print_summary(run) -> None:
 
 
 def cmd_status(args) -> int:
+    from pipeline import jobs
     from pipeline.rundir import RunDir, RunDirError
-    from pipeline.runner import is_done
+    from pipeline.runner import recorded_status
     from pipeline.stages import STAGES
 
     try:
@@ -150,49 +156,61 @@ def cmd_status(args) -> int:
         profile = run.profile()
     except RunDirError as exc:
         return _die(str(exc))
-    state = run.read_state()
+    state, job = run.read_state(), jobs.job_state(run)
     rows = []
     for stage in STAGES:
         entry = state["stages"].get(stage.name, {})
-        status = entry.get("status", "pending") if stage.applies(profile) else "n/a"
-        if status == "done" and not is_done(run, stage):
-            status = "stale"  # recorded done, but its outputs changed or vanished: it will re-run
+        status = recorded_status(run, stage, profile)
+        if status == "running" and not job["pid"]:
+            status = "interrupted"  # its process is gone: SIGKILL, power loss
         rows.append({"stage": stage.name, "status": status, "seconds": entry.get("seconds"),
-                     "figures": entry.get("figures", {}), "error": entry.get("error")})
+                     "attempts": entry.get("attempts"), "figures": entry.get("figures", {}),
+                     "error": entry.get("error"), "gpu": entry.get("gpu")})
+    hint = {"running": f"pid {job['pid']}; watch with: eagle3-console attach {run.root}",
+            "interrupted": f"its process is gone; resume with: eagle3-console run --resume {run.root}",
+            "stopped": f"resume with: eagle3-console run --resume {run.root}"}.get(job["state"], "")
     if args.json:
-        print(json.dumps({"run": str(run.root), "profile": profile.name, "stages": rows}, indent=2))
+        print(json.dumps({"run": str(run.root), "profile": profile.name, "state": job["state"], "pid": job["pid"],
+                          "stages": rows}, indent=2))
         return 0
     print(f"run {run.root}  (profile {profile.name})")
+    print(f"state: {job['state']}" + (f" ({hint})" if hint else ""))
     for r in rows:
         secs = f"{r['seconds']:>8.1f}s" if r["seconds"] is not None else " " * 9
         extra = r["error"] or ", ".join(f"{k}={v}" for k, v in r["figures"].items()
                                         if isinstance(v, (int, float)) and not isinstance(v, bool))
-        print(f"  {r['stage']:<17} {r['status']:<8} {secs}  {extra}")
+        print(f"  {r['stage']:<17} {r['status']:<11} {secs}  {extra}")
     return 0
 
 
 def cmd_notes(args) -> int:
     from pipeline import notes
-    from pipeline.atomicio import atomic_write_text
+    from pipeline.atomicio import atomic_write_rendered
     from pipeline.rundir import RunDir, RunDirError
 
     try:
         run = RunDir.open(Path(args.run_dir))
-    except RunDirError as exc:
-        return _die(str(exc))
-    if args.notes_cmd == "add":
-        if not args.text.strip():
-            return _die("note text is empty")
-        rec = notes.add(run, args.text)
-        print(f"noted at {rec['ts']}")
+        if args.notes_cmd == "add":
+            if not args.text.strip():
+                return _die("note text is empty")
+            rec = notes.add(run, args.text)
+            print(f"noted at {rec['ts']}")
+            return 0
+        if not args.output:
+            sys.stdout.write(notes.export(run, args.format))
+            return 0
+        out = Path(args.output)
+        notes.check_destination(out)
+        try:
+            atomic_write_rendered(out, lambda: notes.export(run, args.format, out).encode())
+        except OSError as exc:
+            return _die(f"-o {out}: cannot write it: {exc.strerror or exc}", EXIT_FAILED)
+        print(f"wrote {out}")
         return 0
-    text = notes.export(run, args.format, Path(args.output) if args.output else None)
-    if args.output:
-        atomic_write_text(Path(args.output), text)
-        print(f"wrote {args.output}")
-    else:
-        sys.stdout.write(text)
-    return 0
+    except (RunDirError, ValueError) as exc:
+        return _die(str(exc))
+    except OSError as exc:
+        return _die(f"{exc.filename or args.run_dir}: {exc.strerror or exc}", EXIT_FAILED)
 
 
 def _server_profile(args):
@@ -345,7 +363,11 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     _setup_env()
     args = build_parser().parse_args(argv)
-    return args.func(args)
+    try:
+        return args.func(args)
+    except BrokenPipeError:  # `status RUN | head`: the reader left; not an error of ours
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
 
 
 if __name__ == "__main__":

@@ -29,6 +29,8 @@ def _check_messages(messages) -> str | None:
             return f"turn {i}: needs a string 'content'"
         if m.get("role") not in ROLES:
             return f"turn {i}: role {m.get('role')!r} is not one of system/user/assistant"
+        if m["role"] == "assistant" and not m["content"].strip():
+            return f"turn {i}: empty assistant turn (only the end-of-turn token would be trained)"
     if not any(m["role"] == "assistant" for m in messages):
         return "no assistant turn"
     return None

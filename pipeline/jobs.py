@@ -33,26 +33,39 @@ def start_detached(run: RunDir, start: str | None = None, until: str | None = No
     return proc.pid
 
 
-def job_state(run: RunDir) -> dict:
-    """running / finished / failed / not started, from the job record and the run's state."""
+def runner_alive(run: RunDir) -> int | None:
+    """The pid of the process running this run's stages (recorded in state.json by the runner, checked
+    by its start time so a reused pid does not count), or of its detached job; None when none lives."""
+    runner = run.read_state().get("runner") or {}
+    try:
+        if runner and psutil.Process(runner["pid"]).create_time() == runner["since"]:
+            return runner["pid"]
+    except (psutil.Error, KeyError):
+        pass
     try:
         job = json.loads(job_path(run).read_text())
-    except (FileNotFoundError, json.JSONDecodeError):
-        job = None
-    alive = False
-    if job:
-        try:
-            p = psutil.Process(job["pid"])
-            alive = p.status() != psutil.STATUS_ZOMBIE and str(run.root) in " ".join(p.cmdline())
-        except psutil.Error:
-            alive = False
+        p = psutil.Process(job["pid"])
+        if p.status() != psutil.STATUS_ZOMBIE and str(run.root) in " ".join(p.cmdline()):
+            return job["pid"]
+    except (FileNotFoundError, json.JSONDecodeError, KeyError, psutil.Error):
+        pass
+    return None
+
+
+def job_state(run: RunDir) -> dict:
+    """running / interrupted / failed / finished / not started, from the live processes and the run's
+    state: a stage recorded "running" whose process is gone was interrupted (SIGKILL, power loss)."""
+    pid = runner_alive(run)
     stages = run.read_state().get("stages", {})
-    if alive:
+    statuses = {s.get("status") for s in stages.values()}
+    if pid:
         state = "running"
-    elif any(s.get("status") == "failed" for s in stages.values()):
+    elif statuses & {"running", "interrupted"}:
+        state = "interrupted"
+    elif "failed" in statuses:
         state = "failed"
-    elif stages and all(s.get("status") == "done" for s in stages.values()):
+    elif stages and statuses == {"done"}:
         state = "finished"
     else:
-        state = "stopped" if job else "not started"
-    return {"state": state, "pid": job["pid"] if job else None}
+        state = "not started" if not stages else "stopped"
+    return {"state": state, "pid": pid}

@@ -92,7 +92,11 @@ def to_markdown(run: RunDir, out_path: Path | None = None) -> str:
         lines += ["## Benchmark matrix (vLLM, greedy, held-out prompts)", ""] + _matrix_lines(online) + [
             "", f"TPOT = request latency / output tokens (prefill included). Offline τ of the same head: "
                 f"{_fmt(online.get('offline_tau'))}.", ""]
-    made = plots.all_plots(run, run.root / "report")
+    try:
+        made = plots.all_plots(run, run.root / "report")
+    except OSError as exc:  # a read-only or full run: the report goes out without its plots
+        made = {}
+        lines += ["## Plots", "", f"not written: {exc}", ""]
     if made:
         base = (out_path.parent if out_path else run.root).resolve()
         lines += ["## Plots", ""] + [f"![{name}]({os.path.relpath(path, base)})" for name, path in made.items()] + [""]
@@ -103,6 +107,19 @@ def to_markdown(run: RunDir, out_path: Path | None = None) -> str:
         tail = f" ({', '.join(f'{k}={_fmt(v)}' for k, v in figs.items())})" if figs else ""
         lines.append(f"- `{note['ts']}` **{who}**: {note['text']}{tail}")
     return "\n".join(lines) + "\n"
+
+
+def check_destination(path: Path) -> None:
+    """An export destination the operator named: a file in an existing, writable directory. Checked
+    before anything is rendered; no directory is created for it."""
+    path = Path(path)
+    parent = path.parent
+    if path.is_dir():
+        raise ValueError(f"-o {path}: is a directory; name the file to write")
+    if not parent.is_dir():
+        raise ValueError(f"-o {path}: directory {parent} does not exist (export creates none)")
+    if not os.access(parent, os.W_OK):
+        raise ValueError(f"-o {path}: directory {parent} is not writable")
 
 
 def export(run: RunDir, fmt: str, out_path: Path | None = None) -> str:

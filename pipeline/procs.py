@@ -82,8 +82,8 @@ def last_error_line(log: Path, tail: int = 200, since: int = 0) -> str:
     return "no log" if text is None else last_error_text(text, tail)
 
 
-def last_error_text(text: str, tail: int = 200) -> str:
-    """last_error_line of text already in hand (a child's captured stderr)."""
+def error_line(text: str, tail: int = 200) -> str | None:
+    """The last error line of text (with the indented detail line after it), None when it has none."""
     lines = [l.rstrip() for l in text.splitlines()[-tail:] if l.strip()]
     for i in range(len(lines) - 1, -1, -1):
         line = lines[i].strip()
@@ -91,7 +91,13 @@ def last_error_text(text: str, tail: int = 200) -> str:
             if i + 1 < len(lines) and lines[i + 1][:1].isspace():
                 line = f"{line}: {lines[i + 1].strip()}"
             return line[:400]
-    return lines[-1].strip()[-400:] if lines else "empty log"
+    return None
+
+
+def last_error_text(text: str, tail: int = 200) -> str:
+    """last_error_line of text already in hand (a child's captured stderr)."""
+    lines = [l.strip() for l in text.splitlines() if l.strip()]
+    return error_line(text, tail) or (lines[-1][-400:] if lines else "empty log")
 
 
 SECRET_FLAG_WORDS = ("key", "token", "secret", "password", "passwd", "credential")

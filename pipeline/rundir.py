@@ -113,6 +113,11 @@ class RunDir:
         atomicio.atomic_write_json(self.state_path, state)
         return entry
 
+    def update_state(self, **fields) -> None:
+        state = self.read_state()
+        state.update(fields, updated=now_iso())
+        atomicio.atomic_write_json(self.state_path, state)
+
     # ---- events (append-only JSON lines)
     def emit(self, stage: str | None, kind: str, **data) -> dict:
         record = {"ts": now_iso(), "t": time.time(), "stage": stage, "kind": kind, **data}

@@ -2,12 +2,18 @@
 records state, events and notes around each, and stops at the first failure."""
 from __future__ import annotations
 
+import errno
 import logging
+import signal
+import threading
 import time
 from pathlib import Path
 from typing import Callable
 
+import psutil
+
 from pipeline import gpu, notes, portlock
+from pipeline.compat import speculators_logs
 from pipeline.rundir import RunDir, now_iso
 from pipeline.stages import STAGES, stage_names
 from pipeline.stages.base import Stage, StageContext, StageError
@@ -76,6 +82,27 @@ def is_done(run: RunDir, stage: Stage) -> bool:
     return entry.get("status") == "done" and outputs_intact(run, entry.get("outputs", {}))
 
 
+class Interrupted(BaseException):
+    """The run was told to stop (SIGTERM from `timeout`, systemd, kill): recorded as interrupted,
+    its children stopped, and resumable."""
+
+
+def _raise_interrupted(signum, _frame):
+    raise Interrupted(f"stopped by {signal.Signals(signum).name}")
+
+
+def recorded_status(run: RunDir, stage: Stage, profile) -> str:
+    """A stage's status as the run's files tell it: n/a where the profile skips it, "stale" when it
+    was done but its outputs changed or vanished (it will re-run). A check that runs on every
+    attempt (preflight) is never stale."""
+    if not stage.applies(profile):
+        return "n/a"
+    status = run.stage_state(stage.name).get("status", "pending")
+    if status == "done" and not getattr(stage, "always_run", False) and not is_done(run, stage):
+        return "stale"
+    return status
+
+
 def run_stages(run: RunDir, start: str | None = None, until: str | None = None,
                on_event: Callable[[dict], None] = lambda r: None) -> dict:
     profile = run.profile()
@@ -84,10 +111,38 @@ def run_stages(run: RunDir, start: str | None = None, until: str | None = None,
         lock = portlock.hold(profile, run.root)
     except portlock.PortTaken as exc:
         raise RunnerError(str(exc)) from None
+    me = psutil.Process()
+    run.update_state(runner={"pid": me.pid, "since": me.create_time()})
+    in_main = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _raise_interrupted) if in_main else None
     try:
         return _run_stages(run, profile, stages, on_event)
     finally:
+        if in_main:
+            signal.signal(signal.SIGTERM, previous)
         lock.close()
+
+
+def attempt_seconds(run: RunDir, stage: str) -> list[float]:
+    """Seconds of each earlier attempt of a stage, from the events: the recorded duration where the
+    attempt ended in an event, else (killed) until its last event."""
+    attempts: list[float] = []
+    open_start = last_seen = None
+    for e in run.events():
+        if e.get("stage") != stage or not isinstance(e.get("t"), (int, float)):
+            continue
+        if e.get("kind") == "start":
+            if open_start is not None:
+                attempts.append(round(last_seen - open_start, 2))
+            open_start = last_seen = e["t"]
+        elif open_start is not None and e.get("kind") in ENDINGS:
+            attempts.append(float(e.get("seconds") or round(e["t"] - open_start, 2)))
+            open_start = None
+        elif open_start is not None:
+            last_seen = e["t"]
+    if open_start is not None:
+        attempts.append(round(last_seen - open_start, 2))
+    return attempts
 
 
 def _run_stages(run: RunDir, profile, stages: list[Stage], on_event: Callable[[dict], None]) -> dict:
@@ -101,32 +156,42 @@ def _run_stages(run: RunDir, profile, stages: list[Stage], on_event: Callable[[d
         log, handler = _stage_logger(run, stage.name)
         ctx = StageContext(run=run, profile=profile, log=log, on_event=on_event)
         attempt = run.stage_state(stage.name).get("attempts", 0) + 1
-        run.update_stage(stage.name, status="running", started=now_iso(), attempts=attempt, outputs={})
+        earlier = sum(attempt_seconds(run, stage.name))
+        # The event first: a kill between the two leaves a start event, never a "running" without one.
         on_event(run.emit(stage.name, "start", attempt=attempt))
+        run.update_stage(stage.name, status="running", started=now_iso(), attempts=attempt, outputs={},
+                         earlier_seconds=round(earlier, 2), error=None)
         notes.add(run, f"{stage.name} started (attempt {attempt})", source="auto", stage=stage.name)
         t0 = time.monotonic()
         monitor = gpu.StageMonitor(timeline=run.root / "gpu_timeline.jsonl")
         try:
-            with monitor:
+            with monitor, speculators_logs.into(log):
                 figures = stage.run(ctx) or {}
             recorded = manifest(run, stage.outputs(ctx))
         except BaseException as exc:
             seconds = round(time.monotonic() - t0, 2)
             reason = _one_line(exc)
-            log.error("failed: %s", reason, exc_info=not isinstance(exc, (StageError, KeyboardInterrupt)))
-            run.update_stage(stage.name, status="failed", error=reason, seconds=seconds, finished=now_iso())
-            on_event(run.emit(stage.name, "fail", error=reason, seconds=seconds))
-            notes.add(run, f"{stage.name} failed after {seconds}s: {reason}", source="auto", stage=stage.name)
+            if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
+                reason = _disk_full(run, exc)
+            stopped = isinstance(exc, (Interrupted, KeyboardInterrupt))
+            status, kind = ("interrupted", "interrupt") if stopped else ("failed", "fail")
+            log.error("%s: %s", status, reason, exc_info=not isinstance(exc, (StageError, Interrupted,
+                                                                               KeyboardInterrupt)))
+            on_event(run.emit(stage.name, kind, error=reason, seconds=seconds))
+            run.update_stage(stage.name, status=status, error=reason, seconds=round(earlier + seconds, 2),
+                             finished=now_iso())
+            notes.add(run, f"{stage.name} {status} after {seconds}s: {reason}", source="auto", stage=stage.name)
             raise
         finally:
             log.removeHandler(handler)
             handler.close()
         seconds = round(time.monotonic() - t0, 2)
-        run.update_stage(stage.name, status="done", finished=now_iso(), seconds=seconds, figures=figures,
-                         outputs=recorded, error=None)
         on_event(run.emit(stage.name, "finish", seconds=seconds, figures=figures))
-        notes.add(run, f"{stage.name} finished in {seconds}s", source="auto", stage=stage.name,
-                  figures=_scalars(figures))
+        run.update_stage(stage.name, status="done", finished=now_iso(), seconds=round(earlier + seconds, 2),
+                         figures=figures, outputs=recorded, error=None)
+        notes.add(run, f"{stage.name} finished in {seconds}s" +
+                  (f" ({earlier + seconds:.1f}s over {attempt} attempts)" if attempt > 1 else ""),
+                  source="auto", stage=stage.name, figures=_scalars(figures))
         if (usage := monitor.summary()):
             run.update_stage(stage.name, gpu=usage)
             notes.add(run, f"{stage.name} GPU usage", source="auto", stage=stage.name, figures=usage)
@@ -134,10 +199,24 @@ def _run_stages(run: RunDir, profile, stages: list[Stage], on_event: Callable[[d
     return summary
 
 
+ENDINGS = ("finish", "fail", "interrupt")
+
+
+def _disk_full(run: RunDir, exc: OSError) -> str:
+    import shutil
+
+    from pipeline.plan import human
+    where = f" writing {exc.filename}" if exc.filename else ""
+    return f"no space left on the disk of {run.root}{where} ({human(shutil.disk_usage(run.root).free)} free)"
+
+
 def _one_line(exc: BaseException) -> str:
     text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {text[0] if text else ''}".rstrip(": ") if not isinstance(exc, StageError) \
-        else (text[0] if text else "stage failed")
+    if isinstance(exc, (StageError, Interrupted)):
+        return text[0] if text else "stage failed"
+    if isinstance(exc, KeyboardInterrupt):
+        return "interrupted (SIGINT)"
+    return f"{type(exc).__name__}: {text[0] if text else ''}".rstrip(": ")
 
 
 def _scalars(figures: dict) -> dict:

@@ -12,6 +12,7 @@ from pathlib import Path
 from pipeline.rundir import RunDir
 
 _ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]|\r")
+ENDED = ("done", "failed", "interrupted")
 KEY_FIGURES = ("loss", "train/loss", "val/loss_epoch", "tau", "mean_acceptance_length", "samples_per_s",
                "tokens_per_s", "speedup", "step")
 
@@ -101,7 +102,8 @@ class RunWatcher:
             status = entry.get("status", "pending")
             prog = self._progress.get(name, {})
             started = self._started.get(name)
-            elapsed = entry.get("seconds") if status in ("done", "failed") else (now - started if started else None)
+            elapsed = entry.get("seconds") if status in ENDED else (
+                entry.get("earlier_seconds", 0) + now - started if started else None)
             done, total = prog.get("done"), prog.get("total")
             eta = None
             if status == "running" and started and total and done and prog.get("t", 0) > started:
@@ -113,7 +115,7 @@ class RunWatcher:
                 **self._metrics.get(name, {}), **{k: v for k, v in prog.items() if k not in
                                                    ("ts", "t", "stage", "kind", "done", "total", "unit")}}
             short = tuple((k, v) for k, v in figs.items() if k in KEY_FIGURES and v is not None)
-            if status == "failed":
+            if status in ("failed", "interrupted"):
                 short = (("error", entry.get("error", "")),)
             if status == "running":
                 current = name

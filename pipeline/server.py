@@ -63,6 +63,17 @@ class ServerRecord:
         return log_tail(Path(self.log), since=self.log_offset) if self.log else []
 
 
+def explain_failure(rec: ServerRecord, client: str) -> str:
+    """A client's failure against a server we run, told from the server's side when it has something
+    to say: it died (and its own reason), or it logged an error since it started. Else the client's."""
+    text = procs.read_log(Path(rec.log), rec.log_offset) if rec.log else None
+    said = procs.error_line(text) if text else None
+    where = f" (log: {rec.log})" if rec.log else ""
+    if not procs.group_members(rec.pgid):
+        return f"the {rec.mode} vLLM server (pid {rec.pid}) died: {said or 'no error in its log'}{where}"
+    return f"{client}; vLLM ({rec.mode}) logged: {said}{where}" if said else client
+
+
 def http_get(url: str, timeout: float = 2.0, headers: dict | None = None) -> tuple[int, str]:
     req = urllib.request.Request(url, headers=headers or {})
     try:

@@ -51,3 +51,24 @@ def test_train_log_line_parsing():
     m = parse_metrics(line)
     assert m["train/loss_0"] == 0.062 and m["train/full_acc_1"] == 0.0
     assert m["profile/step_ms"] == 1740.0 and m["epoch"] == 2 and m["global_step"] == 40
+
+
+def test_speculators_loguru_lines_go_to_the_stage_log_not_stderr(tmp_path, capfd):
+    """speculators 0.9.0 logs through loguru (pipeline/compat/speculators_logs.py); if it stops, this fails."""
+    import logging
+
+    import loguru
+    import speculators.utils.loading as loading
+
+    from pipeline.compat import speculators_logs
+    assert loading.logger is loguru.logger
+    log = logging.getLogger("test-speculators-logs")
+    log.propagate = False
+    handler = logging.FileHandler(tmp_path / "stage.log")
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
+    with speculators_logs.into(log):
+        loading.logger.warning("planted warning")
+    handler.close()
+    assert "planted warning" in (tmp_path / "stage.log").read_text()
+    assert "planted warning" not in capfd.readouterr().err

@@ -87,7 +87,7 @@ def test_no_mla_question_without_vllm():
 
 def _answer(profile):
     from pipeline.targetinfo import target_info
-    return preflight.ask_vllm(profile.server.python, json.dumps(
+    return preflight._ask_vllm(profile.server.python, json.dumps(
         preflight.probe_question(profile, target_info(profile)), sort_keys=True))
 
 

@@ -99,8 +99,8 @@ def test_report_has_matrix_plots_and_decision(vllm_run, tmp_path):
 
 
 @pytest.mark.parametrize("decision,deploys", [
-    ("deploy: speedup x1.43 at concurrency 1 (threshold x1.10)", True),
-    ("do not deploy: speedup x0.92 at concurrency 1 (threshold x1.10)", False),
+    ("deploy: speedup x1.430 >= threshold x1.1 at concurrency 1", True),
+    ("do not deploy: speedup x0.920 < threshold x1.1 at concurrency 1", False),
     (None, False),
 ])
 def test_production_gets_the_head_only_on_a_deploy_decision(decision, deploys):

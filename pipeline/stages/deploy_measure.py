@@ -14,7 +14,7 @@ from pathlib import Path
 
 from pipeline import atomicio, box, conversations, online, target
 from pipeline.deploy import publish_draft
-from pipeline.server import ServerError
+from pipeline.server import ServerError, explain_failure
 from pipeline.stages.base import Stage, StageContext, StageError
 from pipeline.stages.prepare import heldout_path
 
@@ -78,7 +78,7 @@ def measure_method(ctx: StageContext, stage: str, method: str, prompts: list[lis
                              drafts=spec.drafts, accepted=spec.accepted)
             row["levels"][c] = level
     except Exception as exc:  # noqa: BLE001 - a method that fails mid-way is a row, not a crash
-        row["error"] = f"{type(exc).__name__}: {exc}"
+        row["error"] = explain_failure(rec, f"{type(exc).__name__}: {exc}")
     finally:
         box.free_port(p, ctx.log.info)
     return row
@@ -90,8 +90,9 @@ def decide(eagle: dict | None, baseline_c: int, threshold: float) -> str:
     speedup = eagle["levels"][baseline_c].get("speedup")
     if speedup is None:
         return "do not deploy: no speedup measured"
-    verdict = "deploy" if speedup >= threshold else "do not deploy"
-    return f"{verdict}: speedup x{speedup:.2f} at concurrency {baseline_c} (threshold x{threshold:.2f})"
+    verdict, relation = ("deploy", ">=") if speedup >= threshold else ("do not deploy", "<")
+    # Three decimals: at two, x1.098 against x1.10 would read "x1.10 (threshold x1.10)".
+    return f"{verdict}: speedup x{speedup:.3f} {relation} threshold x{threshold:g} at concurrency {baseline_c}"
 
 
 class DeployMeasure(Stage):

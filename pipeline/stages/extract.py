@@ -159,6 +159,19 @@ class Extract(Stage):
         return figures
 
 
+def clear_raw_states(raw: Path) -> int:
+    """Empty the connector's storage: each file there is a state in flight, or one a killed attempt
+    left with its lock; generate-offline-data moves every finished one out. Returns the files cleared."""
+    import shutil
+
+    if not raw.is_dir():
+        return 0
+    cleared = sum(1 for p in raw.rglob("*") if p.is_file())
+    shutil.rmtree(raw)
+    raw.mkdir(parents=True)
+    return cleared
+
+
 def extract_with_vllm(ctx: StageContext, stage: str) -> dict:
     """Through a vLLM extraction server and speculators' own `generate-offline-data` (resumable: it
     skips the hs files that exist; each is renamed into place once complete)."""
@@ -167,6 +180,7 @@ def extract_with_vllm(ctx: StageContext, stage: str) -> dict:
     from datasets import load_from_disk
 
     from pipeline import box, procs
+    from pipeline.server import explain_failure
 
     prepared = ctx.run.prepared_dir
     ds = load_from_disk(str(prepared))
@@ -179,7 +193,9 @@ def extract_with_vllm(ctx: StageContext, stage: str) -> dict:
         return sum(hs_path(ctx.run.hidden_states_dir, i).exists() for i in rows)
 
     _, mode_args = box.mode_inputs(ctx.profile, ctx.run, "extraction")
-    layer_ids = mode_args["layer_ids"]
+    layer_ids, raw = mode_args["layer_ids"], mode_args["storage"]
+    if (left := clear_raw_states(raw)):
+        ctx.log.info("cleared %d raw state files a killed attempt left in %s", left, raw)
     t0 = time.perf_counter()
     rec = box.start_mode(ctx.profile, "extraction", ctx.target_dir(), ctx.run.log_path("server-extraction"),
                          ctx.run.root / ".cache", ctx.log.info,
@@ -197,12 +213,14 @@ def extract_with_vllm(ctx: StageContext, stage: str) -> dict:
     t1 = time.perf_counter()
     try:
         rc = procs.run_logged(cmd, ctx.run.log_path(stage), env=procs.child_env(ctx.run.root), cwd=ctx.run.root)
+        failure = None if rc == 0 else explain_failure(rec, f"speculators generate-offline-data exited with {rc}: "
+                                                            f"{procs.last_error_line(ctx.run.log_path(stage))}")
     finally:
         box.free_port(ctx.profile, ctx.log.info)
+        clear_raw_states(raw)
     seconds = time.perf_counter() - t1
-    if rc != 0:
-        raise StageError(f"speculators generate-offline-data exited with {rc}: "
-                         f"{procs.last_error_line(ctx.run.log_path(stage))}")
+    if failure:
+        raise StageError(failure)
     have = have_files()
     if have != total:
         raise StageError(f"generate-offline-data finished with {have}/{total} hidden-state files of shard "

@@ -22,7 +22,7 @@ class Preflight(Stage):
         return [result_path(ctx)]
 
     def run(self, ctx: StageContext) -> dict:
-        findings = checks.preflight(ctx.profile)
+        findings = checks.preflight(ctx.profile, run_dir=ctx.run.root)
         atomicio.atomic_write_text(result_path(ctx), checks.to_json(findings))
         for f in findings:
             ctx.log.info("%s", f.line())
@@ -31,6 +31,7 @@ class Preflight(Stage):
             notes.add(ctx.run, f"preflight {f.severity}: {f.check}: {f.message}", source="auto", stage=self.name)
         if blocked := checks.blocking(findings):
             raise StageError(f"preflight: {len(blocked)} blocking finding(s); first: {blocked[0].check}: "
-                             f"{blocked[0].message}")
+                             f"{blocked[0].message}",
+                             resumable=not any(f.check in checks.PROFILE_ONLY for f in blocked))
         counts = {s: sum(f.severity == s for f in findings) for s in checks.SEVERITIES}
         return {"ok": counts["ok"], "info": counts["info"], "warnings": counts["warn"]}

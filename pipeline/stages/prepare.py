@@ -104,10 +104,11 @@ class Prepare(Stage):
         from datasets import load_from_disk
 
         from pipeline import box, procs
+        from pipeline.server import explain_failure
 
         data = ctx.profile.data
         if data.regenerate:
-            source, endpoint = ctx.training_conversations(), None  # token rows: no server needed
+            source, rec = ctx.training_conversations(), None  # token rows: no server needed
         else:
             source = ctx.run.data_dir / "train_conversations.jsonl"
             atomicio.atomic_write_text(source, "".join(json.dumps({"conversations": c["messages"]}) + "\n"
@@ -116,31 +117,31 @@ class Prepare(Stage):
             _, mode_args = box.mode_inputs(ctx.profile, ctx.run, mode)
             rec = box.start_mode(ctx.profile, mode, ctx.target_dir(), ctx.run.log_path(f"server-{mode}"),
                                  ctx.run.root / ".cache", ctx.log.info, **mode_args)
-            endpoint = rec.base_url
         out = ctx.run.prepared_dir
         tmp = out.with_name(out.name + ".tmp")
         shutil.rmtree(tmp, ignore_errors=True)
         cmd = [sys.executable, "-m", "speculators", "prepare-data", "--model", str(ctx.target_dir()),
                "--data", str(source), "--output", str(tmp), "--seq-length", str(data.seq_length),
                "--seed", str(data.seed), "--no-skip-token-freq", "--token-freq-path", str(tmp / "token_freq.pt")]
-        if endpoint:
-            cmd += ["--render-endpoint", endpoint]
+        if rec:
+            cmd += ["--render-endpoint", rec.base_url]
         ctx.log.info("command: %s", " ".join(cmd))
         try:
             rc = procs.run_logged(cmd, ctx.run.log_path(self.name), env=procs.child_env(ctx.run.root),
                                   cwd=ctx.run.root)
+            failure = f"speculators prepare-data exited with {rc}: {procs.last_error_line(ctx.run.log_path(self.name))}"
+            failure = None if rc == 0 else explain_failure(rec, failure) if rec else failure
         finally:
-            if endpoint and ctx.profile.extract.backend != "vllm":
+            if rec and ctx.profile.extract.backend != "vllm":
                 box.free_port(ctx.profile, ctx.log.info)  # nothing after prepare needs it
-        if rc != 0:
-            raise StageError(f"speculators prepare-data exited with {rc}: "
-                             f"{procs.last_error_line(ctx.run.log_path(self.name))}")
+        if failure:
+            raise StageError(failure)
         shutil.rmtree(out, ignore_errors=True)
         tmp.rename(out)
         atomicio.fsync_dir(out.parent)
         ds = load_from_disk(str(out)).with_format(None)
         prompts = _write_heldout(ctx, heldout)
-        return {"tokenize": "render" if endpoint else "pass-through", "rows": len(ds),
+        return {"tokenize": "render" if rec else "pass-through", "rows": len(ds),
                 "tokens": int(sum(ds["seq_len"])), "loss_tokens": int(sum(sum(m) for m in ds["loss_mask"])),
                 "skipped_malformed": len(loaded.bad), "heldout_prompts": len(prompts)}
 

@@ -29,7 +29,7 @@ class Vocab(Stage):
         target_vocab = from_config(ctx.target_dir() / "config.json").vocab  # multimodal wrappers: text_config
         size = ctx.profile.vocab.draft_vocab_size
         if size > target_vocab:
-            raise StageError(f"vocab.draft_vocab_size {size} > target vocab size {target_vocab}")
+            raise StageError(f"vocab.draft_vocab_size {size} > target vocab size {target_vocab}", resumable=False)
         d2t, t2d = build_vocab_mappings_from_distribution(freq, size, target_vocab)
         d2t_path, t2d_path = mapping_paths(ctx)
         atomicio.atomic_write_with(d2t_path, lambda p: _save_npy(p, d2t.numpy()))
