@@ -236,9 +236,12 @@ def cmd_server(args) -> int:
     from pipeline.profile import ProfileError
     from pipeline.rundir import RunDirError
     from pipeline.server import ServerError
+    from pipeline.stages.base import StageError
 
     try:
         run, profile = _server_profile(args)
+        if args.server_cmd != "status":
+            box.guard(profile, args.force)  # before anything else: the port may be another run's
         if args.server_cmd == "status":
             status = box.controller(profile).status()
             print(json.dumps(status, indent=2) if args.json else
@@ -259,8 +262,8 @@ def cmd_server(args) -> int:
                              force=args.force, **mode_args)
         print(f"{args.mode} server healthy: pid {rec.pid}, {rec.base_url}, log {rec.log}")
         return 0
-    except (ProfileError, RunDirError, ServerError, ValueError) as exc:
-        code = _die(str(exc), EXIT_FAILED if isinstance(exc, ServerError) else EXIT_USAGE)
+    except (ProfileError, RunDirError, ServerError, StageError, ValueError) as exc:
+        code = _die(str(exc), EXIT_FAILED if isinstance(exc, (ServerError, StageError)) else EXIT_USAGE)
         for line in getattr(exc, "tail", []):
             print(f"  | {line}", file=sys.stderr)
         return code

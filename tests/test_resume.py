@@ -58,6 +58,9 @@ def test_sigkill_during_extract_then_resume(tmp_path, cache_dir):
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     assert stage_status(run_dir, "extract") == "running"  # killed mid-stage, for real
+    status = cli("status", run_dir)  # a dead run does not look alive
+    assert "state: interrupted" in status.stdout and f"run --resume {run_dir}" in status.stdout
+    assert "extract           interrupted" in status.stdout
     survivors = {p.name: p.stat().st_ino for p in hs.glob("hs_*.safetensors")}
     total = RunDir.open(run_dir).stage_state("prepare")["figures"]["rows"]
     assert 5 <= len(survivors) < total
@@ -69,6 +72,8 @@ def test_sigkill_during_extract_then_resume(tmp_path, cache_dir):
         assert kinds(run_dir, finished)[-1] == "skip"  # not redone
     figs = run.stage_state("extract")["figures"]
     assert figs["resumed_from"] == len(survivors) and figs["extracted"] == total - len(survivors)
+    last = [e for e in run.events() if e["stage"] == "extract" and e["kind"] == "finish"][-1]
+    assert run.stage_state("extract")["seconds"] > last["seconds"]  # the killed attempt's time counts too
     # files finished before the kill were kept, not rewritten
     assert all((hs / name).stat().st_ino == ino for name, ino in survivors.items())
     assert not list(hs.glob(".hs_*.tmp"))

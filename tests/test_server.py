@@ -32,14 +32,20 @@ def demo_target(cache_dir):
     return build_target(load_profile(TINY).demo_target, cache_dir)
 
 
+SECRET = "sk-planted-secret-4242"
+
+
 def test_start_healthy_adopt_then_sigkill_api_server_then_stop_cleans_group(tmp_path, demo_target):
     port = free_port()
     p = vllm_profile(port)
+    # An operator's own key on the command line: vLLM gets it, no file or message of ours ever holds it.
+    argv = vllm_modes.server_argv(p, "baseline", demo_target) + ["--api-key", SECRET]
     ctl = ServerController(tmp_path / "srv.json")
-    rec = ctl.start(vllm_modes.server_argv(p, "baseline", demo_target), host="127.0.0.1", port=port,
-                    mode="baseline", log=tmp_path / "server.log", env=vllm_modes.server_env(p, tmp_path))
+    rec = ctl.start(argv, host="127.0.0.1", port=port, mode="baseline", log=tmp_path / "server.log",
+                    env=vllm_modes.server_env(p, tmp_path))
     assert http_get(f"{rec.base_url}/health")[0] == 200
-    models = json.loads(http_get(f"{rec.base_url}/v1/models")[1])
+    assert http_get(f"{rec.base_url}/v1/models")[0] == 401  # the key is in force
+    models = json.loads(http_get(f"{rec.base_url}/v1/models", headers={"Authorization": f"Bearer {SECRET}"})[1])
     assert models["data"][0]["id"] == "target"
     status = ctl.status()
     assert status["state"] == "running" and status["healthy"] and len(status["pids"]) >= 2  # API + engine
@@ -51,6 +57,10 @@ def test_start_healthy_adopt_then_sigkill_api_server_then_stop_cleans_group(tmp_
     adopted = ctl.adopt("127.0.0.1", port)
     assert adopted.adopted and adopted.pid == rec.pid and adopted.pgid == rec.pgid
     assert ctl.status()["state"] == "running"
+    assert "--api-key" in adopted.argv and SECRET not in adopted.argv
+    for path in tmp_path.rglob("*"):
+        if path.is_file():
+            assert SECRET not in path.read_text(errors="replace"), f"the key leaked into {path}"
 
     os.kill(rec.pid, signal.SIGKILL)  # the API server alone: EngineCore does not notice (§2.3)
     time.sleep(2)
