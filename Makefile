@@ -13,7 +13,7 @@ venv: $(STAMP)
 $(STAMP): requirements/base.txt requirements/test.txt requirements/constraints.txt pyproject.toml
 	$(PY) -m venv $(VENV)
 	# torch 2.13.0 CPU under a constraint: speculators' unpinned torchvision/torchaudio would
-	# otherwise pull a CUDA torch (REFERENCE.md §3.1). Nothing here imports those three.
+	# otherwise pull a CUDA torch (docs/reference.md §3.1). Nothing here imports those three.
 	$(BIN)/pip install -q -c requirements/constraints.txt -r requirements/base.txt -r requirements/test.txt
 	$(BIN)/pip uninstall -q -y torchvision torchaudio torchcodec triton || true
 	$(BIN)/pip install -q --no-deps --no-build-isolation -e .

@@ -1,5 +1,5 @@
 """A run as a detached job: its own session, output to a file, so that closing the terminal (SIGHUP)
-or quitting the console never stops it (REFERENCE.md §5: a child writing to a pipe dies with the
+or quitting the console never stops it (docs/reference.md §5: a child writing to a pipe dies with the
 console, one writing to a file survives)."""
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """Talking to a running vLLM: greedy completions on token ids, and the spec-decode counters of
-/metrics (REFERENCE.md §2.6: difference two scrapes, sum over engines, skip *_created)."""
+/metrics (docs/reference.md §2.6: difference two scrapes, sum over engines, skip *_created)."""
 from __future__ import annotations
 
 import json

@@ -22,7 +22,7 @@ SEVERITIES = ("ok", "info", "warn", "block")
 PROFILE_ONLY = {"vocab", "layers"}  # checks only a different profile can pass (a resume keeps its profile)
 GLYPHS = {"ok": "✔ ok   ", "info": "· info ", "warn": "! warn ", "block": "✖ BLOCK"}
 
-# Pairs this project ran (NOTES.md) and the ranges the packages themselves declare (REFERENCE.md §1, §2.8).
+# Pairs this project ran (NOTES.md) and the ranges the packages themselves declare (docs/reference.md §1, §2.8).
 KNOWN = {
     "speculators": {"0.9.0"},
     "transformers": ("5.0.0", "5.19.0"),  # speculators 0.9.0's own bounds

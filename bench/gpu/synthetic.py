@@ -1,5 +1,5 @@
 """Synthetic 8B-class workloads for the GPU benches: a random Llama target config, a verifier stub
-(the three tensors speculators' trainer reads: embeddings, final norm, lm_head; REFERENCE.md §7), and a
+(the three tensors speculators' trainer reads: embeddings, final norm, lm_head; docs/reference.md §7), and a
 prepared dataset with hidden-state files in the pipeline's own formats, written by its own functions."""
 from __future__ import annotations
 

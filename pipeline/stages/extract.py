@@ -37,7 +37,7 @@ def _write_when_ready(ready, path: Path, token_ids, hidden_states) -> int:
 
 class _PinnedRing:
     """GPU states go to disk through a few reused pinned host buffers, copied asynchronously, so the
-    next batch's forward overlaps the copy and the writes. Measured on an H200 (REFERENCE.md §7): a
+    next batch's forward overlaps the copy and the writes. Measured on an H200 (docs/reference.md §7): a
     copy into a fresh pageable tensor ran at 1.33 GiB/s, into a reused pinned buffer 51 GiB/s. A
     buffer is reused only after every write reading it has finished. CPU states pass through."""
 

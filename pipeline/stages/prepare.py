@@ -13,7 +13,7 @@ from pipeline.stages.base import Stage, StageContext, StageError
 
 def dataset_features():
     # Explicit int64: a plain from_dict stores int32, and the trainer compares input_ids with the
-    # int64 token_ids of the hidden-state files using torch.equal (REFERENCE.md §7).
+    # int64 token_ids of the hidden-state files using torch.equal (docs/reference.md §7).
     from datasets import Features, Sequence, Value
     return Features({"input_ids": Sequence(Value("int64")), "loss_mask": Sequence(Value("int64")),
                      "seq_len": Value("int64")})
