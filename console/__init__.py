@@ -1,1 +1,1 @@
-"""The Textual console over the pipeline engine (not built yet: `eagle3-console run --no-tui`)."""
+"""The Textual console over the pipeline engine: `eagle3-console run PROFILE` or `attach RUN_DIR` opens it."""

@@ -1,303 +1,60 @@
 """eagle3-console's Textual console: renders a run's files and sends commands; never runs a stage.
 
-Workers sample NVML and read the run in threads and post immutable snapshots as messages; only the
-message handlers touch widgets (REFERENCE.md §5). The job runs detached: quitting (q) or losing the
-terminal leaves it running, and `eagle3-console attach RUN_DIR` shows the same state again."""
+A feed thread samples NVML and reads the run, and workers run the slow commands (server stop/start,
+the notes export); they post messages and only the message handlers touch widgets (REFERENCE.md §5).
+The job runs detached: quitting (q) or losing the terminal leaves it running, and
+`eagle3-console attach RUN_DIR` shows the same state again.
+
+Beside this module: widgets/ (the line, grid and table widgets), screens.py (dialogs), messages.py
+(what threads post), views.py (rows and text from snapshots), formatting.py, app.tcss (layout)."""
 from __future__ import annotations
 
 import threading
 import time
-from dataclasses import replace
 from collections import deque
 from pathlib import Path
 
-from rich.cells import cell_len
-from rich.segment import Segment
-from rich.style import Style
-from rich.text import Text
 from textual import on, work
 from textual.app import App, ComposeResult
 from textual.binding import Binding
-from textual.containers import Horizontal, Vertical
-from textual.message import Message
-from textual.screen import ModalScreen
-from textual.strip import Strip
-from textual.widget import Widget
-from textual.widgets import (
-    Button,
-    DataTable,
-    Footer,
-    Input,
-    Label,
-    Log,
-    Static,
-    TabbedContent,
-    TabPane,
-)
+from textual.containers import Horizontal
+from textual.widgets import Button, Footer, Input, Log, Static, TabbedContent, TabPane
 
-from pipeline import box, gpu, jobs, notes
+from console import views
+from console.messages import Flash, GpuSampled, NotesExported, Outcome, PortHeldByRun, RunPolled, ServerActionDone
+from console.screens import ConfirmScreen, HelpScreen, ModeScreen
+from console.widgets import DiffTable, Grid, Line, StageTable
+from pipeline import box, gpu, jobs, notes, portlock
 from pipeline.rundir import RunDir
 from pipeline.runview import LogTailer, RunView, RunWatcher
+from pipeline.server import ServerError
 from pipeline.stages import STAGES, stage_names
 
-GLYPH = {"done": "✔ done", "running": "▶ running", "failed": "✖ failed", "pending": "· pending",
-         "skipped": "↷ skipped", "stale": "? stale", "n/a": "  n/a"}
+__all__ = ["ConfirmScreen", "ConsoleApp", "HelpScreen", "ModeScreen", "main"]
+
 HISTORY = 60
+GPU_COLUMNS = ("GPU", "name", "util", "history", "memory", "history", "temp", "power", "SM MHz")
+PROCESS_COLUMNS = ("GPU", "PID", "process", "GPU memory")
+MATRIX_COLUMNS = ("method", "conc.", "tok/s", "TPOT ms", "τ", "acceptance per position", "speedup", "same output")
+WIDGET_IDS = ("#summary, #stages, #filter, #log, #gpus, #gpu-procs, #server-info, #notes-log, #note-input, "
+              "#loss-curve, #matrix")
 
-
-def human_bytes(n: int | None) -> str:
-    if n is None:
-        return "N/A"
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f}{unit}" if unit == "B" else f"{n:.1f}{unit}"
-        n /= 1024
-    return str(n)
-
-
-def na(value, fmt="{}") -> str:
-    return "N/A" if value is None else fmt.format(value)
-
-
-def fmt_secs(s: float | None) -> str:
-    if s is None:
-        return ""
-    s = int(s)
-    return f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}" if s >= 3600 else f"{s // 60}:{s % 60:02d}"
-
-
-BLOCKS = "▁▂▃▄▅▆▇█"
-
-
-def spark(values, width: int = 8) -> str:
-    """A text sparkline of the last `width` percentages (0-100), one block per sample."""
-    tail = list(values)[-width:]
-    return "".join(BLOCKS[min(7, int(v / 100 * 8))] for v in tail).rjust(width)
-
-
-def coarse_secs(s: float | None) -> str:
-    """The running stage's elapsed time, in whole minutes as its ETA: a repaint of the stage table costs
-    ~40 ms on a small CPU (NOTES.md), so a clock that moves every second, or every 10 s, would be most
-    of the console's cost. Finished stages show m:ss."""
-    if s is None:
-        return ""
-    m = int(s) // 60
-    return "<1m" if m == 0 else (f"{m}m" if m < 60 else f"{m // 60}h{m % 60:02d}m")
-
-
-def eta_text(s: float | None) -> str:
-    """An estimate, shown as one: whole minutes (it moves faster than the clock, so seconds would
-    repaint the table every tick)."""
-    if s is None:
-        return ""
-    m = int(s // 60)
-    return "<1m" if m == 0 else (f"~{m}m" if m < 60 else f"~{m // 60}h{m % 60:02d}m")
-
-
-def bar(fraction: float | None, width: int = 12) -> str:
-    if fraction is None:
-        return " " * width
-    filled = round(fraction * width)
-    return "█" * filled + "░" * (width - filled)
-
-
-class Line(Widget):
-    """One line of text that repaints without a layout pass: Static.update re-runs the screen's layout,
-    which measured ~2 % of a core at one update per second; this costs a repaint of one line."""
-
-    DEFAULT_CSS = "Line { height: 1; }"
-
-    def __init__(self, id: str):
-        super().__init__(id=id)
-        self.text = ""
-
-    def set(self, text: str) -> None:
-        if text != self.text:
-            self.text = text
-            self.refresh()
-
-    def render(self) -> Text:
-        return Text(self.text, no_wrap=True, overflow="ellipsis")
-
-
-class Grid(Widget):
-    """Rows of text in aligned columns that repaint in place, drawn line by line from prebuilt strips.
-    The GPU rows change every second; a DataTable repainting them cost 1.55 % of a core, a Static
-    0.40 %, this less (NOTES.md, bench/console_cost.py)."""
-
-    DEFAULT_CSS = "Grid { height: auto; }"
-
-    def __init__(self, id: str, header: tuple[str, ...]):
-        super().__init__(id=id)
-        self.header = header
-        self.rows: list[tuple] = []
-        self._strips: list[Strip] | None = None
-        self._built_width = 0
-
-    def set(self, rows: list[tuple]) -> None:
-        if rows != self.rows:
-            relayout = len(rows) != len(self.rows)
-            self.rows, self._strips = rows, None
-            self.refresh(layout=relayout)
-
-    def get_content_height(self, container, viewport, width: int) -> int:
-        return len(self.rows) + 1
-
-    @property
-    def plain(self) -> str:
-        return "\n".join(" | ".join(str(c) for c in row) for row in self.rows)
-
-    def _build(self, width: int) -> list[Strip]:
-        base = self.rich_style  # a style lookup costs ~0.2 ms: once per change, not once per line
-        bold = base + Style(bold=True)
-        cells = [[(str(c), base + Style.parse(c.style) if isinstance(c, Text) and isinstance(c.style, str) else None)
-                  for c in row] for row in (self.header, *self.rows)]
-        widths = [max((cell_len(row[c][0]) for row in cells if c < len(row)), default=0) for c in range(len(self.header))]
-        return [Strip([Segment(text + " " * (widths[c] - cell_len(text) + 2), style or (bold if n == 0 else base))
-                       for c, (text, style) in enumerate(row)]).crop_extend(0, width, base)
-                for n, row in enumerate(cells)]
-
-    def render_line(self, y: int) -> Strip:
-        width = self.size.width
-        if self._strips is None or self._built_width != width:
-            self._strips, self._built_width = self._build(width), width
-        return self._strips[y] if y < len(self._strips) else Strip.blank(width, self.rich_style)
-
-
-# ---------------------------------------------------------------- messages (from workers)
-
-class GpuSampled(Message):
-    def __init__(self, snapshot: gpu.GpuSnapshot):
-        super().__init__()
-        self.snapshot = snapshot
-
-
-class RunPolled(Message):
-    def __init__(self, view: RunView, log_lines: list[str], log_name: str | None, server: dict, job: dict):
-        super().__init__()
-        self.view, self.log_lines, self.log_name, self.server, self.job = view, log_lines, log_name, server, job
-
-    def shown(self) -> tuple:
-        """What the run panel shows: running stages' clocks only to the minute, as they are drawn."""
-        stages = tuple(replace(s, elapsed_s=s.elapsed_s // 60, eta_s=s.eta_s and s.eta_s // 60)
-                       if s.status == "running" and s.elapsed_s is not None else s for s in self.view.stages)
-        return replace(self.view, stages=stages), self.log_name, self.server, self.job
-
-    def same_as(self, other: RunPolled | None) -> bool:
-        return other is not None and not self.log_lines and self.shown() == other.shown()
-
-
-class Flash(Message):
-    def __init__(self, text: str):
-        super().__init__()
-        self.text = text
-
-
-class ServerActionDone(Message):
-    def __init__(self, text: str, ok: bool):
-        super().__init__()
-        self.text, self.ok = text, ok
-
-
-# ---------------------------------------------------------------- screens
-
-class ConfirmScreen(ModalScreen[bool]):
-    BINDINGS = [Binding("y", "answer(True)", "Yes"), Binding("n,escape", "answer(False)", "No")]
-
-    def __init__(self, question: str):
-        super().__init__()
-        self.question = question
-
-    def compose(self) -> ComposeResult:
-        with Vertical(id="dialog"):
-            yield Label(self.question, id="question")
-            with Horizontal(id="buttons"):
-                yield Button("Yes (y)", variant="error", id="yes")
-                yield Button("No (n)", variant="primary", id="no")
-
-    def action_answer(self, value: bool) -> None:
-        self.dismiss(value)
-
-    @on(Button.Pressed)
-    def pressed(self, event: Button.Pressed) -> None:
-        self.dismiss(event.button.id == "yes")
-
-
-class ModeScreen(ModalScreen[str | None]):
-    BINDINGS = [Binding("escape", "cancel", "Cancel")]
-
-    def compose(self) -> ComposeResult:
-        with Vertical(id="dialog"):
-            yield Label("Start the server in which mode?")
-            for mode in ("production", "baseline", "speculative", "extraction"):
-                yield Button(mode, id=f"mode-{mode}")
-
-    def action_cancel(self) -> None:
-        self.dismiss(None)
-
-    @on(Button.Pressed)
-    def pressed(self, event: Button.Pressed) -> None:
-        self.dismiss(event.button.id.removeprefix("mode-"))
-
-
-HELP = """\
-[b]eagle3-console[/b] — keys
-
-  1 2 3 4 5 Run / GPUs / Server / Notes / Eval (benchmark matrix, loss curve) tab
-  x         stop the vLLM server (asks, naming PIDs, port and GPUs)
-  r         restart the server in its current mode (asks)
-  m         start the server in a chosen mode (asks)
-  /         filter the log (empty filter = all lines)
-  F         follow the log tail again
-  space     pause / resume the display (collection continues)
-  n         write a note;  e  export notes as Markdown into the run
-  ctrl+p    command palette;  ?  this help;  q  quit (the job keeps running)
-
-Status is text as well as colour: ✔ done ▶ running ✖ failed · pending; a lost GPU reads "GPU LOST".
-"""
-
-
-class HelpScreen(ModalScreen[None]):
-    BINDINGS = [Binding("escape,q,question_mark", "dismiss", "Close")]
-
-    def compose(self) -> ComposeResult:
-        with Vertical(id="dialog"):
-            yield Static(HELP)
-
-    def action_dismiss(self) -> None:
-        self.dismiss(None)
-
-
-# ---------------------------------------------------------------- app
 
 class ConsoleApp(App):
     TITLE = "eagle3-console"
-    CSS = """
-    #summary { height: 1; background: $boost; }
-    TabbedContent { height: 1fr; }
-    TabPane { height: 1fr; padding: 0; }
-    #stages { height: 1fr; min-height: 5; }
-    #log { height: 1fr; border-top: solid $primary; }
-    #filter { display: none; }
-    #filter.visible { display: block; }
-    #gpus { height: auto; max-height: 60%; }
-    #gpu-procs { height: 1fr; border-top: solid $primary; }
-    #server-info { height: auto; padding: 0 1; }
-    #notes-log { height: 1fr; }
-    ConfirmScreen, ModeScreen, HelpScreen { align: center middle; }
-    #dialog { width: 70; height: auto; border: thick $warning; background: $surface; padding: 1 2; }
-    #buttons { height: auto; }
-    """
+    CSS_PATH = "app.tcss"
+    HORIZONTAL_BREAKPOINTS = [(0, "-narrow"), (100, "-wide")]
     BINDINGS = [
-        Binding("q", "quit", "Quit (job continues)"),
+        Binding("q", "quit", "Quit", tooltip="Quit the console; the job keeps running"),
         Binding("question_mark", "help", "Help"),
         Binding("1", "tab('run')", "Run", show=False), Binding("2", "tab('gpus')", "GPUs", show=False),
         Binding("3", "tab('server')", "Server", show=False), Binding("4", "tab('notes')", "Notes", show=False),
         Binding("5", "tab('eval')", "Eval", show=False),
         Binding("x", "stop_server", "Stop server"), Binding("r", "restart_server", "Restart"),
         Binding("m", "start_mode", "Mode", show=False),
-        Binding("slash", "filter", "Filter log"), Binding("F", "follow", "Follow", show=False),
-        Binding("space", "pause", "Pause"), Binding("n", "note", "Note"), Binding("e", "export", "Export notes"),
+        Binding("slash", "filter", "Filter", tooltip="Filter the log"), Binding("F", "follow", "Follow", show=False),
+        Binding("space", "pause", "Pause"), Binding("n", "note", "Note"),
+        Binding("e", "export", "Export", tooltip="Export the notes as Markdown into the run"),
     ]
 
     def __init__(self, run_dir: Path, readonly: bool = False, interval: float = 1.0, sampler=None, clock=time.time):
@@ -315,9 +72,9 @@ class ConsoleApp(App):
         self.log_filter = ""
         self.paused = False
         self.server: dict = {"state": "none"}
+        self.polled: RunPolled | None = None
         self.snapshot: gpu.GpuSnapshot | None = None
         self.history: dict[int, tuple[deque, deque]] = {}
-        self._rows: dict[str, list[tuple]] = {}
         self._shown: dict[str, object] = {}
 
     # ---- layout
@@ -325,14 +82,14 @@ class ConsoleApp(App):
         yield Line(id="summary")
         with TabbedContent(initial="run"):
             with TabPane("1 Run", id="run"):
-                yield DataTable(id="stages", cursor_type="row", zebra_stripes=True)
+                yield StageTable(id="stages", stage_count=len(self.watcher.stage_names))
                 yield Input(placeholder="filter the log (Enter applies, empty = all)", id="filter")
                 yield Log(id="log", max_lines=10_000, auto_scroll=True)
             with TabPane("2 GPUs", id="gpus-tab"):
-                yield Grid("gpus", ("GPU", "name", "util", "history", "memory", "history", "temp", "power", "SM MHz"))
-                yield DataTable(id="gpu-procs")
+                yield Grid("gpus", GPU_COLUMNS)
+                yield DiffTable(id="gpu-procs")
             with TabPane("3 Server", id="server"):
-                yield Static(id="server-info")
+                yield Static(id="server-info", markup=False)  # argv, paths: "[" is not markup
                 with Horizontal(id="buttons"):
                     yield Button("Stop (x)", id="btn-stop", variant="error")
                     yield Button("Restart (r)", id="btn-restart", variant="warning")
@@ -342,20 +99,16 @@ class ConsoleApp(App):
                 yield Input(placeholder="write a note, Enter to append", id="note-input")
             with TabPane("5 Eval", id="eval"):
                 yield Static(id="loss-curve")
-                yield DataTable(id="matrix")
-        yield Footer()
+                yield DiffTable(id="matrix")
+        yield Footer(compact=True)
 
     def on_mount(self) -> None:
         # Handlers use these references, not query_one: a query searches the active screen, which is
         # a dialog while one is open.
-        self.w = {w.id: w for w in self.query("#summary, #stages, #filter, #log, #gpus, "
-                                              "#gpu-procs, #server-info, #notes-log, #note-input, #loss-curve, #matrix")}
+        self.w = {w.id: w for w in self.query(WIDGET_IDS)}
         self.tabs = self.query_one(TabbedContent)
-        table = self.query_one("#stages", DataTable)
-        table.add_columns("stage", "status", "progress", "elapsed", "ETA", "figures")
-        self.query_one("#gpu-procs", DataTable).add_columns("GPU", "PID", "process", "GPU memory")
-        self.query_one("#matrix", DataTable).add_columns("method", "conc.", "tok/s", "TPOT ms", "τ",
-                                                         "acceptance per position", "speedup", "same output")
+        self.w["gpu-procs"].add_columns(*PROCESS_COLUMNS)
+        self.w["matrix"].add_columns(*MATRIX_COLUMNS)
         if self.readonly:
             for b in self.query(Button):
                 b.disabled = True
@@ -404,25 +157,6 @@ class ConsoleApp(App):
             self._shown[widget.id] = content
             widget.update(content)
 
-    def _fill(self, table: DataTable, rows: list[tuple]) -> None:
-        """Redraw only what changed: a changed cell is updated in place; the table is rebuilt only
-        when the number of rows changes (most ticks change a few numbers, or nothing)."""
-        from textual.coordinate import Coordinate
-
-        old = self._rows.get(table.id)
-        if old == rows:
-            return
-        if old is None or len(old) != len(rows):
-            table.clear()
-            for row in rows:
-                table.add_row(*row)
-        else:
-            for r, (before, after) in enumerate(zip(old, rows)):
-                for c, (a, b) in enumerate(zip(before, after)):
-                    if a != b:
-                        table.update_cell_at(Coordinate(r, c), b)
-        self._rows[table.id] = rows
-
     @on(GpuSampled)
     def show_gpus(self, msg: GpuSampled) -> None:
         self.snapshot = snap = msg.snapshot
@@ -439,105 +173,72 @@ class ConsoleApp(App):
             self._draw_gpus(self.snapshot)
 
     def _draw_gpus(self, snap: gpu.GpuSnapshot) -> None:
-        rows: list[tuple] = [("-", snap.hint)] if snap.unavailable else []
-        for g in snap.gpus:
-            if g.lost:
-                rows.append((str(g.index), g.name.removeprefix("NVIDIA "), Text("✖ GPU LOST", style="bold red"), Text(g.error[:30])))
-                continue
-            util_hist, mem_hist = self.history[g.index]
-            mem = f"{na(g.mem_used and g.mem_used / 2**30, '{:.1f}')}/{na(g.mem_total and g.mem_total / 2**30, '{:.0f}')}G"
-            power = f"{na(g.power_w, '{:.0f}')}/{na(g.power_limit_w, '{:.0f}')}W"
-            rows.append((str(g.index), g.name.removeprefix("NVIDIA "), na(g.util_pct, "{}%"), spark(util_hist), mem, spark(mem_hist),
-                         na(g.temp_c, "{}°C"), power, na(g.sm_clock_mhz)))
-        self.w["gpus"].set(rows)
-        self._fill(self.w["gpu-procs"], [(str(g.index), str(p.pid), p.name, human_bytes(p.used_bytes))
-                                         for g in snap.gpus for p in g.processes])
+        self.w["gpus"].set(views.gpu_rows(snap, self.history))
+        self.w["gpu-procs"].fill(views.gpu_process_rows(snap))
 
     @on(RunPolled)
     def show_run(self, msg: RunPolled) -> None:
-        self.server = msg.server
+        self.server, self.polled = msg.server, msg
+        self._take_log(msg)
+        if self.paused:
+            return
+        view = msg.view
+        applies = {s.name: s.applies(self.profile) for s in STAGES}
+        self.w["stages"].show(views.live_stages(view.stages, msg.job), applies)
+        self._show_summary()
+        self._set(self.w["server-info"], views.server_text(self.server, self.profile))
+        self._show_eval(view)
+        self._show_notes(view)
+
+    def _show_summary(self) -> None:
+        msg = self.polled
+        flags = (" · PAUSED" if self.paused else "") + (" · READ-ONLY" if self.readonly else "")
+        self.w["summary"].set(views.summary(msg.view.root, msg.job, msg.view.current, msg.server, self.snapshot, flags))
+
+    def _take_log(self, msg: RunPolled) -> None:
+        """Keep every new line (for a later filter); show the ones the filter lets through unless paused."""
         if msg.log_name != self.log_name:
             self.log_name = msg.log_name
             self.log_buffer.clear()
             self.w["log"].clear()
         self.log_buffer.extend(msg.log_lines)
-        if self.paused:
-            return
-        shown = [l for l in msg.log_lines if self.log_filter in l] if self.log_filter else msg.log_lines
-        if shown:
+        shown = [l for l in msg.log_lines if self.log_filter in l]
+        if shown and not self.paused:
             self.w["log"].write_lines(shown)  # batched: one call per tick
-        view = msg.view
-        applies = {s.name: s.applies(self.profile) for s in STAGES}
-        rows = []
-        for s in view.stages:
-            status = s.status if applies.get(s.name, True) else "n/a"
-            progress = f"{bar(s.fraction)} {s.done:g}/{s.total:g} {s.unit}" if s.total and s.status == "running" \
-                else bar(s.fraction)
-            figs = ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in s.figures)
-            elapsed = coarse_secs(s.elapsed_s) if s.status == "running" else fmt_secs(s.elapsed_s)
-            rows.append((s.name, GLYPH.get(status, status), progress, elapsed, eta_text(s.eta_s),
-                         Text(figs[:60])))  # Text: an error like "[Errno 28] …" is not markup
-        self._fill(self.w["stages"], rows)
-        gpus = "no NVML" if self.snapshot and self.snapshot.unavailable else \
-            f"{len(self.snapshot.gpus)} GPU(s)" if self.snapshot else "GPUs …"
-        srv = self.server
-        server = f"{srv.get('mode')} pid {srv.get('pid')} :{srv.get('port')} " + \
-            ("healthy" if srv.get("healthy") else "not healthy") if srv.get("state") == "running" else "no server"
-        flags = (" · PAUSED" if self.paused else "") + (" · READ-ONLY" if self.readonly else "")
-        self.w["summary"].set(
-            f" {Path(view.root).name} · job {msg.job['state']} · stage {view.current or '-'} · {server} · "
-            f"{gpus}{flags}")
-        self._set(self.w["server-info"], self._server_text())
-        self._show_eval(view)
-        notes_log = self.w["notes-log"]
-        if len(view.notes) > notes_log.line_count:
-            notes_log.write_lines([f"{n['ts'][11:19]} {n.get('stage') or n.get('source')}: {n['text']}"
-                                   for n in view.notes[notes_log.line_count:]])
 
     def _show_eval(self, view: RunView) -> None:
         if view.train_loss:
-            losses = view.train_loss
-            width = 70  # the whole run, bucketed: each block is the mean loss of its share of the steps
-            buckets = [losses[i * len(losses) // width:(i + 1) * len(losses) // width] for i in range(width)]
-            means = [sum(b) / len(b) for b in buckets if b]
-            top = max(means) or 1.0
-            curve = "".join(BLOCKS[min(7, int(v / top * 7.999))] for v in means)
-            self._set(self.w["loss-curve"], f"training loss over {len(losses)} logged steps "
-                                        f"(first {losses[0]:.3g}, now {losses[-1]:.3g})\n{curve}")
-        res = view.evaluation
-        if not res:
-            return
-        rows = []
-        for method, row in res["matrix"].items():
-            if row.get("error") and not row.get("levels"):
-                rows.append((method, "", "", "", "", Text(f"✖ {row['error'][:60]}"), "", ""))
-            for c, lv in sorted(row.get("levels", {}).items(), key=lambda kv: int(kv[0])):
-                acc = lv.get("acceptance_per_position") or []
-                bars = " ".join(f"{BLOCKS[min(7, int(a * 7.999))]}{a:.2f}" for a in acc)
-                same = "" if method == "baseline" else ("✔ yes" if row.get("identical_outputs") else "✖ NO")
-                rows.append((method, str(c), f"{lv['output_tok_s']:.1f}", na(lv.get("tpot_ms"), "{:.2f}"),
-                             na(lv.get("mean_acceptance_length"), "{:.3f}"), bars, na(lv.get("speedup"), "x{}"), same))
-        rows.append(("decision", "", "", "", "", Text(res.get("decision", "")), "", ""))
-        self._fill(self.w["matrix"], rows)
+            self._set(self.w["loss-curve"], views.loss_curve(view.train_loss))
+        if view.evaluation:
+            self.w["matrix"].fill(views.matrix_rows(view.evaluation))
 
-    def _server_text(self) -> str:
-        s = self.server
-        if s.get("state") != "running":
-            return f"vLLM on {self.profile.server.host}:{self.profile.server.port}: not running ({s.get('state')})"
-        return (f"mode {s['mode']} · pid {s['pid']} (group {s['pgid']}: {s.get('pids')}) · port {s['port']} · "
-                f"{'healthy' if s.get('healthy') else 'NOT healthy'} · up {fmt_secs(s.get('uptime_s'))}\nlog {s.get('log')}")
+    def _show_notes(self, view: RunView) -> None:
+        notes_log = self.w["notes-log"]
+        if len(view.notes) > notes_log.line_count:
+            notes_log.write_lines([views.note_line(n) for n in view.notes[notes_log.line_count:]])
 
-    # ---- controls
+    # ---- server controls: each asks first; a run in progress holding the port is a second question
     def _gpus_of(self, pids: list[int]) -> str:
         if not self.snapshot or self.snapshot.unavailable:
             return "no GPUs (no NVML)"
         idx = sorted({g.index for g in self.snapshot.gpus for p in g.processes if p.pid in pids})
         return "GPUs " + ", ".join(map(str, idx)) if idx else "no GPU memory held"
 
+    def _holder_warning(self) -> str:
+        try:
+            holder = portlock.holder(self.profile)
+        except OSError:  # the lock file cannot be opened from here: the command checks again and says
+            return ""
+        return f"\n{views.holder_text(holder)} is using this server." if holder else ""
+
     def _refuse_if_readonly(self) -> bool:
         if self.readonly:
             self.notify("read-only console: controls are disabled", severity="warning")
         return self.readonly
+
+    def _confirm_then(self, question: str, what: str, mode: str | None) -> None:
+        self.push_screen(ConfirmScreen(question + self._holder_warning()),
+                         lambda yes: yes and self.server_command(what, mode))
 
     def action_stop_server(self) -> None:
         if self._refuse_if_readonly():
@@ -546,18 +247,16 @@ class ConsoleApp(App):
         if s.get("state") != "running":
             self.notify("no server is running on the port", severity="warning")
             return
-        question = (f"Stop the {s['mode']} vLLM server?\nPIDs {s.get('pids')} (process group {s['pgid']}), "
-                    f"port {s['port']}, {self._gpus_of(s.get('pids', []))}.")
-        self.push_screen(ConfirmScreen(question), lambda yes: yes and self.server_command("stop", None))
+        self._confirm_then(f"Stop the {s['mode']} vLLM server?\nPIDs {s.get('pids')} (process group {s['pgid']}), "
+                           f"port {s['port']}, {self._gpus_of(s.get('pids', []))}.", "stop", None)
 
     def action_restart_server(self) -> None:
         if self._refuse_if_readonly():
             return
         s = self.server
         mode = s.get("mode") if s.get("state") == "running" and s.get("mode") != "adopted" else "production"
-        question = (f"Restart the server in {mode} mode?\nStops PIDs {s.get('pids', [])} on port "
-                    f"{self.profile.server.port} ({self._gpus_of(s.get('pids', []))}) first.")
-        self.push_screen(ConfirmScreen(question), lambda yes: yes and self.server_command("start", mode))
+        self._confirm_then(f"Restart the server in {mode} mode?\nStops PIDs {s.get('pids', [])} on port "
+                           f"{self.profile.server.port} ({self._gpus_of(s.get('pids', []))}) first.", "start", mode)
 
     def action_start_mode(self) -> None:
         if self._refuse_if_readonly():
@@ -566,9 +265,8 @@ class ConsoleApp(App):
         def chosen(mode: str | None) -> None:
             if mode:
                 s = self.server
-                q = (f"Start {mode} on port {self.profile.server.port}?" +
-                     (f"\nStops PIDs {s.get('pids')} ({s.get('mode')}) first." if s.get("state") == "running" else ""))
-                self.push_screen(ConfirmScreen(q), lambda yes: yes and self.server_command("start", mode))
+                stops = f"\nStops PIDs {s.get('pids')} ({s.get('mode')}) first." if s.get("state") == "running" else ""
+                self._confirm_then(f"Start {mode} on port {self.profile.server.port}?{stops}", "start", mode)
 
         self.push_screen(ModeScreen(), chosen)
 
@@ -585,24 +283,47 @@ class ConsoleApp(App):
         self.action_start_mode()
 
     @work(thread=True, exclusive=True, group="server", exit_on_error=False)
-    def server_command(self, what: str, mode: str | None) -> None:
-        from pipeline.server import ServerError
+    def server_command(self, what: str, mode: str | None, held_by: dict | None = None) -> None:
+        """Stop or start the port's server; `held_by`: the operator chose to force it past that run."""
+        forced = f" (forced: {views.holder_text(held_by)} held the port)" if held_by else ""
         try:
-            if what == "stop":
-                result = box.free_port(self.profile, lambda m: None)
-                self.post_message(ServerActionDone(f"stopped: {result}", True))
-                return
-            target_dir, mode_args = box.mode_inputs(self.profile, self.rundir, mode)
-            rec = box.start_mode(self.profile, mode, target_dir, self.rundir.log_path(f"server-{mode}"),
-                                 self.rundir.root / ".cache", lambda m: None, **mode_args)
-            self.post_message(ServerActionDone(f"{mode} server healthy, pid {rec.pid}", True))
+            self.post_message(ServerActionDone(self._serve(what, mode, force=held_by is not None) + forced, True))
+        except box.PortHeld as exc:
+            self.post_message(PortHeldByRun(what, mode, exc.holder))
         except (ServerError, ValueError, OSError) as exc:
             self.post_message(ServerActionDone(str(exc), False))
 
+    def _serve(self, what: str, mode: str | None, force: bool) -> str:
+        """In the server worker's thread: the command itself, through pipeline.box as the CLI's."""
+        if what == "stop":
+            return f"stopped: {box.free_port(self.profile, lambda m: None, force=force)}"
+        target_dir, mode_args = box.mode_inputs(self.profile, self.rundir, mode)
+        rec = box.start_mode(self.profile, mode, target_dir, self.rundir.log_path(f"server-{mode}"),
+                             self.rundir.root / ".cache", lambda m: None, force=force, **mode_args)
+        return f"{mode} server healthy, pid {rec.pid}"
+
+    @on(PortHeldByRun)
+    def _ask_to_force(self, msg: PortHeldByRun) -> None:
+        run = views.holder_text(msg.holder)
+        question = (f"{run} is using this server: its current stage will fail.\n"
+                    f"Pull the server from under it anyway? y/n")
+
+        def answered(yes: bool) -> None:
+            if yes:
+                self.server_command(msg.what, msg.mode, held_by=msg.holder)
+            else:
+                self.notify(f"nothing stopped: {run} keeps the server", severity="warning")
+
+        self.push_screen(ConfirmScreen(question), answered)
+
     @on(ServerActionDone)
     def _server_done(self, msg: ServerActionDone) -> None:
+        self._tell(msg)
+        self._append_note(f"console: server {msg.text}", source="operator")
+
+    @on(NotesExported)
+    def _tell(self, msg: Outcome) -> None:
         self.notify(msg.text, severity="information" if msg.ok else "error", timeout=8)
-        notes.add(self.rundir, f"console: server {msg.text}", source="operator")
 
     @on(Flash)
     def _flash(self, msg: Flash) -> None:
@@ -619,7 +340,7 @@ class ConsoleApp(App):
         self.log_filter = event.value
         log = self.w["log"]
         log.clear()
-        log.write_lines([l for l in self.log_buffer if self.log_filter in l] if self.log_filter else list(self.log_buffer))
+        log.write_lines([l for l in self.log_buffer if self.log_filter in l])
         if not event.value:
             event.input.remove_class("visible")
         log.focus()
@@ -631,27 +352,48 @@ class ConsoleApp(App):
 
     def action_pause(self) -> None:
         self.paused = not self.paused
+        if self.polled:
+            self._show_summary()
         self.notify("display paused (collection continues)" if self.paused else "display resumed")
 
     def action_note(self) -> None:
-        self.query_one(TabbedContent).active = "notes"
+        self.tabs.active = "notes"
         self.w["note-input"].focus()
 
     @on(Input.Submitted, "#note-input")
     def add_note(self, event: Input.Submitted) -> None:
-        if event.value.strip():
-            notes.add(self.rundir, event.value.strip())
+        if event.value.strip() and self._append_note(event.value.strip()):
             event.input.value = ""
             self.notify("note appended")
 
+    def _append_note(self, text: str, **kw) -> bool:
+        try:
+            notes.add(self.rundir, text, **kw)
+            return True
+        except OSError as exc:  # a read-only run or a full disk: say so, keep the console
+            self.notify(f"note not written: {exc}", severity="error", timeout=8)
+            return False
+
     def action_export(self) -> None:
-        from pipeline.atomicio import atomic_write_text
+        self.notify("exporting the notes…")
+        self.export_notes()
+
+    @work(thread=True, exclusive=True, group="export", exit_on_error=False)
+    def export_notes(self) -> None:
+        """The report may render matplotlib plots: seconds, off the UI thread. The destination is
+        opened first: a run that cannot be written fails before anything is rendered."""
+        from pipeline.atomicio import atomic_write_rendered
+
         out = self.rundir.root / "notes.md"
-        atomic_write_text(out, notes.export(self.rundir, "md"))
-        self.notify(f"notes exported to {out}")
+        try:
+            atomic_write_rendered(out, lambda: notes.export(self.rundir, "md", out).encode())
+        except Exception as exc:  # a read-only run, a full disk, a plot that failed: a notification, not a traceback
+            self.post_message(NotesExported(f"notes export failed: {type(exc).__name__}: {exc}", False))
+        else:
+            self.post_message(NotesExported(f"notes exported to {out}", True))
 
     def action_tab(self, tab: str) -> None:
-        self.query_one(TabbedContent).active = {"gpus": "gpus-tab"}.get(tab, tab)
+        self.tabs.active = {"gpus": "gpus-tab"}.get(tab, tab)
 
     def action_help(self) -> None:
         self.push_screen(HelpScreen())

@@ -1,12 +1,18 @@
 """The console driven with Textual's Pilot over injected, deterministic run files."""
 import asyncio
+import io
+import json
 import os
+import re
 import signal
 import socket
 import subprocess
+import sys
 import time
 
+import psutil
 import pytest
+from rich.console import Console
 from textual.widgets import Button, DataTable, Log, Static
 
 from console.app import ConfirmScreen, ConsoleApp, HelpScreen
@@ -15,7 +21,7 @@ from pipeline.profile import load_profile
 from pipeline.rundir import RunDir
 from pipeline.server import ServerRecord
 from pipeline.stages import stage_names
-from tests.conftest import TINY
+from tests.conftest import ROOT, TINY
 from tests.fake_nvml import NVML_ERROR_GPU_IS_LOST, NVML_ERROR_NOT_SUPPORTED, FakeNvml, h200
 
 
@@ -23,6 +29,11 @@ def free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def runner_alive(run):
+    """This test process as the run's runner: its running stage is live, not interrupted."""
+    run.update_state(runner={"pid": os.getpid(), "since": psutil.Process().create_time()})
 
 
 @pytest.fixture
@@ -37,6 +48,7 @@ def run(tmp_path):
     run.logs_dir.mkdir(exist_ok=True)
     run.log_path("prepare").write_text("".join(f"line {i} {'alpha' if i % 2 else 'beta'}\n" for i in range(40)))
     notes.add(run, "prepare started", source="auto", stage="prepare")
+    runner_alive(run)
     return run
 
 
@@ -51,6 +63,31 @@ def sampler(gpus):
 
 def text_of(table: DataTable) -> str:
     return "\n".join(" | ".join(str(c) for c in table.get_row_at(i)) for i in range(table.row_count))
+
+
+def screen_text(app) -> str:
+    """The screen as the terminal shows it, as text (the same render as App.export_screenshot)."""
+    console = Console(width=app.size.width, height=app.size.height, file=io.StringIO(), record=True,
+                      legacy_windows=False, safe_box=False)
+    console.print(app.screen._compositor.render_update(full=True, screen_stack=app._background_screens))
+    return console.export_text()
+
+
+def line_of(screen: str, stage: str) -> str:
+    return next(l for l in screen.splitlines() if re.match(rf"\s*{re.escape(stage)}\s", l))
+
+
+def question(app) -> str:
+    assert isinstance(app.screen, ConfirmScreen)
+    return str(app.screen.query_one("#question").render())
+
+
+async def until(pilot, done, seconds=10.0):
+    for _ in range(int(seconds / 0.1)):
+        if done():
+            return
+        await pilot.pause(0.1)
+    assert done()
 
 
 def run_app(app, coro, size=(120, 40)):
@@ -177,12 +214,29 @@ def test_notes_input_export_and_help(run):
         assert notes.read(run)[-1]["text"] == "tau looks low"
         await pilot.press("escape")
         app.set_focus(None)
-        await pilot.press("e")
-        await pilot.pause(0.2)
-        assert "tau looks low" in (run.root / "notes.md").read_text()
+        await pilot.press("e")  # rendered in a thread worker: the file appears when it is done
+        out = run.root / "notes.md"
+        await until(pilot, lambda: out.exists())
+        assert "tau looks low" in out.read_text()
         await pilot.press("question_mark")
         await pilot.pause(0.2)
         assert isinstance(app.screen, HelpScreen)
+
+    run_app(ConsoleApp(run.root), check)
+
+
+def test_notes_export_failure_is_a_notification(run):
+    (run.root / "notes.md").mkdir()  # the export cannot replace a directory, not even as root
+    told = []
+
+    async def check(app, pilot):
+        notify = app.notify
+        app.notify = lambda message, **kw: told.append((message, kw.get("severity"))) or notify(message, **kw)
+        app.set_focus(None)
+        await pilot.press("e")
+        await until(pilot, lambda: any("export failed" in m for m, _ in told))
+        assert ("error" in [sev for m, sev in told if "export failed" in m]) and "notes.md" in str(told)
+        assert app.is_running and app.return_code is None  # no traceback: the console carries on
 
     run_app(ConsoleApp(run.root), check)
 
@@ -219,5 +273,145 @@ def test_eval_tab_shows_matrix_decision_and_loss_curve(run):
         assert "do not deploy" in rows[3]
         curve = str(app.query_one("#loss-curve", Static).render())
         assert "over 4 logged steps" in curve and "█" in curve
+
+    run_app(ConsoleApp(run.root), check)
+
+
+# ---------------------------------------------------------------- what fits on screen
+
+T0 = 1_800_000_000.0
+TRAIN_FIGURES = {"loss": "0.0123", "train/loss": "0.0125", "val/loss_epoch": "0.0211", "val_loss": "0.0211",
+                 "step": "143"}
+
+
+@pytest.fixture
+def busy_run(tmp_path):
+    """Six stages done; train running 3 minutes in, 2 of 48 epochs after 2 minutes (ETA 45 min), four figures."""
+    profile = load_profile(TINY, {"run.runs_dir": str(tmp_path / "runs"), "server.port": free_port()})
+    run = RunDir.create(profile, tmp_path / "run")
+    state = json.loads(run.state_path.read_text())
+    state["stages"] = {
+        "preflight": {"status": "done", "seconds": 0.4, "figures": {}},
+        "build-target": {"status": "done", "seconds": 1.8, "figures": {"params": 1115264}},
+        "regenerate": {"status": "done", "seconds": 7.2, "figures": {}},
+        "prepare": {"status": "done", "seconds": 2.6, "figures": {}},
+        "extract": {"status": "done", "seconds": 58.3, "figures": {"samples_per_s": 9.19}},
+        "vocab": {"status": "done", "seconds": 0.01, "figures": {}},
+        "train": {"status": "running"},
+    }
+    run.state_path.write_text(json.dumps(state))
+    events = [{"t": T0, "stage": "train", "kind": "start"},
+              {"t": T0 + 120, "stage": "train", "kind": "metric", "step": 143, "train/loss": 0.0125,
+               "val/loss_epoch": 0.0211},
+              {"t": T0 + 120, "stage": "train", "kind": "progress", "done": 2, "total": 48, "unit": "epochs",
+               "step": 143, "loss": 0.0123}]
+    run.events_path.write_text("".join(json.dumps(e) + "\n" for e in events))
+    runner_alive(run)
+    return run
+
+
+def busy_app(run):
+    return ConsoleApp(run.root, interval=3600, clock=lambda: T0 + 180)  # 3 min in; 2 of 48 epochs at 2 min: ETA 45 min
+
+
+def assert_figures_whole(line: str) -> list[str]:
+    """Every figure on the line is one of the run's, written in full: none cut mid-number."""
+    shown = re.findall(r"([\w/]+)=([^,\s]+)", line)
+    assert all(TRAIN_FIGURES.get(k) == v for k, v in shown), line
+    return [k for k, _ in shown]
+
+
+def assert_footer_shows_the_keys(app, screen: str):
+    footer = screen.rstrip("\n").splitlines()[-1]
+    for binding in (b for b in app.BINDINGS if b.show):
+        assert f"{app.get_key_display(binding)} {binding.description}" in footer, footer
+
+
+@pytest.mark.parametrize("extra", [(), ("publish-online",)], ids=["10-stages", "11-stages"])
+def test_80x24_shows_every_stage_its_status_readable_times_and_the_footer(busy_run, monkeypatch, extra):
+    names = [*stage_names(), *extra]
+    monkeypatch.setattr("console.app.stage_names", lambda: names)
+
+    async def check(app, pilot):
+        screen = screen_text(app)
+        table = app.query_one("#stages", DataTable)
+        assert table.row_count == len(names) and table.scrollbars_enabled == (False, False)
+        assert table.region.bottom <= app.query_one("#log").region.y  # the log is below, not over it
+        for name in names:
+            status = "▶ running" if name == "train" else "· pending" if name in ("evaluate-offline", *extra) else \
+                "  n/a" if name in ("deploy-measure", "handover") else "✔ done"
+            assert status in line_of(screen, name), screen
+        train = line_of(screen, "train")
+        assert "2/48 epochs" in train and " 3m " in train and "~45m" in train, train
+        assert "loss" in assert_figures_whole(train)  # the most telling figure has room
+        assert_footer_shows_the_keys(app, screen)
+
+    run_app(busy_app(busy_run), check, size=(80, 24))
+
+
+def test_120_columns_give_a_running_stage_its_figures(busy_run):
+    async def check(app, pilot):
+        screen = screen_text(app)
+        train = line_of(screen, "train")
+        assert len(assert_figures_whole(train)) == 4 and "…" not in train, train  # all four, whole
+        assert "2/48 epochs" in train and "~45m" in train
+        assert_footer_shows_the_keys(app, screen)
+
+    run_app(busy_app(busy_run), check, size=(120, 40))
+
+
+def test_a_failed_or_interrupted_stage_reads_so_with_its_error(busy_run):
+    state = json.loads(busy_run.state_path.read_text())
+    state["stages"]["vocab"] = {"status": "failed", "seconds": 0.5, "error": "OSError: [Errno 28] No space left"}
+    del state["runner"]  # no process runs the job: its running stage was interrupted
+    busy_run.state_path.write_text(json.dumps(state))
+
+    async def check(app, pilot):
+        screen = screen_text(app)
+        assert "✖ failed" in line_of(screen, "vocab") and "[Errno 28] No space" in line_of(screen, "vocab")
+        assert "✖ interrupted" in line_of(screen, "train") and "~45m" not in line_of(screen, "train")
+        assert "job interrupted" in screen.splitlines()[0]
+
+    run_app(busy_app(busy_run), check, size=(120, 40))
+
+
+# ---------------------------------------------------------------- a run in progress holds the port
+
+@pytest.fixture
+def port_holder(run):
+    """Another process's run holding the serving port's lock (the lock is per process)."""
+    code = ("import sys, time; from pipeline import portlock; from pipeline.rundir import RunDir; "
+            "r = RunDir.open(sys.argv[1]); fh = portlock.hold(r.profile(), r.root); print('held', flush=True); "
+            "time.sleep(300)")
+    proc = subprocess.Popen([sys.executable, "-c", code, str(run.root)], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "held"
+    yield proc
+    proc.kill()
+    proc.wait()
+
+
+def test_server_stop_while_a_run_holds_the_port_asks_again_naming_it(run, fake_server, port_holder):
+    holder = f"{run.root} (pid {port_holder.pid})"
+
+    async def second_question(app, pilot):
+        await pilot.press("x")
+        await pilot.pause(0.3)
+        assert holder in question(app)  # the first question already names the run
+        await pilot.press("y")  # the worker is refused (PortHeld): a second question, naming the run
+        await until(pilot, lambda: isinstance(app.screen, ConfirmScreen) and "current stage will fail" in question(app))
+        assert holder in question(app) and "anyway" in question(app)
+
+    async def check(app, pilot):
+        await pilot.pause(0.5)
+        await second_question(app, pilot)
+        await pilot.press("n")
+        await pilot.pause(1.0)
+        assert fake_server.poll() is None and not isinstance(app.screen, ConfirmScreen)  # no second yes: nothing stopped
+        await second_question(app, pilot)
+        await pilot.press("y")
+        await until(pilot, lambda: fake_server.poll() is not None)
+        assert procs.group_members(fake_server.pid) == [] and port_holder.poll() is None  # the run itself goes on
+        await pilot.pause(0.3)
+        assert str(run.root) in notes.read(run)[-1]["text"]  # the run's notes record what was forced
 
     run_app(ConsoleApp(run.root), check)

@@ -1,7 +1,9 @@
 """SVG snapshots of the console at 80x24 and 160x48 from injected, deterministic data (fixed clock,
 fixed events, an NVML stand-in). Baselines: `pytest tests/test_console_snapshots.py --snapshot-update`."""
 import json
+import os
 
+import psutil
 import pytest
 
 from console.app import ConsoleApp
@@ -27,6 +29,7 @@ def frozen_run(tmp_path):
         "vocab": {"status": "done", "seconds": 0.01, "figures": {}},
         "train": {"status": "running"},
     }
+    state["runner"] = {"pid": os.getpid(), "since": psutil.Process().create_time()}  # a live run
     run.state_path.write_text(json.dumps(state))
     events = [{"t": T0, "stage": "train", "kind": "start"},
               {"t": T0 + 40, "stage": "train", "kind": "progress", "done": 8, "total": 16, "unit": "epochs",

@@ -1,0 +1,103 @@
+"""What the panels show, built from snapshots: rows and strings, no widgets."""
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+from rich.text import Text
+
+from console.formatting import BLOCKS, fmt_secs, human_bytes, na, spark
+from pipeline import gpu
+from pipeline.profile import Profile
+from pipeline.runview import StageView
+
+LOSS_CURVE_WIDTH = 70
+
+
+def live_stages(stages: tuple[StageView, ...], job: dict) -> tuple[StageView, ...]:
+    """A stage recorded running while no process runs the job was interrupted (as `status` says)."""
+    if job.get("pid"):
+        return stages
+    return tuple(replace(s, status="interrupted", eta_s=None) if s.status == "running" else s for s in stages)
+
+
+def gpu_row(g: gpu.GpuSample, util_hist, mem_hist) -> tuple:
+    name = g.name.removeprefix("NVIDIA ")
+    if g.lost:
+        return str(g.index), name, Text("✖ GPU LOST", style="bold red"), Text(g.error[:30])
+    mem = f"{na(g.mem_used and g.mem_used / 2**30, '{:.1f}')}/{na(g.mem_total and g.mem_total / 2**30, '{:.0f}')}G"
+    power = f"{na(g.power_w, '{:.0f}')}/{na(g.power_limit_w, '{:.0f}')}W"
+    return (str(g.index), name, na(g.util_pct, "{}%"), spark(util_hist), mem, spark(mem_hist),
+            na(g.temp_c, "{}°C"), power, na(g.sm_clock_mhz))
+
+
+def gpu_rows(snap: gpu.GpuSnapshot, history: dict) -> list[tuple]:
+    rows: list[tuple] = [("-", snap.hint)] if snap.unavailable else []
+    return rows + [gpu_row(g, *history.get(g.index, ((), ()))) for g in snap.gpus]
+
+
+def gpu_process_rows(snap: gpu.GpuSnapshot) -> list[tuple]:
+    return [(str(g.index), str(p.pid), p.name, human_bytes(p.used_bytes)) for g in snap.gpus for p in g.processes]
+
+
+def loss_curve(losses: tuple[float, ...]) -> str:
+    """The whole run, bucketed: each block is the mean loss of its share of the steps."""
+    n = len(losses)
+    buckets = [losses[i * n // LOSS_CURVE_WIDTH:(i + 1) * n // LOSS_CURVE_WIDTH] for i in range(LOSS_CURVE_WIDTH)]
+    means = [sum(b) / len(b) for b in buckets if b]
+    top = max(means) or 1.0
+    curve = "".join(BLOCKS[min(7, int(v / top * 7.999))] for v in means)
+    return f"training loss over {n} logged steps (first {losses[0]:.3g}, now {losses[-1]:.3g})\n{curve}"
+
+
+def matrix_level_row(method: str, row: dict, concurrency, level: dict) -> tuple:
+    acc = level.get("acceptance_per_position") or []
+    bars = " ".join(f"{BLOCKS[min(7, int(a * 7.999))]}{a:.2f}" for a in acc)
+    same = "" if method == "baseline" else ("✔ yes" if row.get("identical_outputs") else "✖ NO")
+    return (method, str(concurrency), f"{level['output_tok_s']:.1f}", na(level.get("tpot_ms"), "{:.2f}"),
+            na(level.get("mean_acceptance_length"), "{:.3f}"), bars, na(level.get("speedup"), "x{}"), same)
+
+
+def matrix_rows(evaluation: dict) -> list[tuple]:
+    rows = []
+    for method, row in evaluation["matrix"].items():
+        if row.get("error") and not row.get("levels"):  # a refused method is a row saying why
+            rows.append((method, "", "", "", "", Text(f"✖ {row['error'][:60]}"), "", ""))
+        for c, level in sorted(row.get("levels", {}).items(), key=lambda kv: int(kv[0])):
+            rows.append(matrix_level_row(method, row, c, level))
+    return rows + [("decision", "", "", "", "", Text(evaluation.get("decision", "")), "", "")]
+
+
+def server_text(server: dict, profile: Profile) -> str:
+    s = server
+    if s.get("state") != "running":
+        return f"vLLM on {profile.server.host}:{profile.server.port}: not running ({s.get('state')})"
+    return (f"mode {s['mode']} · pid {s['pid']} (group {s['pgid']}: {s.get('pids')}) · port {s['port']} · "
+            f"{'healthy' if s.get('healthy') else 'NOT healthy'} · up {fmt_secs(s.get('uptime_s'))}\nlog {s.get('log')}")
+
+
+def server_brief(server: dict) -> str:
+    if server.get("state") != "running":
+        return "no server"
+    health = "healthy" if server.get("healthy") else "not healthy"
+    return f"{server.get('mode')} pid {server.get('pid')} :{server.get('port')} {health}"
+
+
+def gpus_brief(snap: gpu.GpuSnapshot | None) -> str:
+    if snap is None:
+        return "GPUs …"
+    return "no NVML" if snap.unavailable else f"{len(snap.gpus)} GPU(s)"
+
+
+def summary(root: str, job: dict, current: str | None, server: dict, snap: gpu.GpuSnapshot | None,
+            flags: str) -> str:
+    return (f" {Path(root).name} · job {job['state']} · stage {current or '-'} · {server_brief(server)} · "
+            f"{gpus_brief(snap)}{flags}")
+
+
+def note_line(note: dict) -> str:
+    return f"{note['ts'][11:19]} {note.get('stage') or note.get('source')}: {note['text']}"
+
+
+def holder_text(holder: dict) -> str:
+    return f"Run {holder.get('run', '?')} (pid {holder.get('pid', '?')})"

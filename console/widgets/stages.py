@@ -1,0 +1,150 @@
+"""The Run tab's stage table: one compact row per stage, its columns fitted to the width. Figures come
+before the progress bar: the bar shrinks or goes (the count stays) when that shows more of them; the
+elapsed column goes only on a very narrow table; a figure that does not fit is dropped whole, never cut
+mid-number (only an error message is cut, with an ellipsis)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from rich.cells import cell_len
+from rich.text import Text
+
+from console.formatting import bar, coarse_secs, eta_text, figure, fmt_secs, progress_count
+from console.widgets.table import DiffTable
+from pipeline.runview import KEY_FIGURES, StageView
+
+GLYPH = {"done": "✔ done", "running": "▶ running", "failed": "✖ failed", "interrupted": "✖ interrupted",
+         "pending": "· pending", "skipped": "↷ skipped", "stale": "? stale", "n/a": "  n/a"}
+SHORT_KEYS = {"samples_per_s": "samples/s", "tokens_per_s": "tok/s", "mean_acceptance_length": "acc_len",
+              "val/loss_epoch": "val_loss"}
+PADDING = 1  # DataTable's cell_padding: every column costs its width + 2
+FIGURES_MIN = 16  # the elapsed column goes only when keeping it would leave the figures less than this
+
+
+@dataclass(frozen=True)
+class Layout:
+    bar: int  # progress bar cells; 0: the count alone
+    elapsed: str | None  # the elapsed column's header; None: no such column
+
+
+LAYOUTS = (Layout(12, "elapsed"), Layout(6, "elapsed"), Layout(0, "time"), Layout(0, None))
+
+
+@dataclass(frozen=True)
+class LaidOut:
+    layout: Layout
+    rows: list[tuple[str, ...]]
+    widths: list[int]
+    room: int  # cells left for the figures
+
+
+def progress(s: StageView, width: int) -> str:
+    shown = [bar(s.fraction, width)] if width else []
+    if s.total and s.status == "running":
+        shown.append(progress_count(s.done, s.total, s.unit))
+    return " ".join(shown)
+
+
+def elapsed(s: StageView) -> str:
+    return coarse_secs(s.elapsed_s) if s.status == "running" else fmt_secs(s.elapsed_s)
+
+
+def headers(layout: Layout) -> tuple[str, ...]:
+    return ("stage", "status", "progress", *((layout.elapsed,) if layout.elapsed else ()), "ETA")
+
+
+def fixed_cells(s: StageView, applies: bool, layout: Layout) -> tuple[str, ...]:
+    status = GLYPH.get(s.status if applies else "n/a", s.status)
+    times = (elapsed(s),) if layout.elapsed else ()
+    return (s.name, status, progress(s, layout.bar), *times, eta_text(s.eta_s))
+
+
+def lay_out(stages, applies: dict[str, bool], layout: Layout, width: int) -> LaidOut:
+    rows = [fixed_cells(s, applies.get(s.name, True), layout) for s in stages]
+    widths = [max([cell_len(h), *(cell_len(r[c]) for r in rows)]) for c, h in enumerate(headers(layout))]
+    # the progress cell at its widest (done = total): counting up never widens the column
+    widths[2] = max([widths[2], *(cell_len(progress(replace(s, done=s.total), layout.bar)) for s in stages)])
+    return LaidOut(layout, rows, widths, width - sum(w + 2 * PADDING for w in widths) - 2 * PADDING)
+
+
+def ranked(figures: tuple) -> list[tuple]:
+    """Most telling first (the order of KEY_FIGURES): a narrow table drops from the end."""
+    return sorted(figures, key=lambda kv: KEY_FIGURES.index(kv[0]) if kv[0] in KEY_FIGURES else len(KEY_FIGURES))
+
+
+def figures_text(figures: tuple, short: bool = False) -> str:
+    return ", ".join(figure(SHORT_KEYS.get(k, k) if short else k, v) for k, v in ranked(figures))
+
+
+def is_error(s: StageView) -> bool:
+    return any(k == "error" for k, _ in s.figures)
+
+
+def fit_figures(figures: tuple, room: int) -> tuple[str, int]:
+    """All figures if they fit, else with short names, else the most telling ones and "…"; and how
+    many figures that shows."""
+    for short in (False, True):
+        if cell_len(text := figures_text(figures, short)) <= room:
+            return text, len(figures)
+    parts = [figure(SHORT_KEYS.get(k, k), v) for k, v in ranked(figures)]
+    for n in range(len(parts) - 1, -1, -1):
+        if cell_len(text := ", ".join([*parts[:n], "…"])) <= room:
+            return text, n
+    return "", 0
+
+
+def figures_cell(s: StageView, room: int) -> Text:
+    """Figures fitted whole; an error message cut with an ellipsis. A Text: "[Errno 28] …" is not markup."""
+    if not is_error(s):
+        return Text(fit_figures(s.figures, room)[0])
+    cut = Text(figures_text(s.figures))
+    cut.truncate(max(room, 0), overflow="ellipsis")
+    return cut
+
+
+def figures_shown(stages, room: int) -> int:
+    return sum(fit_figures(s.figures, room)[1] for s in stages if not is_error(s))
+
+
+def choose(laid: list[LaidOut], stages) -> LaidOut:
+    """Of the layouts that keep the elapsed column and leave the figures FIGURES_MIN cells (or all they
+    need), the one that shows the most figures, the richest of equals; else the leanest."""
+    wanted = min(FIGURES_MIN, max((cell_len(figures_text(s.figures, short=True)) for s in stages
+                                   if not is_error(s)), default=0))
+    roomy = [t for t in laid if t.layout.elapsed and t.room >= wanted] or [laid[-1]]
+    return max(roomy, key=lambda t: figures_shown(stages, t.room))
+
+
+def stage_table(stages: tuple[StageView, ...], applies: dict[str, bool], width: int):
+    """(columns as (header, width) pairs, rows) for a table `width` cells wide."""
+    t = choose([lay_out(stages, applies, layout, width) for layout in LAYOUTS], stages)
+    columns = (*zip(headers(t.layout), t.widths), ("figures", max(t.room, 0)))
+    return columns, [(*row, figures_cell(s, t.room)) for row, s in zip(t.rows, stages)]
+
+
+class StageTable(DiffTable):
+    """The stages with status, progress, elapsed, ETA and figures, laid out again when the width changes."""
+
+    def __init__(self, id: str, stage_count: int):
+        super().__init__(id=id, cursor_type="row", zebra_stripes=True, cell_padding=PADDING)
+        # As tall as all its rows from the start: the log below keeps its height, and its tail in view.
+        self.styles.height = stage_count + 1
+        self._stages: tuple[StageView, ...] = ()
+        self._applies: dict[str, bool] = {}
+        self._columns: tuple | None = None
+
+    def show(self, stages: tuple[StageView, ...], applies: dict[str, bool]) -> None:
+        self._stages, self._applies = stages, applies
+        self._refit()
+
+    def on_resize(self) -> None:
+        self._refit()
+
+    def _refit(self) -> None:
+        columns, rows = stage_table(self._stages, self._applies, self.scrollable_content_region.width)
+        if columns != self._columns:
+            self.clear(columns=True)
+            for header, width in columns:
+                self.add_column(header, width=width)
+            self._columns = columns
+        self.fill(rows)
