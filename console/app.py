@@ -1,7 +1,7 @@
 """eagle3-console's Textual console: renders a run's files and sends commands; never runs a stage.
 
 A feed thread samples NVML and reads the run, and workers run the slow commands (server stop/start,
-the notes export); they post messages and only the message handlers touch widgets (REFERENCE.md §5).
+the notes export); they post messages and only the message handlers touch widgets (docs/reference.md §5).
 The job runs detached: quitting (q) or losing the terminal leaves it running, and
 `eagle3-console attach RUN_DIR` shows the same state again.
 
