@@ -1,11 +1,22 @@
+import json
+import time
+
 import pytest
 
 from pipeline import gpu
-from tests.fake_nvml import NVML_ERROR_GPU_IS_LOST, NVML_ERROR_NOT_SUPPORTED, FakeNvml, h200
+from tests.fake_nvml import GiB, NVML_ERROR_GPU_IS_LOST, NVML_ERROR_NOT_SUPPORTED, FakeNvml, h200
 
 
 @pytest.fixture
-def nvml():
+def real_nvml():
+    """The installed NVML, whatever this machine has: no library (CI, laptops) or real GPUs."""
+    import pynvml
+    gpu.use_nvml(pynvml)
+    yield
+
+
+@pytest.fixture
+def nvml(real_nvml):
     def install(gpus):
         gpu.use_nvml(FakeNvml(gpus))
     yield install
@@ -13,13 +24,35 @@ def nvml():
     gpu.use_nvml(pynvml)
 
 
-def test_real_library_not_found_on_this_machine():
-    import pynvml
-    gpu.use_nvml(pynvml)
+def wait_for(predicate, timeout=30.0, what="condition"):
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"{what} not reached in {timeout} s"
+        time.sleep(0.01)
+
+
+def timeline(path):
+    try:
+        return [json.loads(l) for l in path.read_text().splitlines() if l.strip()]
+    except FileNotFoundError:
+        return []
+
+
+def test_real_nvml_is_reported_as_found(real_nvml):
+    """Without NVML (CI): one reason, no rows, no exception. With it (a GPU box): one row per GPU."""
     snap = gpu.sample()
-    assert snap.unavailable and "NVML" in snap.unavailable and snap.gpus == ()
-    assert "no NVIDIA GPU/driver found" in snap.hint
-    assert gpu.gpu_memory_by_pid() is None
+    if snap.unavailable:
+        assert "NVML" in snap.unavailable and snap.gpus == ()
+        assert "no NVIDIA GPU/driver found" in snap.hint
+        assert gpu.unavailable_reason() == snap.unavailable
+        assert gpu.gpu_memory_by_pid() is None
+    else:
+        assert snap.hint == "" and gpu.unavailable_reason() is None
+        assert [g.index for g in snap.gpus] == list(range(len(snap.gpus)))
+        for g in snap.gpus:
+            assert g.name and (g.lost or (g.mem_total or 0) > 0), g
+        held = gpu.gpu_memory_by_pid()
+        assert isinstance(held, dict) and all(isinstance(pid, int) and n >= 0 for pid, n in held.items())
 
 
 def test_not_supported_field_is_na_and_lost_gpu_is_one_row(nvml):
@@ -33,20 +66,34 @@ def test_not_supported_field_is_na_and_lost_gpu_is_one_row(nvml):
     assert gpu.gpu_memory_by_pid() == {4242: 3 << 30}
 
 
-def test_stage_monitor_summarises_utilization_memory_and_energy(nvml):
-    import time
+def test_stage_monitor_summarises_utilization_memory_and_energy(nvml, tmp_path):
     nvml([h200(0), h200(1, fail={"temperature": NVML_ERROR_NOT_SUPPORTED})])
-    with gpu.StageMonitor(interval=0.05) as mon:
-        time.sleep(0.4)
+    path = tmp_path / "timeline.jsonl"
+    with gpu.StageMonitor(interval=0.05, timeline=path) as mon:
+        wait_for(lambda: len(timeline(path)) >= 4, what="four GPU samples")
     s = mon.summary()
     assert s["gpu0_util_mean"] == 40 and s["gpu1_util_max"] == 41
-    assert s["gpu1_mem_peak_gib"] == 21.0
-    assert 0 < s["gpu0_energy_wh"] < 300 * 0.5 / 3600 * 1.5  # 300 W for ≈0.4 s
+    assert s["gpu1_mem_peak_gib"] == 21.0 and s["gpu0_mem_peak_gib"] == h200(0)["used"] / GiB
+    # Power integrated over the samples actually taken (300 W between the first and the last one),
+    # whatever the time a busy machine took between them.
+    samples = timeline(path)
+    span = samples[-1]["t"] - samples[0]["t"]
+    assert span > 0
+    assert s["gpu0_energy_wh"] == pytest.approx(300 * span / 3600, abs=1e-3)
 
 
-def test_stage_monitor_is_silent_without_nvml():
-    import pynvml
-    gpu.use_nvml(pynvml)
-    with gpu.StageMonitor(interval=0.05) as mon:
-        pass
-    assert mon.summary() is None
+def test_stage_monitor_samples_only_where_nvml_is(real_nvml, tmp_path):
+    """No NVML: no thread, no summary, no timeline. NVML on a GPU box: a summary for every GPU it saw."""
+    path = tmp_path / "timeline.jsonl"
+    snap = gpu.sample()
+    with gpu.StageMonitor(interval=0.05, timeline=path) as mon:
+        if not snap.unavailable and snap.gpus:
+            wait_for(lambda: len(timeline(path)) >= 2, what="two GPU samples")
+    s = mon.summary()
+    healthy = [g.index for g in snap.gpus if not g.lost]
+    if snap.unavailable:
+        assert s is None and not path.exists()
+    elif healthy:
+        assert s is not None and {f"gpu{i}_mem_peak_gib" for i in healthy} <= set(s)
+    else:  # NVML without a usable GPU: samples, nothing to summarise
+        assert s is None

