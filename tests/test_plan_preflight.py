@@ -65,12 +65,21 @@ def test_planner_uses_rates_measured_by_an_earlier_run(finished_run):
     assert p.tokens_source == "measured mean tokens per row"
 
 
-def test_kimi_preflight_without_gpus_blocks_with_clear_findings():
+def test_kimi_preflight_blocks_with_clear_findings():
     proc = cli("preflight", KIMI[0])
     assert proc.returncode == 1 and "Traceback" not in proc.stdout + proc.stderr
     lines = proc.stdout.splitlines()
     block = [l for l in lines if "BLOCK" in l]
-    assert any("gpus" in l and "needs 8 GPU(s)" in l and "no NVIDIA GPU/driver found" in l for l in block)
+    gpu_lines = [l for l in lines if " gpus " in l]
+    snap = gpu.sample()  # the GPUs of this machine, as the CLI saw them
+    healthy = sum(not g.lost for g in snap.gpus)
+    if snap.unavailable:  # CI: no NVML at all
+        assert any("needs 8 GPU(s)" in l and "no NVIDIA GPU/driver found" in l for l in block), gpu_lines
+    elif healthy < 8:  # a GPU box with fewer GPUs than the profile's 8
+        assert any(f"{healthy} GPU(s) found, the profile needs 8" in l for l in block), gpu_lines
+    else:
+        assert any("✔ ok" in l and "the profile needs 8" in l for l in gpu_lines), gpu_lines
+        assert not [l for l in block if " gpus " in l]
     assert any("disk" in l and "does not fit" in l for l in block)
     assert any("draft" in l and "[2, 30, 58, 61]" in l for l in lines)
     # MLA is asked of the installed vLLM itself: its backend, its KV-cache groups, its connector's test
@@ -155,6 +164,55 @@ def test_gpu_findings_count_lost_and_busy():
     text = "\n".join(f.line() for f in found)
     assert "GPU 1 is lost" in text and "1 GPU(s) found, the profile needs 8" in text
     assert any(f.severity == "warn" and "pid 4242" in f.message for f in found)
+
+
+def _gpus(n, mem_gib=141, lost=(), procs=()):
+    return tuple(gpu.GpuSample(index=i, name="NVIDIA H200", lost=i in lost, error="lost" if i in lost else "",
+                               mem_total=None if i in lost else mem_gib << 30,
+                               processes=tuple(gpu.GpuProcess(pid, 3 << 30, "python") for g, pid in procs if g == i))
+                 for i in range(n))
+
+
+NO_NVML = gpu.GpuSnapshot(t=0.0, unavailable="NVMLError_LibraryNotFound: NVML Shared Library Not Found")
+
+
+@pytest.mark.parametrize("profile_name,snapshot,expected", [
+    (TINY, NO_NVML, [("info", "no NVIDIA GPU/driver found (NVMLError_LibraryNotFound")]),
+    (KIMI[0], NO_NVML, [("block", "the profile needs 8 GPU(s) (server.tensor_parallel_size 8, train.nproc_per_node 2); "
+                                  "no NVIDIA GPU/driver found: NVMLError_LibraryNotFound")]),
+    (TINY, gpu.GpuSnapshot(t=0.0, gpus=_gpus(1)), [("ok", "1 × NVIDIA H200 (141 GiB each); the profile needs 0")]),
+    (KIMI[0], gpu.GpuSnapshot(t=0.0, gpus=_gpus(8)), [("ok", "8 × NVIDIA H200 (141 GiB each); the profile needs 8")]),
+    (KIMI[0], gpu.GpuSnapshot(t=0.0, gpus=_gpus(2)), [("block", "2 GPU(s) found, the profile needs 8")]),
+    (KIMI[0], gpu.GpuSnapshot(t=0.0, gpus=_gpus(8, mem_gib=48)),
+     [("ok", "8 × NVIDIA H200 (48 GiB each)"), ("warn", "48 GiB per GPU, the profile was sized for 96 GiB (RTX PRO 6000)")]),
+    (KIMI[0], gpu.GpuSnapshot(t=0.0, gpus=_gpus(9, lost={3})),
+     [("block", "GPU 3 is lost: lost"), ("ok", "8 × NVIDIA H200 (141 GiB each); the profile needs 8")]),
+    (TINY, gpu.GpuSnapshot(t=0.0, gpus=_gpus(2, lost={1})),
+     [("warn", "GPU 1 is lost: lost"), ("ok", "1 × NVIDIA H200 (141 GiB each); the profile needs 0")]),
+    (TINY, gpu.GpuSnapshot(t=0.0, gpus=_gpus(2, procs=[(1, 4242)])),
+     [("ok", "2 × NVIDIA H200"), ("warn", "GPUs already hold memory: GPU 1 pid 4242 python 3.2 GB")]),
+], ids=["cpu-profile-no-nvml", "gpu-profile-no-nvml", "cpu-profile-on-a-gpu", "enough-gpus", "too-few-gpus",
+        "smaller-gpus-than-sized-for", "one-lost-of-nine", "lost-gpu-cpu-profile", "busy-gpu"])
+def test_gpu_findings_for_each_hardware(profile_name, snapshot, expected):
+    """Every hardware case from an explicit snapshot: no NVML, too few, enough, smaller, lost, busy GPUs."""
+    found = preflight.gpu_findings(load_profile(profile_name, check_inputs=False), snapshot)
+    assert [f.severity for f in found] == [sev for sev, _ in expected], [f.line() for f in found]
+    for f, (_, text) in zip(found, expected):
+        assert text in f.message, (text, f.message)
+
+
+def test_gpu_findings_on_this_machine_never_block_a_cpu_profile():
+    """The tiny profile needs no GPU: information without NVML, an ok count with it, never a block."""
+    snap = gpu.sample()
+    found = preflight.gpu_findings(load_profile(TINY))
+    assert not [f for f in found if f.severity == "block"], [f.line() for f in found]
+    if snap.unavailable:
+        assert [(f.severity, f.check) for f in found] == [("info", "gpus")]
+        assert "this profile runs on the CPU" in found[0].message
+    else:
+        healthy = sum(not g.lost for g in snap.gpus)
+        assert any(f.severity == "ok" and f.message.startswith(f"{healthy} × ") and "the profile needs 0" in f.message
+                   for f in found), [f.line() for f in found]
 
 
 def test_port_in_use_blocks_naming_the_process():
