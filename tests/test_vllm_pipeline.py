@@ -70,7 +70,14 @@ def test_benchmark_matrix_and_speculative_serving_matches_baseline(vllm_run):
     assert eagle["speedup"] == pytest.approx(eagle["output_tok_s"] / base["output_tok_s"], rel=1e-2)
     acc = eagle["acceptance_per_position"]
     assert len(acc) == res["k"] and all(a >= b for a, b in zip(acc, acc[1:]))
-    assert res["decision"].startswith(("deploy", "do not deploy"))
+    # The verdict follows from the figures beside it: the new head's speedup at the lowest concurrency
+    # against the profile's threshold (deploy_measure.decide's wording, recomputed here).
+    low = min(res["concurrency"])
+    speedup = matrix["eagle3"]["levels"][str(low)]["speedup"]
+    threshold = vllm_run.profile().evaluate.deploy_speedup
+    verdict, relation = ("deploy", ">=") if speedup >= threshold else ("do not deploy", "<")
+    assert res["decision"] == f"{verdict}: speedup x{speedup:.3f} {relation} threshold x{threshold:g} at concurrency {low}"
+    assert vllm_run.stage_state("deploy-measure")["figures"]["decision"] == res["decision"]
     hand = json.loads((vllm_run.root / "server-handover.json").read_text())
     assert hand["after_run"] == "stop"
     from pipeline import box
