@@ -1,16 +1,19 @@
 """SIGKILL the real pipeline process in the middle of extract and of train, then resume it."""
+import contextlib
 import json
 import os
 import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import psutil
 import pytest
 
-from pipeline import atomicio
+from pipeline import atomicio, procs
 from pipeline.rundir import RunDir
+from pipeline.stages.train import epoch_complete, epoch_dirs
 from tests.conftest import ROOT, TINY, cli
 
 pytestmark = pytest.mark.slow
@@ -81,36 +84,54 @@ def test_sigkill_during_extract_then_resume(tmp_path, cache_dir):
 
 
 def test_sigkill_during_train_then_resume(tmp_path, cache_dir):
+    """The trainer runs in its own session, so SIGKILLing the pipeline process leaves it running. It is
+    frozen (SIGSTOP) just before the kill, so that it can neither finish, nor die of its closed pipe, nor
+    write another checkpoint before the resume looks: the resume must find it alive, stop it (SIGTERM,
+    then SIGKILL after the grace, since a stopped process does not act on SIGTERM), and quarantine exactly
+    the directories that are incomplete in the frozen tree."""
     run_dir = tmp_path / "run"
+    ckpts = run_dir / "checkpoints"
     proc = start(run_dir, cache_dir, "train.epochs=4")
-    ckpt0 = run_dir / "checkpoints" / "0" / "training_state.json"
-    wait_for(lambda: ckpt0.exists() and stage_status(run_dir, "train") == "running", proc, poll=0.01)
+    wait_for(lambda: (ckpts / "0" / "training_state.json").exists() and stage_status(run_dir, "train") == "running",
+             proc, poll=0.01)
     trainer_pgid = RunDir.open(run_dir).stage_state("train")["child_pgid"]
+    os.killpg(trainer_pgid, signal.SIGSTOP)
     proc.send_signal(signal.SIGKILL)  # the pipeline process only, as the OOM killer would
     proc.wait()
     assert stage_status(run_dir, "train") == "running"
+    orphans = procs.group_members(trainer_pgid)
+    assert orphans, "the trainer's group should outlive the pipeline process"
     # Leave a half-written epoch behind, as a kill during a checkpoint save would.
-    half = run_dir / "checkpoints" / "9"
+    half = ckpts / "9"
     half.mkdir()
     (half / "model.safetensors").write_bytes(b"\x00" * 10)
+    complete = [d.name for d in epoch_dirs(ckpts) if epoch_complete(d)]
+    incomplete = [d.name for d in epoch_dirs(ckpts) if not epoch_complete(d)]
+    assert complete and complete[0] == "0" and incomplete[-1] == "9"
 
-    done = cli("run", "--resume", run_dir, "--no-tui")
+    try:
+        done = cli("run", "--resume", run_dir, "--no-tui")
+        alive = [p for p in orphans if _alive(p)]
+    finally:
+        for p in orphans:  # never leave a frozen trainer behind, whatever the resume did
+            with contextlib.suppress(psutil.Error):
+                p.kill()
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    assert alive == [] and procs.group_members(trainer_pgid) == []
     run = RunDir.open(run_dir)
-    assert all(k == "skip" for k in kinds(run_dir, "extract")[-1:])
-    figs = run.stage_state("train")["figures"]
-    assert figs["resumed_from_epoch"] is not None and figs["resumed_from_epoch"] >= 0
-    assert figs["quarantined"] == ["9"] and (run_dir / "checkpoints" / "incomplete").is_dir()
-    assert figs["checkpoint"].endswith("/3")
+    assert kinds(run_dir, "extract")[-1] == "skip"
     log = run.log_path("train").read_text()
+    assert f"stopping trainer process group {trainer_pgid} left by an earlier attempt" in log
+    figs = run.stage_state("train")["figures"]
+    assert figs["resumed_from_epoch"] == int(complete[-1]) and figs["quarantined"] == incomplete
+    assert sorted(p.name.split("-")[0] for p in (ckpts / "incomplete").iterdir()) == sorted(incomplete)
+    assert Path(figs["checkpoint"]).resolve() == (ckpts / str(run.profile().train.epochs - 1)).resolve()
     assert "Resuming training on epoch" in log
-    assert "left by an earlier attempt" in log or not any(
-        p.is_running() for p in psutil.process_iter() if _pgid(p) == trainer_pgid)
     assert run.stage_state("evaluate-offline")["figures"]["lossless"] is True
 
 
-def _pgid(p):
+def _alive(p):
     try:
-        return os.getpgid(p.pid)
-    except (ProcessLookupError, psutil.Error):
-        return None
+        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
