@@ -1,0 +1,302 @@
+"""Fast unit tests, no servers and no pipeline run: stage selection, the output manifest that decides
+what a resume skips, the process-group stop that cleans up after a killed run, and the quarantine of
+half-written checkpoints."""
+import contextlib
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import psutil
+import pytest
+
+from pipeline import procs
+from pipeline.profile import load_profile
+from pipeline.rundir import RunDir
+from pipeline.runner import RunnerError, manifest, outputs_intact, select
+from pipeline.stages import stage_names
+from pipeline.stages.base import StageError
+from pipeline.stages.train import _stop_orphan, epoch_complete, epoch_dirs, final_checkpoint, quarantine_incomplete
+from tests.conftest import TINY
+
+ALL_STAGES = ["preflight", "build-target", "regenerate", "prepare", "extract", "vocab", "train", "evaluate-offline",
+              "deploy-measure", "handover"]
+
+
+def wait_for(predicate, timeout=30.0, what="condition"):
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"{what} not reached in {timeout} s"
+        time.sleep(0.02)
+
+
+class Log:
+    """The logger a stage gets, recording what it was told."""
+
+    def __init__(self):
+        self.lines = []
+
+    def _add(self, level, msg, *args):
+        self.lines.append((level, msg % args if args else msg))
+
+    def info(self, msg, *args):
+        self._add("info", msg, *args)
+
+    def warning(self, msg, *args):
+        self._add("warning", msg, *args)
+
+
+# --- pipeline.runner.select -------------------------------------------------------------------
+
+def test_every_stage_is_named_in_run_order():
+    assert stage_names() == ALL_STAGES
+
+
+@pytest.mark.parametrize("start,until,expected", [
+    (None, None, ALL_STAGES),
+    (None, "prepare", ["preflight", "build-target", "regenerate", "prepare"]),
+    ("extract", "train", ["preflight", "extract", "vocab", "train"]),  # preflight runs whatever --from says
+    ("train", "train", ["preflight", "train"]),
+    ("preflight", "preflight", ["preflight"]),
+    ("preflight", "build-target", ["preflight", "build-target"]),
+    ("handover", None, ["preflight", "handover"]),
+    ("evaluate-offline", "deploy-measure", ["preflight", "evaluate-offline", "deploy-measure"]),
+])
+def test_select_ranges_keep_preflight(start, until, expected):
+    profile = load_profile(TINY, {"evaluate.online": True})  # every stage applies
+    assert [s.name for s in select(profile, start, until)] == expected
+
+
+@pytest.mark.parametrize("overrides,start,expected", [
+    ({}, None, ["preflight", "build-target", "regenerate", "prepare", "extract", "vocab", "train",
+                "evaluate-offline"]),  # tiny: no online evaluation, nothing to hand over
+    ({}, "deploy-measure", ["preflight"]),
+    ({"data.regenerate": False}, "build-target", ["preflight", "build-target", "prepare", "extract", "vocab", "train",
+                                                  "evaluate-offline"]),
+])
+def test_select_drops_stages_the_profile_skips(overrides, start, expected):
+    assert [s.name for s in select(load_profile(TINY, overrides), start, None)] == expected
+
+
+@pytest.mark.parametrize("start,until,message", [
+    ("extrct", None, "--from 'extrct': unknown stage (stages: preflight, build-target,"),
+    (None, "trian", "--until 'trian': unknown stage (stages: preflight, build-target,"),
+    ("Train", None, "--from 'Train': unknown stage"),
+    ("", "train", "--from '': unknown stage"),
+    ("train", "extract", "--from train comes after --until extract"),
+    ("handover", "preflight", "--from handover comes after --until preflight"),
+])
+def test_select_refuses_unknown_stages_and_reversed_ranges(start, until, message):
+    with pytest.raises(RunnerError) as err:
+        select(load_profile(TINY), start, until)
+    assert message in str(err.value) and "\n" not in str(err.value), str(err.value)
+
+
+# --- pipeline.runner.manifest / outputs_intact ------------------------------------------------
+
+@pytest.fixture
+def outputs(tmp_path):
+    """A run directory with a stage's outputs: a directory tree, a file, and a file outside the run."""
+    run = RunDir((tmp_path / "run").resolve())
+    (run.root / "out" / "sub").mkdir(parents=True)
+    (run.root / "out" / "a.bin").write_bytes(b"abc")
+    (run.root / "out" / "sub" / "b.bin").write_bytes(b"12345")
+    (run.root / "result.json").write_text('{"ok": true}')
+    outside = tmp_path / "elsewhere" / "c.bin"
+    outside.parent.mkdir()
+    outside.write_bytes(b"x" * 7)
+    return run, [run.root / "out", run.root / "result.json", outside]
+
+
+def test_manifest_lists_every_file_with_its_size(outputs):
+    run, paths = outputs
+    assert manifest(run, paths) == {"out/a.bin": 3, "out/sub/b.bin": 5, "result.json": 12, str(paths[2]): 7}
+
+
+@pytest.mark.parametrize("missing", ["no-such-file", "empty-dir"])
+def test_manifest_refuses_a_missing_or_empty_output(outputs, missing):
+    run, paths = outputs
+    gone = run.root / missing
+    if missing == "empty-dir":
+        gone.mkdir()
+    with pytest.raises(StageError, match=re.escape(f"expected output missing: {gone}")):
+        manifest(run, [*paths, gone])
+
+
+def _grow(p):
+    with open(p, "ab") as fh:
+        fh.write(b"more")
+
+
+@pytest.mark.parametrize("change,intact", [
+    (lambda run, outside: None, True),
+    (lambda run, outside: _grow(run.root / "out" / "a.bin"), False),
+    (lambda run, outside: (run.root / "out" / "sub" / "b.bin").write_bytes(b"1"), False),  # truncated
+    (lambda run, outside: (run.root / "out" / "sub" / "b.bin").write_bytes(b""), False),  # emptied
+    (lambda run, outside: (run.root / "result.json").unlink(), False),
+    (lambda run, outside: outside.unlink(), False),
+    (lambda run, outside: os.rename(run.root / "out", run.root / "out.old"), False),
+], ids=["untouched", "grown", "truncated", "emptied", "deleted", "deleted-outside-the-run", "directory-moved"])
+def test_outputs_intact_notices_size_changes_and_deletions(outputs, change, intact):
+    run, paths = outputs
+    recorded = manifest(run, paths)
+    change(run, paths[2])
+    assert outputs_intact(run, recorded) is intact
+
+
+def test_an_empty_record_is_never_intact(outputs):
+    run, _ = outputs
+    assert outputs_intact(run, {}) is False  # a stage that recorded nothing is redone, not skipped
+
+
+# --- pipeline.procs: stopping a process group ----------------------------------------------------
+
+# A group leader that starts one child (ignoring SIGTERM or not), reports the child's pid once the
+# child's handler is in place, then sleeps: the shape of a trainer or a vLLM server and its workers.
+LEADER = r"""
+import subprocess, sys, time
+ignore = sys.argv[1] == "ignore-term"
+code = ("import signal, time\n" + ("signal.signal(signal.SIGTERM, signal.SIG_IGN)\n" if ignore else "")
+        + "print('ready', flush=True)\ntime.sleep(600)\n")
+child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+assert child.stdout.readline().strip() == "ready"
+print(child.pid, flush=True)
+time.sleep(600)
+"""
+
+
+@contextlib.contextmanager
+def process_group(child_mode="die-on-term"):
+    leader = subprocess.Popen([sys.executable, "-c", LEADER, child_mode], stdout=subprocess.PIPE, text=True,
+                              start_new_session=True)
+    started = [psutil.Process(leader.pid)]
+    try:
+        line = leader.stdout.readline().strip()
+        assert line.isdigit(), f"the group's leader did not start its child: {line!r}"
+        started.append(psutil.Process(int(line)))
+        yield leader, started[1]
+    finally:
+        for p in started:  # whatever a failed test left: only the processes started here, by pid
+            with contextlib.suppress(psutil.Error):
+                p.kill()
+        leader.wait(timeout=30)
+
+
+def alive(p: psutil.Process) -> bool:
+    try:
+        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def test_group_members_are_the_live_processes_of_the_group():
+    with process_group() as (leader, child):
+        pids = {p.pid for p in procs.group_members(leader.pid)}
+        assert pids == {leader.pid, child.pid} and os.getpid() not in pids
+        os.kill(leader.pid, signal.SIGKILL)  # not reaped yet: a zombie, which holds nothing
+        wait_for(lambda: psutil.Process(leader.pid).status() == psutil.STATUS_ZOMBIE, what="leader a zombie")
+        assert [p.pid for p in procs.group_members(leader.pid)] == [child.pid]
+
+
+@pytest.mark.parametrize("child_mode,needs_kill", [("die-on-term", False), ("ignore-term", True)])
+def test_stop_group_terms_then_kills_what_is_left(child_mode, needs_kill):
+    with process_group(child_mode) as (leader, child):
+        t0 = time.monotonic()
+        assert procs.stop_group(leader.pid, grace=1.0 if needs_kill else 60.0) is needs_kill
+        if needs_kill:
+            assert time.monotonic() - t0 >= 1.0  # the grace was given before SIGKILL
+        assert procs.group_members(leader.pid) == []
+        assert not alive(child)
+        assert leader.wait(timeout=10) == -signal.SIGTERM  # the leader itself went at SIGTERM either way
+
+
+def test_stop_group_of_a_gone_group_is_a_no_op():
+    with process_group() as (leader, _):
+        procs.stop_group(leader.pid)
+        assert procs.stop_group(leader.pid, grace=0.1) is False
+
+
+def _stage(entry):
+    """What _stop_orphan reads: the train stage's recorded state, a log."""
+    return SimpleNamespace(run=SimpleNamespace(stage_state=lambda name: entry if name == "train" else {}), log=Log())
+
+
+def test_orphan_trainer_left_by_a_killed_attempt_is_stopped():
+    with process_group() as (leader, child):
+        ctx = _stage({"child_pgid": leader.pid, "child_cmd": psutil.Process(leader.pid).cmdline()[:4]})
+        _stop_orphan(ctx)
+        assert procs.group_members(leader.pid) == [] and not alive(child)
+        assert ctx.log.lines == [("warning", f"stopping trainer process group {leader.pid} left by an earlier attempt")]
+
+
+@pytest.mark.parametrize("entry", [
+    lambda pid: {"child_pgid": pid, "child_cmd": ["/usr/bin/python3", "-m", "something.else"]},  # pid reused
+    lambda pid: {},  # no trainer was ever started
+], ids=["pid-reused-by-another-program", "never-started"])
+def test_orphan_stop_leaves_other_processes_alone(entry):
+    with process_group() as (leader, child):
+        ctx = _stage(entry(leader.pid))
+        _stop_orphan(ctx)
+        assert {p.pid for p in procs.group_members(leader.pid)} == {leader.pid, child.pid}
+        assert ctx.log.lines == []
+
+
+# --- pipeline.stages.train: checkpoints a kill left half-written ---------------------------------
+
+def epoch(save: Path, name: str, broken: str = "") -> Path:
+    """An epoch directory as speculators writes it (weights, optimizer, then training_state.json), with
+    one piece `broken` as a kill at that point of the save would leave it."""
+    from safetensors.torch import save_file
+    import torch
+
+    d = save / name
+    d.mkdir(parents=True)
+    if broken != "no-weights":
+        if broken == "torn-weights":
+            (d / "model.safetensors").write_bytes(b"\x00" * 10)
+        else:
+            save_file({"fc.weight": torch.zeros(2, 2)}, str(d / "model.safetensors"))
+    if broken != "no-optimizer":
+        (d / "optimizer_state_dict.pt").write_bytes(b"optimizer")
+    state = {"no-state": None, "torn-state": '{"epoch": ', "state-without-epoch": '{"step": 3}'}.get(
+        broken, json.dumps({"epoch": int(name) if name.isdigit() else 0}))
+    if state is not None:
+        (d / "training_state.json").write_text(state)
+    return d
+
+
+@pytest.mark.parametrize("broken", ["", "no-weights", "torn-weights", "no-optimizer", "no-state", "torn-state",
+                                    "state-without-epoch"])
+def test_epoch_complete_needs_every_piece(tmp_path, broken):
+    assert epoch_complete(epoch(tmp_path, "0", broken)) is (broken == "")
+
+
+def test_quarantine_moves_only_incomplete_epoch_directories_aside(tmp_path):
+    save = tmp_path / "checkpoints"
+    for name, broken in (("0", ""), ("1", "no-state"), ("2", ""), ("9", "torn-weights"), ("10", ""),
+                         ("interrupted", "no-state")):
+        epoch(save, name, broken)
+    (save / "epoch0_step5").symlink_to(save / "0")  # speculators' descriptive links are not epochs
+    (save / "11").write_text("a file, not an epoch directory")
+    log = Log()
+
+    moved = quarantine_incomplete(save, log)
+    assert moved == ["1", "9"]  # numeric order
+    aside = sorted((save / "incomplete").iterdir())
+    assert [p.name.split("-")[0] for p in aside] == ["1", "9"]
+    assert (aside[1] / "model.safetensors").read_bytes() == b"\x00" * 10  # moved, not deleted
+    assert [p.name for p in epoch_dirs(save)] == ["0", "2", "10"]
+    assert (save / "interrupted").is_dir() and (save / "epoch0_step5").is_symlink() and (save / "11").is_file()
+    assert final_checkpoint(save) == save / "10"  # 10 after 9: numbers, not strings
+    assert [level for level, _ in log.lines] == ["warning", "warning"]
+    assert quarantine_incomplete(save, log) == []  # the quarantine itself is not an epoch
+
+
+def test_quarantine_of_a_save_path_that_does_not_exist_yet(tmp_path):
+    assert quarantine_incomplete(tmp_path / "checkpoints", Log()) == []
+    assert final_checkpoint(tmp_path / "checkpoints") is None
