@@ -6,6 +6,7 @@ from pipeline import conversations
 from pipeline.profile import load_profile
 from pipeline.rundir import RunDir
 from pipeline.runner import run_stages
+from pipeline.stages.base import StageError
 from tests.conftest import TINY
 
 
@@ -39,7 +40,7 @@ def test_assistant_only_loss_mask(cache_dir):
     assert rows[0]["input_ids"] == rows[1]["input_ids"][: len(rows[0]["input_ids"])]
 
 
-def test_prepare_reports_malformed_rows_and_fails_when_nothing_is_usable(tmp_path, cache_dir):
+def test_prepare_reports_malformed_rows(tmp_path, cache_dir):
     conv = tmp_path / "c.jsonl"
     good = {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "an answer"}]}
     conv.write_text("\n".join([json.dumps(good)] * 6 + ["garbage"]) + "\n")
@@ -51,8 +52,20 @@ def test_prepare_reports_malformed_rows_and_fails_when_nothing_is_usable(tmp_pat
     assert figs["skipped_malformed"] == 1 and figs["rows"] == 4 and figs["heldout_prompts"] == 2
     assert "c.jsonl:7: skipped malformed row: not JSON" in run.log_path("prepare").read_text()
 
-    conv.write_text("garbage\n[]\n")
-    run2 = RunDir.create(profile, tmp_path / "run2")
-    with pytest.raises(Exception, match="valid conversations leave none|no usable training row"):
-        run_stages(run2, until="prepare")
-    assert run2.stage_state("prepare")["status"] == "failed"
+
+GOOD = json.dumps({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "an answer"}]})
+
+
+@pytest.mark.parametrize("rows,why", [
+    (["garbage", "[]"], r"c.jsonl: no usable training row \(2 malformed, 0 without assistant tokens"),
+    ([GOOD, GOOD], r"c.jsonl: 2 valid conversations leave none for training after holding out 2"),
+], ids=["only-malformed-rows", "everything-held-out"])
+def test_prepare_fails_when_nothing_is_left_to_train_on(tmp_path, cache_dir, rows, why):
+    conv = tmp_path / "c.jsonl"
+    conv.write_text("\n".join(rows) + "\n")
+    profile = load_profile(TINY, {"data.conversations": str(conv), "data.regenerate": False, "data.heldout": 2,
+                                  "evaluate.num_prompts": 2, "run.cache_dir": str(cache_dir)})
+    run = RunDir.create(profile, tmp_path / "run")
+    with pytest.raises(StageError, match=why):
+        run_stages(run, until="prepare")
+    assert run.stage_state("prepare")["status"] == "failed"
