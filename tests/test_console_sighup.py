@@ -1,5 +1,6 @@
 """End to end: a console attached to a running demo run gets SIGHUP (the SSH session closed); the job,
 detached in its own session, still completes, and attaching again shows the same state."""
+import json
 import os
 import pty
 import signal
@@ -37,11 +38,19 @@ def test_sighup_to_console_leaves_the_job_running(tmp_path, cache_dir):
             seen.extend(chunk)
 
     threading.Thread(target=drain, daemon=True).start()
+    def job_working():
+        """The console is drawn and the detached job's runner has recorded itself and started a stage."""
+        if not (run_dir / "job.json").exists() or b"eagle3-console" not in bytes(seen):
+            return False
+        state = RunDir.open(run_dir).read_state()
+        job_pid = json.loads((run_dir / "job.json").read_text())["pid"]
+        return (state.get("runner") or {}).get("pid") == job_pid and any(
+            s.get("status") == "running" for s in state.get("stages", {}).values())
+
     deadline = time.monotonic() + 120
-    while not (run_dir / "job.json").exists() or b"eagle3-console" not in bytes(seen):
+    while not job_working():
         assert time.monotonic() < deadline, bytes(seen)[-2000:]
         time.sleep(0.2)
-    time.sleep(3)
     run = RunDir.open(run_dir)
     job = jobs.job_state(run)
     assert job["state"] == "running"
