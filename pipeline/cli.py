@@ -274,7 +274,10 @@ def cmd_plan(args) -> int:
     from pipeline.profile import ProfileError, load_profile
     from pipeline.targetinfo import TargetInfoError
     try:
-        plans = [plan.make_plan(load_profile(p, _overrides(args.set), check_inputs=False)) for p in args.profiles]
+        profiles = [load_profile(p, _overrides(args.set), check_inputs=False) for p in args.profiles]
+        # planned for the box each profile is written for (its disk), not for this machine
+        plans = [plan.make_plan(p, free=int(p.hardware.disk_gib * plan.GIB) if p.hardware.disk_gib else None)
+                 for p in profiles]
     except (ProfileError, TargetInfoError) as exc:
         return _die(str(exc))
     print(json.dumps([p.to_dict() for p in plans], indent=1) if args.json else plan.table(plans))

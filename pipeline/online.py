@@ -79,3 +79,13 @@ def scrape(base_url: str) -> SpecCounters:
     if code != 200:
         raise RuntimeError(f"GET {base_url}/metrics answered {code}")
     return parse_spec_counters(text)
+
+
+def counter_total(text: str, name: str) -> float:
+    """A counter of /metrics summed over its label sets (engines), e.g. vllm:prompt_tokens_total."""
+    total = 0.0
+    for line in text.splitlines():
+        m = _SAMPLE.match(line)
+        if m and m.group(1) == name:
+            total += float(m.group(3))
+    return total

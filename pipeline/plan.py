@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import shutil
 import tomllib
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from pipeline.profile import Profile
@@ -20,6 +20,37 @@ TRAIN_RATIO = 0.9  # speculators' train_data_ratio: the rest validates
 class Rate:
     tokens_per_s: float | None
     source: str  # "measured: RUN" or "estimate: …" or "unknown: …"
+
+
+@dataclass(frozen=True)
+class Split:
+    """Online training on one node: `serve` GPUs run the extraction server, `train` GPUs the trainer
+    (0 = both on the same GPUs, taking turns)."""
+    serve: int
+    train: int
+    generate_tok_s: float
+    train_tok_s: float
+    wall_s: float
+    bottleneck: str  # "generation" / "training" / "shared GPUs"
+    fits: bool
+    why: str
+
+
+@dataclass(frozen=True)
+class OnlinePlan:
+    cached_rows: int
+    disk_cache: int
+    disk_in_flight: int
+    generate_tokens: int  # every epoch generates what is not cached
+    generate_s: float | None
+    wall_s: float | None
+    gpu_hours: float | None
+    splits: list[Split]
+    recommended: str
+
+    @property
+    def disk_states(self) -> int:
+        return self.disk_cache + self.disk_in_flight
 
 
 @dataclass(frozen=True)
@@ -41,14 +72,22 @@ class Plan:
     extract_s: float | None
     train_s: float | None
     gpu_hours: float | None
+    online: OnlinePlan
+    mode: str  # what the run would do: offline / online (extract.mode, auto resolved against the disk)
+    mode_why: str
+
+    def disk_for(self, mode: str) -> int:
+        states = self.disk_hidden_states if mode == "offline" else self.online.disk_states
+        return self.disk_prepared + states + self.disk_checkpoints
 
     @property
     def disk_total(self) -> int:
-        return self.disk_prepared + self.disk_hidden_states + self.disk_checkpoints
+        return self.disk_for(self.mode)
 
     def to_dict(self) -> dict:
         out = asdict(self)
         out["disk_total"] = self.disk_total
+        out["disk_offline"], out["disk_online"] = self.disk_for("offline"), self.disk_for("online")
         return out
 
 
@@ -139,7 +178,8 @@ def _rate(profile: Profile, stage: str, rate_of, hardware_key: str, gpus: int) -
     return Rate(None, f"unknown: no earlier run, no hardware.{hardware_key}")
 
 
-def make_plan(profile: Profile) -> Plan:
+def make_plan(profile: Profile, run_dir: Path | None = None, free: int | None = None) -> Plan:
+    """`run_dir`/`free`: the disk `auto` decides against (default: where the profile's runs go)."""
     info = target_info(profile)
     draft = draft_plan(info, profile)
     samples, tokens, tokens_source = _sample_tokens(profile)
@@ -158,11 +198,96 @@ def make_plan(profile: Profile) -> Plan:
     gpu_hours = None
     if extract_s is not None and train_s is not None and hw.gpus:
         gpu_hours = (extract_s * extract_gpus + train_s * train_gpus) / 3600
-    return Plan(profile=profile.name, target=info, draft=draft, samples=samples, tokens=tokens,
+    memory = train_memory(draft, profile, info)
+    online = online_plan(profile, tokens, samples, hidden / max(tokens, 1), extract, train, train_s, memory)
+    plan = Plan(profile=profile.name, target=info, draft=draft, samples=samples, tokens=tokens,
                 tokens_source=tokens_source, disk_prepared=prepared, disk_hidden_states=hidden,
-                disk_checkpoints=checkpoints, train_gpu_memory=train_memory(draft, profile, info),
+                disk_checkpoints=checkpoints, train_gpu_memory=memory,
                 train_gpus=train_gpus, extract_gpus=extract_gpus, extract=extract, train=train,
-                extract_s=extract_s, train_s=train_s, gpu_hours=gpu_hours)
+                extract_s=extract_s, train_s=train_s, gpu_hours=gpu_hours, online=online,
+                mode=profile.extract.mode, mode_why=f"extract.mode = {profile.extract.mode}")
+    if profile.extract.mode == "auto":
+        fits, text = disk_verdict(plan, profile, run_dir, free=free, mode="offline")
+        plan = replace(plan, mode="offline" if fits else "online",
+                       mode_why=f"auto: offline {'fits' if fits else 'does not fit'} ({text})")
+    return plan
+
+
+def online_plan(profile: Profile, tokens: int, samples: int, state_bytes_per_token: float, extract: Rate,
+                train: Rate, train_s: float | None, train_mem: int) -> OnlinePlan:
+    """Online training: states of the first rows up to extract.cache_gib are extracted once; the rest
+    is generated again every epoch (train and validation rows) while the draft trains, each sample's
+    states deleted once loaded. In flight: the samples the data loaders hold ahead (speculators'
+    prefetch of 4 per worker, one worker at least, per rank), at the longest sequence."""
+    ex, t = profile.extract, profile.train
+    cache = min(int(ex.cache_gib * GIB), int(tokens * state_bytes_per_token))
+    cached_tokens = int(cache / state_bytes_per_token) if state_bytes_per_token else 0
+    cached_rows = int(samples * cached_tokens / tokens) if tokens else 0
+    ranks = t.nproc_per_node * t.nnodes
+    in_flight = int(ranks * max(1, t.num_workers) * 4 * profile.data.seq_length * state_bytes_per_token)
+    generate_tokens = (tokens - cached_tokens) * t.epochs
+    generate_s = generate_tokens / extract.tokens_per_s if extract.tokens_per_s else None
+    cache_s = cached_tokens / extract.tokens_per_s if extract.tokens_per_s else 0.0
+    splits = candidate_splits(profile, generate_tokens, tokens * TRAIN_RATIO * t.epochs, train_mem)
+    fitting = [s for s in splits if s.fits]
+    best = min(fitting, key=lambda s: s.wall_s) if fitting else None
+    if best is None:
+        wall = max(generate_s, train_s) if generate_s is not None and train_s is not None else None
+        recommended = ("no split measured or estimated: set hardware.gpus, extraction/training rates and "
+                       "target.weights_gib" if not splits else "no split fits this box: " + splits[-1].why)
+    else:
+        wall = best.wall_s
+        recommended = (f"serve on {best.serve} GPU(s), train on {best.train} ({best.bottleneck} bound)" if best.train
+                       else f"serve and train on the same {best.serve} GPUs: {best.why}")
+    wall = wall + cache_s if wall is not None else None
+    gpus = profile.hardware.gpus or (profile.server.tensor_parallel_size + ranks)
+    return OnlinePlan(cached_rows=cached_rows, disk_cache=cache, disk_in_flight=in_flight,
+                      generate_tokens=generate_tokens, generate_s=generate_s, wall_s=wall,
+                      gpu_hours=wall * gpus / 3600 if wall is not None else None, splits=splits,
+                      recommended=recommended)
+
+
+def candidate_splits(profile: Profile, generate_tokens: float, train_tokens: float, train_mem: int) -> list[Split]:
+    """Each way one node of the profile's hardware could serve and train at once: a power-of-two
+    server (tensor parallel) on some GPUs and the trainer on the rest, or both on all GPUs taking
+    turns (vLLM keeps server.gpu_memory_utilization of each GPU, the trainer needs the rest). Rates
+    scale the profile's per-GPU rates with the GPU count: an estimate until a run measures them."""
+    hw, weights = profile.hardware, profile.target.weights_gib * GIB
+    per_gpu = hw.gpu_memory_gib * GIB
+    if not (hw.gpus and hw.extract_tokens_per_s and hw.train_tokens_per_s and weights and per_gpu):
+        return []
+    util = profile.server.gpu_memory_utilization
+    out = []
+    serve = 1
+    while serve <= hw.gpus:
+        # weights plus a sixth for the KV cache and activations must fit the server's share
+        holds = serve * per_gpu * util >= weights * 1.15
+        gen = hw.extract_tokens_per_s * serve
+        if serve < hw.gpus:
+            trn = hw.train_tokens_per_s * (hw.gpus - serve)
+            wall = max(generate_tokens / gen, train_tokens / trn)
+            out.append(Split(serve, hw.gpus - serve, gen, trn, wall,
+                             "generation" if generate_tokens / gen > train_tokens / trn else "training", holds,
+                             f"{serve} GPU(s) hold {serve * per_gpu * util / GIB:.0f} GiB for {weights / GIB:.0f} "
+                             f"GiB of weights" + ("" if holds else ": too small")))
+        else:
+            out.append(_shared_split(profile, gen, hw.train_tokens_per_s * hw.gpus, generate_tokens, train_tokens,
+                                     train_mem, weights, per_gpu))
+        serve *= 2
+    return out
+
+
+def _shared_split(profile: Profile, gen: float, trn: float, generate_tokens: float, train_tokens: float,
+                  train_mem: int, weights: int, per_gpu: float) -> Split:
+    """Serve and train on every GPU: vLLM's share (server.gpu_memory_utilization) lowered to leave the
+    trainer its memory, if the weights still fit the rest."""
+    gpus = profile.hardware.gpus
+    util = min(profile.server.gpu_memory_utilization, 1 - (train_mem + GIB) / per_gpu)
+    fits = gpus * per_gpu * util >= weights * 1.15
+    why = (f"server.gpu_memory_utilization {util:.2f} leaves the trainer {train_mem / GIB:.0f} GiB + 1 GiB per GPU; "
+           f"vLLM then holds {gpus * per_gpu * util / GIB:.0f} GiB for {weights / GIB:.0f} GiB of weights"
+           + ("" if fits else ": too small"))
+    return Split(gpus, 0, gen, trn, generate_tokens / gen + train_tokens / trn, "shared GPUs", fits, why)
 
 
 def free_disk(profile: Profile, run_dir: Path | None = None) -> tuple[Path, int]:
@@ -174,11 +299,17 @@ def free_disk(profile: Profile, run_dir: Path | None = None) -> tuple[Path, int]
     return path, shutil.disk_usage(path).free
 
 
-def disk_verdict(plan: Plan, profile: Profile, run_dir: Path | None = None) -> tuple[bool, str]:
-    where, free = free_disk(profile, run_dir)
-    need = plan.disk_total + int(profile.hardware.min_free_disk_gib * GIB)
-    text = (f"plan needs {human(plan.disk_total)} (+{profile.hardware.min_free_disk_gib:g} GiB headroom) "
-            f"under {where}; {human(free)} free")
+def disk_verdict(plan: Plan, profile: Profile, run_dir: Path | None = None, free: int | None = None,
+                 mode: str | None = None) -> tuple[bool, str]:
+    """Does the plan fit the disk of the run directory (or `free` bytes: a node planned for)?"""
+    mode = mode or plan.mode
+    if free is None:
+        where, free = free_disk(profile, run_dir)
+    else:
+        where = "the node planned for"
+    need = plan.disk_for(mode) + int(profile.hardware.min_free_disk_gib * GIB)
+    text = (f"{mode} plan needs {human(plan.disk_for(mode))} (+{profile.hardware.min_free_disk_gib:g} GiB "
+            f"headroom) under {where}; {human(free)} free")
     return free >= need, text
 
 
@@ -223,10 +354,31 @@ def table(plans: list[Plan]) -> str:
         row("extraction time", lambda p: duration(p.extract_s)),
         row("training time", lambda p: duration(p.train_s)),
         row("GPU-hours", lambda p: f"{p.gpu_hours:,.0f}" if p.gpu_hours is not None else "?"),
+        row("online: states on disk", lambda p: f"{human(p.online.disk_states)} (cache {human(p.online.disk_cache)}"
+                                                f" + in flight {human(p.online.disk_in_flight)})"),
+        row("online: disk total", lambda p: human(p.disk_for("online"))),
+        row("online: generated per run", lambda p: f"{p.online.generate_tokens / 1e6:,.1f} M tokens "
+                                                   f"({duration(p.online.generate_s)})"),
+        row("online: wall time", lambda p: duration(p.online.wall_s)),
+        row("online: GPU-hours", lambda p: f"{p.online.gpu_hours:,.0f}" if p.online.gpu_hours is not None else "?"),
+        row("online: split", lambda p: p.online.recommended.split(":")[0].split(" (")[0]),
+        row("mode", lambda p: p.mode),
     ]
     widths = [max(len(str(r[i])) for r in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(str(c).ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
-    sources = [f"{p.profile}: tokens {p.tokens_source}; extraction {p.extract.source}; training {p.train.source}"
-               for p in plans]
-    return "\n".join(lines + [""] + sources)
+    sources = [f"{p.profile}: tokens {p.tokens_source}; extraction {p.extract.source}; training {p.train.source}; "
+               f"mode: {p.mode_why}" for p in plans]
+    return "\n".join(lines + [""] + sources + [""] + [line for p in plans for line in split_lines(p)])
+
+
+def split_lines(plan: Plan) -> list[str]:
+    """The online splits of one profile's box: rates, wall time, bottleneck, which fit."""
+    if not plan.online.splits:
+        return []
+    lines = [f"{plan.profile}: online, serving vs training GPUs on one node ({plan.online.recommended})"]
+    for s in plan.online.splits:
+        who = f"serve {s.serve} / train {s.train}" if s.train else f"serve+train on {s.serve} (shared)"
+        lines.append(f"  {who:<26} generate {s.generate_tok_s:>9,.0f} tok/s  train {s.train_tok_s:>9,.0f} tok/s  "
+                     f"wall {duration(s.wall_s):>8}  {s.bottleneck + ' bound' if s.fits else 'does not fit: ' + s.why}")
+    return lines

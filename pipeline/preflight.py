@@ -332,13 +332,25 @@ def port_findings(profile: Profile) -> list[Finding]:
                                      f"(eagle3-console server adopt) if it is the production vLLM")]
 
 
-def disk_findings(profile: Profile, run_dir: Path | None = None) -> list[Finding]:
+def disk_findings(profile: Profile, run_dir: Path | None = None, free: int | None = None) -> list[Finding]:
+    """The disk of the run directory in use against the plan, offline and online side by side; `auto`
+    decided here, where the states would be written."""
     try:
-        plan = make_plan(profile)
+        plan = make_plan(profile, run_dir, free)
     except TargetInfoError:
         return []  # reported by the target check
-    fits, text = disk_verdict(plan, profile, run_dir)
-    return [Finding("ok" if fits else "block", "disk", text + ("" if fits else " — does not fit; see eagle3-console plan"))]
+    fits, text = disk_verdict(plan, profile, run_dir, free)
+    other = "online" if plan.mode == "offline" else "offline"
+    side = f"; {other} would need {human(plan.disk_for(other))}" if profile.extract.backend == "vllm" else ""
+    found = [Finding("ok" if fits else "block", "disk", text + side + ("" if fits else
+                                                                      " — does not fit; see eagle3-console plan"))]
+    if profile.extract.mode != "offline":
+        o = plan.online
+        found.append(Finding("info", "mode", f"hidden states {plan.mode}: {plan.mode_why}"
+                             + (f"; online keeps {human(o.disk_cache)} of states ({o.cached_rows:,} rows) and "
+                                f"generates {o.generate_tokens / 1e6:,.1f} M tokens over the epochs"
+                                if plan.mode == "online" else "")))
+    return found
 
 
 def preflight(profile: Profile, snapshot: gpu.GpuSnapshot | None = None, run_dir: Path | None = None) -> list[Finding]:

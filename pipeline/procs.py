@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import time
 from pathlib import Path
@@ -82,11 +83,16 @@ def last_error_line(log: Path, tail: int = 200, since: int = 0) -> str:
     return "no log" if text is None else last_error_text(text, tail)
 
 
+_LOG_LEVEL = re.compile(r"\b(DEBUG|INFO|WARNING|WARN)\b[ :]")
+
+
 def error_line(text: str, tail: int = 200) -> str | None:
     """The last error line of text (with the indented detail line after it), None when it has none."""
     lines = [l.rstrip() for l in text.splitlines()[-tail:] if l.strip()]
     for i in range(len(lines) - 1, -1, -1):
         line = lines[i].strip()
+        if _LOG_LEVEL.search(line):  # an INFO/WARNING line that mentions an error is not the failure
+            continue
         if any(w in line for w in ("Error:", "Error(", "Exception:", "error:")):
             if i + 1 < len(lines) and lines[i + 1][:1].isspace():
                 line = f"{line}: {lines[i + 1].strip()}"

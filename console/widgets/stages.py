@@ -15,7 +15,8 @@ from pipeline.runview import KEY_FIGURES, StageView
 
 GLYPH = {"done": "✔ done", "running": "▶ running", "failed": "✖ failed", "interrupted": "✖ interrupted",
          "pending": "· pending", "skipped": "↷ skipped", "stale": "? stale", "n/a": "  n/a"}
-SHORT_KEYS = {"samples_per_s": "samples/s", "tokens_per_s": "tok/s", "mean_acceptance_length": "acc_len",
+SHORT_KEYS = {"samples_per_s": "samples/s", "tokens_per_s": "tok/s", "profile/tokens_per_s": "train tok/s",
+              "generate_tok_s": "gen tok/s", "mean_acceptance_length": "acc_len",
               "val/loss_epoch": "val_loss"}
 PADDING = 1  # DataTable's cell_padding: every column costs its width + 2
 FIGURES_MIN = 16  # the elapsed column goes only when keeping it would leave the figures less than this

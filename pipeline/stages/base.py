@@ -57,6 +57,15 @@ class StageContext:
             return self.run.data_dir / "conversations.regenerated.jsonl"
         return self.source_conversations()
 
+    def extract_mode(self) -> str:
+        """offline / online: the profile's, or what preflight decided for `auto` on this run's disk."""
+        if self.profile.extract.mode != "auto":
+            return self.profile.extract.mode
+        decided = self.run.stage_state("preflight").get("figures", {}).get("extract_mode")
+        if decided not in ("offline", "online"):
+            raise StageError("extract.mode auto: preflight has not decided offline or online for this run")
+        return decided
+
     def draft_checkpoint(self) -> Path:
         recorded = self.run.stage_state("train").get("figures", {}).get("checkpoint")
         if not recorded:

@@ -138,11 +138,16 @@ class Extract(Stage):
     name = "extract"
 
     def outputs(self, ctx: StageContext) -> list[Path]:
+        if ctx.extract_mode() == "online":
+            return [cache_record(ctx)]
         return [ctx.run.hidden_states_dir]
 
     def run(self, ctx: StageContext) -> dict:
+        if ctx.extract_mode() == "online":
+            return extract_cache(ctx, self.name)
         if ctx.profile.extract.backend == "vllm":
-            return extract_with_vllm(ctx, self.name)
+            ex = ctx.profile.extract
+            return extract_with_vllm(ctx, self.name, ex.world_size, ex.rank)
         from datasets import load_from_disk
 
         ds = load_from_disk(str(ctx.run.prepared_dir))
@@ -172,9 +177,47 @@ def clear_raw_states(raw: Path) -> int:
     return cleared
 
 
-def extract_with_vllm(ctx: StageContext, stage: str) -> dict:
+def cache_record(ctx: StageContext) -> Path:
+    return ctx.run.hidden_states_dir / "online-cache.json"
+
+
+def extract_cache(ctx: StageContext, stage: str) -> dict:
+    """Online mode: extract only the leading rows whose states fit extract.cache_gib (kept for every
+    epoch); the trainer generates the rest while it trains. Nothing to extract without a cache."""
+    from datasets import load_from_disk
+
+    from pipeline import atomicio, online_training
+    from pipeline.plan import GIB
+
+    seq_len = load_from_disk(str(ctx.run.prepared_dir)).with_format(None)["seq_len"]
+    rows = online_training.cached_prefix(seq_len, state_bytes_per_token(ctx), int(ctx.profile.extract.cache_gib * GIB))
+    figures: dict = {"mode": "online", "cached_rows": 0, "rows": len(seq_len)}
+    if rows:
+        world, rank = online_training.leading_slice(len(seq_len), rows)
+        figures.update(extract_with_vllm(ctx, stage, world, rank, keep_server=True), mode="online")
+        figures["cached_rows"] = figures["samples"]
+    ctx.run.hidden_states_dir.mkdir(parents=True, exist_ok=True)
+    atomicio.atomic_write_json(cache_record(ctx), figures)
+    return figures
+
+
+def state_bytes_per_token(ctx: StageContext) -> int:
+    """Bytes of one token's states as the extraction server writes them: the aux layers plus the
+    last, in the server's dtype (float32 on a CPU, bf16 on GPUs unless the profile says otherwise)."""
+    from pipeline.targetinfo import from_config
+    from pipeline.target import resolve_layer_ids
+
+    info = from_config(ctx.target_dir() / "config.json")
+    n = len(resolve_layer_ids(ctx.profile.extract.layer_ids, info.layers))
+    wide = ctx.profile.server.dtype == "float32" or (ctx.profile.server.dtype == "auto"
+                                                    and ctx.profile.target.dtype == "float32")
+    return n * info.hidden * (4 if wide else 2)
+
+
+def extract_with_vllm(ctx: StageContext, stage: str, world_size: int, rank: int, keep_server: bool = False) -> dict:
     """Through a vLLM extraction server and speculators' own `generate-offline-data` (resumable: it
-    skips the hs files that exist; each is renamed into place once complete)."""
+    skips the hs files that exist; each is renamed into place once complete). Rows: slice `rank` of
+    `world_size` (its own split). keep_server: leave it up for online training, which asks it next."""
     import sys
 
     from datasets import load_from_disk
@@ -184,8 +227,7 @@ def extract_with_vllm(ctx: StageContext, stage: str) -> dict:
 
     prepared = ctx.run.prepared_dir
     ds = load_from_disk(str(prepared))
-    ex = ctx.profile.extract
-    rows = shard(len(ds), ex.world_size, ex.rank)
+    rows = shard(len(ds), world_size, rank)
     seq_len = ds.with_format(None)["seq_len"]
     total, tokens = len(rows), int(sum(seq_len[i] for i in rows))
 
@@ -207,16 +249,18 @@ def extract_with_vllm(ctx: StageContext, stage: str) -> dict:
     cmd = [sys.executable, "-m", "speculators", "generate-offline-data", "--endpoint", f"{rec.base_url}/v1",
            "--preprocessed-data", str(prepared), "--concurrency", str(ctx.profile.extract.concurrency),
            "--validate-outputs", "--fail-on-error"]
-    if ex.world_size > 1:
-        cmd += ["--world-size", str(ex.world_size), "--rank", str(ex.rank)]
+    if world_size > 1:
+        cmd += ["--world-size", str(world_size), "--rank", str(rank)]
     ctx.log.info("command: %s", " ".join(cmd))
     t1 = time.perf_counter()
+    failure: str | None | bool = False  # False: the client did not finish (interrupted, crashed)
     try:
         rc = procs.run_logged(cmd, ctx.run.log_path(stage), env=procs.child_env(ctx.run.root), cwd=ctx.run.root)
         failure = None if rc == 0 else explain_failure(rec, f"speculators generate-offline-data exited with {rc}: "
                                                             f"{procs.last_error_line(ctx.run.log_path(stage))}")
     finally:
-        box.free_port(ctx.profile, ctx.log.info)
+        if failure is not False or not keep_server:
+            box.free_port(ctx.profile, ctx.log.info)
         clear_raw_states(raw)
     seconds = time.perf_counter() - t1
     if failure:
@@ -224,8 +268,8 @@ def extract_with_vllm(ctx: StageContext, stage: str) -> dict:
     have = have_files()
     if have != total:
         raise StageError(f"generate-offline-data finished with {have}/{total} hidden-state files of shard "
-                         f"{ex.rank}/{ex.world_size}")
+                         f"{rank}/{world_size}")
     return {"backend": "vllm", "samples": total, "extracted": total - before, "resumed_from": before,
             "tokens": tokens, "server_start_s": round(server_start, 1), "seconds": round(seconds, 3),
             "samples_per_s": round((total - before) / seconds, 2) if seconds else 0.0, "layer_ids": layer_ids,
-            "shard": f"{ex.rank}/{ex.world_size}"}
+            "shard": f"{rank}/{world_size}"}

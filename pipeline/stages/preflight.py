@@ -34,4 +34,13 @@ class Preflight(Stage):
                              f"{blocked[0].message}",
                              resumable=not any(f.check in checks.PROFILE_ONLY for f in blocked))
         counts = {s: sum(f.severity == s for f in findings) for s in checks.SEVERITIES}
-        return {"ok": counts["ok"], "info": counts["info"], "warnings": counts["warn"]}
+        figures = {"ok": counts["ok"], "info": counts["info"], "warnings": counts["warn"]}
+        if ctx.profile.extract.mode == "auto":  # decided once, at the first attempt, against this run's disk
+            earlier = ctx.run.stage_state(self.name).get("figures") or {}
+            if earlier.get("extract_mode"):
+                figures.update(extract_mode=earlier["extract_mode"], extract_mode_why=earlier["extract_mode_why"])
+            else:
+                from pipeline.plan import make_plan
+                plan = make_plan(ctx.profile, ctx.run.root)
+                figures.update(extract_mode=plan.mode, extract_mode_why=plan.mode_why)
+        return figures

@@ -12,7 +12,8 @@ from pathlib import Path
 
 import psutil
 
-from pipeline import procs
+from pipeline import online_training, procs
+from pipeline.server import explain_failure
 from pipeline.stages.base import Stage, StageContext, StageError
 from pipeline.target import resolve_layer_ids
 from pipeline.targetinfo import from_config
@@ -31,8 +32,9 @@ def accelerator_available() -> bool:
     return torch.accelerator.is_available()
 
 
-def build_command(ctx: StageContext, *, python: str = sys.executable) -> list[str]:
-    """The argv (never a shell string) that trains the draft with this profile."""
+def build_command(ctx: StageContext, *, python: str = sys.executable, endpoint: str | None = None) -> list[str]:
+    """The argv (never a shell string) that trains the draft with this profile; with `endpoint` (online),
+    missing states are generated through that extraction server instead of being an error."""
     p, t = ctx.profile, ctx.profile.train
     gpu = accelerator_available()
     n_layers = from_config(ctx.target_dir() / "config.json").layers  # multimodal wrappers: text_config
@@ -54,9 +56,12 @@ def build_command(ctx: StageContext, *, python: str = sys.executable) -> list[st
         else ("simple_flex_attention" if gpu else "sdpa"),  # flex has no CPU backward
         "--loss-implementation", t.loss_implementation if t.loss_implementation != "auto"
         else ("fused" if gpu else "eager"),  # the fused loss is Triton
-        "--on-missing", "raise",  # offline: every hidden-state file must already exist
         "--log-freq", "1",
     ]
+    if endpoint:
+        flags += online_training.trainer_flags(p, endpoint, ctx.run.hidden_states_dir)
+    else:
+        flags += ["--on-missing", "raise"]  # offline: every hidden-state file must already exist
     if t.hidden_states_dtype != "auto":
         flags += ["--hidden-states-dtype", t.hidden_states_dtype]
     flags += list(t.extra_args)
@@ -122,11 +127,39 @@ class Train(Stage):
         return [ckpt] if ckpt else [ctx.run.checkpoints_dir / "missing-final-epoch"]
 
     def run(self, ctx: StageContext) -> dict:
+        if ctx.extract_mode() != "online":
+            return self.train(ctx)
+        from pipeline import box
+        from pipeline.stages.extract import clear_raw_states
+
+        _, mode_args = box.mode_inputs(ctx.profile, ctx.run, "extraction")
+        raw = mode_args["storage"]
+        if (left := clear_raw_states(raw)):  # states a killed attempt had in flight
+            ctx.log.info("cleared %d state files a killed attempt left in %s", left, raw)
+        rec = box.start_mode(ctx.profile, "extraction", ctx.target_dir(), ctx.run.log_path("server-extraction"),
+                             ctx.run.root / ".cache", ctx.log.info,
+                             on_wait=lambda w: ctx.progress(self.name, 0, ctx.profile.train.epochs, "epochs",
+                                                            server_wait_s=round(w)), **mode_args)
+        ctx.emit("server", self.name, mode="extraction", pid=rec.pid, port=rec.port)
+        watch = online_training.StatesWatch(raw, rec.base_url, lambda **f: ctx.emit("metric", self.name, **f))
+        try:
+            with watch:
+                figures = self.train(ctx, endpoint=f"{rec.base_url}/v1", server=rec)
+        finally:
+            box.free_port(ctx.profile, ctx.log.info)
+            clear_raw_states(raw)
+        seconds = ctx.run.stage_state(self.name).get("train_seconds") or 0
+        figures.update(mode="online", states_disk_peak_bytes=watch.peak_bytes, states_peak_files=watch.peak_files,
+                       generated_tokens=int(watch.generated_tokens),
+                       generate_tok_s=round(watch.generated_tokens / seconds, 1) if seconds else None)
+        return figures
+
+    def train(self, ctx: StageContext, endpoint: str | None = None, server=None) -> dict:
         save = ctx.run.checkpoints_dir
         _stop_orphan(ctx)
         moved = quarantine_incomplete(save, ctx.log)
         resumed = final_checkpoint(save)
-        cmd = build_command(ctx)
+        cmd = build_command(ctx, endpoint=endpoint)
         ctx.log.info("command: %s", " ".join(cmd))
         ctx.emit("command", self.name, argv=cmd, resumed_from=resumed.name if resumed else None)
         epochs = ctx.profile.train.epochs
@@ -153,13 +186,18 @@ class Train(Stage):
 
         # Recorded so that a resume after this process was SIGKILLed can stop the orphaned trainer
         # (it runs in its own session and would keep writing checkpoints).
-        rc = procs.run_logged(cmd, ctx.run.log_path(self.name), env=procs.child_env(ctx.run.root), cwd=ctx.run.root,
-                              on_line=on_line,
+        env = procs.child_env(ctx.run.root)
+        if ctx.profile.train.cuda_visible_devices:  # training on some GPUs, serving on the others
+            env["CUDA_VISIBLE_DEVICES"] = ctx.profile.train.cuda_visible_devices
+        t0 = time.monotonic()
+        rc = procs.run_logged(cmd, ctx.run.log_path(self.name), env=env, cwd=ctx.run.root, on_line=on_line,
                               on_start=lambda proc: ctx.run.update_stage(self.name, child_pgid=proc.pid,
                                                                          child_cmd=cmd[:4]))
+        ctx.run.update_stage(self.name, train_seconds=round(time.monotonic() - t0, 2))
         if rc != 0:
-            raise StageError(f"speculators train exited with {rc}; see {ctx.run.log_path(self.name)}: "
-                             f"{procs.last_error_line(ctx.run.log_path(self.name))}")
+            failure = (f"speculators train exited with {rc}; see {ctx.run.log_path(self.name)}: "
+                       f"{procs.last_error_line(ctx.run.log_path(self.name))}")
+            raise StageError(explain_failure(server, failure) if server else failure)
         ckpt = final_checkpoint(save)
         if ckpt is None or int(ckpt.name) != epochs - 1:
             raise StageError(f"speculators train exited 0 but the last complete epoch is "
