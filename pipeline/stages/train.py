@@ -136,11 +136,13 @@ class Train(Stage):
         raw = mode_args["storage"]
         if (left := clear_raw_states(raw)):  # states a killed attempt had in flight
             ctx.log.info("cleared %d state files a killed attempt left in %s", left, raw)
+        t0 = time.monotonic()
         rec = box.start_mode(ctx.profile, "extraction", ctx.target_dir(), ctx.run.log_path("server-extraction"),
                              ctx.run.root / ".cache", ctx.log.info,
                              on_wait=lambda w: ctx.progress(self.name, 0, ctx.profile.train.epochs, "epochs",
                                                             server_wait_s=round(w)), **mode_args)
-        ctx.emit("server", self.name, mode="extraction", pid=rec.pid, port=rec.port)
+        ctx.emit("server", self.name, mode="extraction", pid=rec.pid, port=rec.port,
+                 start_s=round(time.monotonic() - t0, 1))
         watch = online_training.StatesWatch(raw, rec.base_url, lambda **f: ctx.emit("metric", self.name, **f))
         try:
             with watch:

@@ -1,0 +1,80 @@
+"""Online against offline training, side by side in one invocation: the train stage of a finished run
+twice through the pipeline's own runner — offline on the run's extracted states, then online with
+them deleted (the extraction server generates each sample while the draft trains). Prints each
+side's stage time, training tokens/s and their ratio, where the online time goes (server start,
+generation, training), and the states' disk: offline on disk vs online peak in flight.
+
+    .venv/bin/python bench/online_train.py --run-dir RUN   # a finished run (demo or tiny, any backend)
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import tomllib
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+def retrain_copy(src: Path, dest: Path, mode: str) -> Path:
+    """A copy of the run whose train stage (and only it) runs again in `mode`."""
+    from pipeline.profile import dump_toml
+
+    shutil.copytree(src, dest, symlinks=True)
+    shutil.rmtree(dest / "checkpoints", ignore_errors=True)
+    resolved = tomllib.loads((dest / "profile.toml").read_text())
+    resolved["extract"].update(backend="vllm", mode=mode, cache_gib=0.0)
+    (dest / "profile.toml").write_text(dump_toml(resolved))
+    if mode == "online":  # nothing extracted: every state is generated while training
+        for f in (dest / "data" / "prepared" / "hidden_states").glob("hs_*.safetensors"):
+            f.unlink()
+    return dest
+
+
+def train_once(run_dir: Path) -> dict:
+    from pipeline.rundir import RunDir
+
+    proc = subprocess.run([sys.executable, "-m", "pipeline", "run", "--resume", str(run_dir), "--no-tui",
+                           "--from", "train", "--until", "train"], cwd=ROOT, capture_output=True, text=True)
+    if proc.returncode != 0:
+        sys.exit(f"train failed in {run_dir}: {proc.stderr.strip().splitlines()[-1]}")
+    run = RunDir.open(run_dir)
+    entry = run.stage_state("train")
+    server = [e for e in run.events() if e["stage"] == "train" and e["kind"] == "server"]
+    return {**entry["figures"], "stage_s": entry["seconds"], "train_s": entry.get("train_seconds"),
+            "server_start_s": server[-1].get("start_s") if server else None}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--run-dir", required=True, type=Path)
+    args = parser.parse_args()
+    states = sum(f.stat().st_size for f in (args.run_dir / "data" / "prepared" / "hidden_states").glob("hs_*"))
+    with tempfile.TemporaryDirectory(prefix="online-bench-") as tmp:
+        offline = train_once(retrain_copy(args.run_dir, Path(tmp) / "offline", "offline"))
+        online = train_once(retrain_copy(args.run_dir, Path(tmp) / "online", "online"))
+    ratio = online["tokens_per_s"] / offline["tokens_per_s"] if offline.get("tokens_per_s") else None
+    print(f"run: {args.run_dir}")
+    print(f"{'':<34}{'offline':>14}{'online':>14}")
+    for label, key in (("train stage seconds", "stage_s"), ("  of which the trainer", "train_s"),
+                       ("training tokens/s (median step)", "tokens_per_s"), ("final train loss", "train_loss")):
+        print(f"{label:<34}{offline.get(key) or '-':>14}{online.get(key) or '-':>14}")
+    print(f"{'online: server start seconds':<34}{'':>14}{online.get('server_start_s') or '-':>14}")
+    print(f"{'online: generated tokens':<34}{'':>14}{online['generated_tokens']:>14}")
+    print(f"{'online: generation tokens/s':<34}{'':>14}{online['generate_tok_s'] or '-':>14}")
+    print(f"{'states on disk (bytes)':<34}{states:>14}{online['states_disk_peak_bytes']:>14}")
+    print(f"online/offline training tokens/s: {ratio:.3f}" if ratio else "ratio: n/a")
+    extra = (online["train_s"] or 0) - (offline["train_s"] or 0)
+    print(f"where the online time goes: server start {online.get('server_start_s') or 0:.0f} s, trainer "
+          f"{online['train_s']:.0f} s of which ≈ {extra:.0f} s waiting for generated states "
+          f"(offline trainer {offline['train_s']:.0f} s)")
+
+
+if __name__ == "__main__":
+    main()
