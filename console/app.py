@@ -34,7 +34,7 @@ __all__ = ["ConfirmScreen", "ConsoleApp", "HelpScreen", "ModeScreen", "main"]
 
 HISTORY = 60
 GPU_COLUMNS = ("GPU", "name", "util", "history", "memory", "history", "temp", "power", "SM MHz")
-PROCESS_COLUMNS = ("GPU", "PID", "process", "GPU memory")
+PROCESS_COLUMNS = ("GPU", "PID", "process", "role", "GPU memory")
 MATRIX_COLUMNS = ("method", "conc.", "tok/s", "TPOT ms", "τ", "acceptance per position", "speedup", "same output")
 WIDGET_IDS = ("#summary, #stages, #filter, #log, #gpus, #gpu-procs, #server-info, #notes-log, #note-input, "
               "#loss-curve, #matrix")
@@ -148,7 +148,8 @@ class ConsoleApp(App):
         server = box.controller(self.profile).status()
         if "uptime_s" in server:  # shown to 10 s, as the stages' elapsed: a finer figure repaints every tick
             server["uptime_s"] = server["uptime_s"] // 10 * 10
-        return RunPolled(view, lines, name, server, jobs.job_state(self.rundir))
+        job = {**jobs.job_state(self.rundir), "roles": jobs.process_roles(self.rundir, server)}
+        return RunPolled(view, lines, name, server, job)
 
     # ---- rendering (message handlers own all state)
     def _set(self, widget: Static, content) -> None:
@@ -174,7 +175,7 @@ class ConsoleApp(App):
 
     def _draw_gpus(self, snap: gpu.GpuSnapshot) -> None:
         self.w["gpus"].set(views.gpu_rows(snap, self.history))
-        self.w["gpu-procs"].fill(views.gpu_process_rows(snap))
+        self.w["gpu-procs"].fill(views.gpu_process_rows(snap, self.polled.job.get("roles", {}) if self.polled else {}))
 
     @on(RunPolled)
     def show_run(self, msg: RunPolled) -> None:

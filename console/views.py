@@ -36,8 +36,10 @@ def gpu_rows(snap: gpu.GpuSnapshot, history: dict) -> list[tuple]:
     return rows + [gpu_row(g, *history.get(g.index, ((), ()))) for g in snap.gpus]
 
 
-def gpu_process_rows(snap: gpu.GpuSnapshot) -> list[tuple]:
-    return [(str(g.index), str(p.pid), p.name, human_bytes(p.used_bytes)) for g in snap.gpus for p in g.processes]
+def gpu_process_rows(snap: gpu.GpuSnapshot, roles: dict[int, str]) -> list[tuple]:
+    """Per GPU process; role: serving (with the server's mode) or training this run, else blank."""
+    return [(str(g.index), str(p.pid), p.name, roles.get(p.pid, ""), human_bytes(p.used_bytes))
+            for g in snap.gpus for p in g.processes]
 
 
 def loss_curve(losses: tuple[float, ...]) -> str:

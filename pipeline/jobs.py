@@ -69,3 +69,15 @@ def job_state(run: RunDir) -> dict:
     else:
         state = "not started" if not stages else "stopped"
     return {"state": state, "pid": pid}
+
+
+def process_roles(run: RunDir, server: dict) -> dict[int, str]:
+    """Which processes of the box serve and which train this run (the GPU view labels them): the port's
+    vLLM server group, and the trainer's process group while it lives."""
+    from pipeline import procs
+
+    roles = {pid: f"serve ({server.get('mode')})" for pid in server.get("pids", [])}
+    pgid = run.stage_state("train").get("child_pgid")
+    if pgid and run.stage_state("train").get("status") == "running":
+        roles.update({p.pid: "train" for p in procs.group_members(pgid)})
+    return roles

@@ -160,3 +160,18 @@ def test_states_watch_measures_the_peak_of_files_in_flight(tmp_path):
     with watch:  # no server answers: the rate stays unknown, the disk is still watched
         (raw / "c.safetensors").write_bytes(b"x" * 5000)
     assert watch.peak_bytes == 5010 and watch.generated_tokens == 0
+
+
+def test_the_gpu_view_knows_which_processes_serve_and_which_train(tmp_path):
+    from pipeline import jobs
+    run = RunDir.create(load_profile(TINY), tmp_path / "run")
+    trainer = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True)
+    try:
+        run.update_stage("train", status="running", child_pgid=trainer.pid)
+        roles = jobs.process_roles(run, {"state": "running", "mode": "extraction", "pids": [11, 12]})
+        assert roles == {11: "serve (extraction)", 12: "serve (extraction)", trainer.pid: "train"}
+        run.update_stage("train", status="done")
+        assert trainer.pid not in jobs.process_roles(run, {"state": "none"})
+    finally:
+        trainer.kill()
+        trainer.wait()
