@@ -12,19 +12,20 @@ import pytest
 
 from pipeline import jobs
 from pipeline.rundir import RunDir
-from tests.conftest import ROOT, TINY
+from tests.conftest import ROOT, TINY, free_port
 
 pytestmark = pytest.mark.slow
 
 
 def test_sighup_to_console_leaves_the_job_running(tmp_path, cache_dir):
     run_dir = tmp_path / "run"
+    port = free_port()  # not the profile's port, which another run on this box may hold
     pid, fd = pty.fork()
     if pid == 0:  # the child: the console in a real terminal
         os.chdir(ROOT)
         os.environ.update(TERM="xterm-256color", HF_HUB_OFFLINE="1")
         os.execv(sys.executable, [sys.executable, "-m", "pipeline", "run", str(TINY), "--run-dir", str(run_dir),
-                                  "--set", f'run.cache_dir="{cache_dir}"'])
+                                  "--set", f'run.cache_dir="{cache_dir}"', "--set", f"server.port={port}"])
     seen = bytearray()
 
     def drain():

@@ -8,7 +8,7 @@ import pytest
 from pipeline import gpu, plan, preflight
 from pipeline.profile import ProfileError, load_profile
 from pipeline.stages.train import torchrun_args
-from tests.conftest import TINY, cli
+from tests.conftest import TINY, cli, free_port
 from tests.fake_nvml import NVML_ERROR_GPU_IS_LOST, FakeNvml, h200
 
 KIMI = ("kimi-k2.5-rtx6000x8-lowered", "kimi-k2.5-b300x8-full")
@@ -225,7 +225,8 @@ def test_port_in_use_blocks_naming_the_process():
 
 
 def test_a_run_that_does_not_fit_the_disk_is_refused_before_any_work(tmp_path):
-    proc = cli("run", TINY, "--no-tui", "--run-dir", tmp_path / "run", "--set", "hardware.min_free_disk_gib=1e9")
+    proc = cli("run", TINY, "--no-tui", "--run-dir", tmp_path / "run", "--set", "hardware.min_free_disk_gib=1e9",
+               "--set", f"server.port={free_port()}")  # not a port another run on this box holds
     assert proc.returncode != 0
     assert "preflight" in proc.stderr + proc.stdout and "does not fit" in proc.stderr + proc.stdout
     state = json.loads((tmp_path / "run" / "state.json").read_text())["stages"]

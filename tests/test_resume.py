@@ -14,14 +14,14 @@ import pytest
 from pipeline import atomicio, procs
 from pipeline.rundir import RunDir
 from pipeline.stages.train import epoch_complete, epoch_dirs
-from tests.conftest import ROOT, TINY, cli
+from tests.conftest import ROOT, TINY, cli, free_port
 
 pytestmark = pytest.mark.slow
 
 
 def start(run_dir, cache_dir, *sets):
     args = [sys.executable, "-m", "pipeline", "run", str(TINY), "--no-tui", "--run-dir", str(run_dir),
-            "--set", f'run.cache_dir="{cache_dir}"']
+            "--set", f'run.cache_dir="{cache_dir}"', "--set", f"server.port={free_port()}"]  # a port no other run holds
     for s in sets:
         args += ["--set", s]
     return subprocess.Popen(args, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
