@@ -407,7 +407,12 @@ def _resolve_inputs(p: Profile, source: Path, check: bool = True) -> Profile:
         if check and not conv.is_file():
             raise ProfileError(f"{source}: key 'data.conversations': file not found {str(conv)!r}")
         data = dataclasses.replace(data, conversations=str(conv))
-    return dataclasses.replace(p, target=target, data=data)
+    # Where runs go is where the operator stands (the working directory), made absolute once, here: the
+    # run's profile.toml then names the same runs/, server registry and locks for the detached job, the
+    # console and `server stop`, wherever they are started from.
+    run = dataclasses.replace(p.run, runs_dir=str(Path(p.run.runs_dir).resolve()),
+                              cache_dir=str(Path(p.run.cache_dir).resolve()))
+    return dataclasses.replace(p, target=target, data=data, run=run)
 
 
 def load_profile(path: str | Path, overrides: dict | None = None, check_inputs: bool = True) -> Profile:

@@ -113,9 +113,14 @@ def outputs(tmp_path):
     return run, [run.root / "out", run.root / "result.json", outside]
 
 
-def test_manifest_lists_every_file_with_its_size(outputs):
+def test_manifest_records_files_by_size_and_directories_by_digest(outputs):
+    import hashlib
     run, paths = outputs
-    assert manifest(run, paths) == {"out/a.bin": 3, "out/sub/b.bin": 5, "result.json": 12, str(paths[2]): 7}
+    listing = "out/a.bin\t3\nout/sub/b.bin\t5".replace("out/", "")
+    recorded = manifest(run, paths)
+    assert recorded["out"].pop("dirs_mtime_ns") == max(os.stat(d).st_mtime_ns for d in (paths[0], paths[0] / "sub"))
+    assert recorded == {"out": {"files": 2, "bytes": 8, "sha256": hashlib.sha256(listing.encode()).hexdigest()},
+                        "result.json": 12, str(paths[2]): 7}
 
 
 @pytest.mark.parametrize("missing", ["no-such-file", "empty-dir"])
@@ -141,12 +146,28 @@ def _grow(p):
     (lambda run, outside: (run.root / "result.json").unlink(), False),
     (lambda run, outside: outside.unlink(), False),
     (lambda run, outside: os.rename(run.root / "out", run.root / "out.old"), False),
-], ids=["untouched", "grown", "truncated", "emptied", "deleted", "deleted-outside-the-run", "directory-moved"])
+    (lambda run, outside: (run.root / "out" / "extra.bin").write_bytes(b""), False),  # a file more
+    (lambda run, outside: os.rename(run.root / "out" / "a.bin", run.root / "out" / "z.bin"), False),  # renamed
+], ids=["untouched", "grown", "truncated", "emptied", "deleted", "deleted-outside-the-run", "directory-moved",
+        "file-added", "file-renamed"])
 def test_outputs_intact_notices_size_changes_and_deletions(outputs, change, intact):
     run, paths = outputs
     recorded = manifest(run, paths)
+    time.sleep(0.01)  # a directory's mtime must be able to move
     change(run, paths[2])
     assert outputs_intact(run, recorded) is intact
+
+
+@pytest.mark.parametrize("change", ["add", "remove", "rename"])
+def test_the_quick_check_sees_files_come_and_go_without_a_stat_per_file(outputs, change):
+    run, paths = outputs
+    recorded = manifest(run, paths)
+    assert outputs_intact(run, recorded, quick=True)
+    time.sleep(0.01)
+    sub = run.root / "out" / "sub"
+    {"add": lambda: (sub / "new.bin").write_bytes(b""), "remove": lambda: (sub / "b.bin").unlink(),
+     "rename": lambda: os.rename(sub / "b.bin", sub / "c.bin")}[change]()
+    assert outputs_intact(run, recorded, quick=True) is False
 
 
 def test_an_empty_record_is_never_intact(outputs):
