@@ -144,11 +144,21 @@ class LogTailer:
             st = os.stat(self.path)
         except FileNotFoundError:
             return []
-        if st.st_ino != self._inode or st.st_size < self._offset:  # replaced or truncated: start over
+        fresh = st.st_ino != self._inode or st.st_size < self._offset  # new, replaced or truncated: start over
+        if fresh:
             self._inode, self._offset = st.st_ino, max(0, st.st_size - limit_bytes)
         with open(self.path, "rb") as fh:
+            mid_line = False
+            if fresh and self._offset > 0:  # started inside the log: is it at a line's start?
+                fh.seek(self._offset - 1)
+                mid_line = fh.read(1) != b"\n"
             fh.seek(self._offset)
             data = fh.read(limit_bytes)
+        if mid_line:  # skip the fragment to the first whole line
+            skip = data.find(b"\n") + 1
+            self._offset, data = self._offset + skip, data[skip:]
         end = data.rfind(b"\n") + 1
+        if end == 0 and len(data) >= limit_bytes:  # one line longer than the limit: show its start, move on
+            end = len(data)
         self._offset += end
         return [_ANSI.sub("", l) for l in data[:end].decode(errors="replace").splitlines()]
