@@ -1,6 +1,7 @@
 """Publishing a trained head for vLLM: a copy of the checkpoint's config and weights at one stable path,
 with `speculators_config.verifier.name_or_path` rewritten to the served target (speculators keeps the
-training-time path, vllm-project/speculators#1065). Built aside and renamed into place."""
+training-time path, vllm-project/speculators#1065: pipeline/compat/verifier_path.py). Built aside and
+renamed into place."""
 from __future__ import annotations
 
 import json
@@ -8,6 +9,7 @@ import shutil
 from pathlib import Path
 
 from pipeline import atomicio
+from pipeline.compat import verifier_path
 
 FILES = ("config.json", "model.safetensors")
 
@@ -20,7 +22,7 @@ def publish_draft(checkpoint: Path, dest: Path, target_dir: Path) -> Path:
     for name in FILES:
         shutil.copy2(checkpoint / name, tmp / name)
     config = json.loads((checkpoint / "config.json").read_text())
-    config["speculators_config"]["verifier"]["name_or_path"] = str(target_dir)
+    verifier_path.point_at_target(config, target_dir)
     atomicio.atomic_write_json(tmp / "config.json", config)
     shutil.rmtree(dest, ignore_errors=True)
     tmp.rename(dest)
