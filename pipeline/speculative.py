@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from pipeline.compat import draft_attention
 from pipeline.target import HiddenStateReader
 
 
@@ -21,7 +22,7 @@ def load_draft(checkpoint: Path, dtype: torch.dtype = torch.float32):
     from speculators.models.eagle3 import Eagle3DraftModel, Eagle3SpeculatorConfig
 
     config = Eagle3SpeculatorConfig.from_pretrained(str(checkpoint))
-    config.transformer_layer_config._attn_implementation = "sdpa"
+    draft_attention.use_sdpa(config)  # the proposer passes dense masks (pipeline/compat/draft_attention.py)
     model = Eagle3DraftModel.from_pretrained(str(checkpoint), config=config, dtype=dtype)
     return model.eval()
 
