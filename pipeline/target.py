@@ -2,11 +2,14 @@
 
 Layer id k is the residual stream after k decoder layers (0 = embeddings); id L (the last layer) is
 taken *before* the final norm. transformers 5.x hands back hidden_states[L] after the norm
-(docs/reference.md §7), so the pre-norm state is captured with a hook on the final norm's input.
+(docs/reference.md §7), so the pre-norm state is captured with a hook on the final norm's input
+(pipeline/compat/prenorm.py).
 """
 from __future__ import annotations
 
 from pathlib import Path
+
+from pipeline.compat import prenorm
 
 # torch is imported where it is used: the console imports the stage modules and must stay light.
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
@@ -73,7 +76,7 @@ class HiddenStateReader:
         self.layer_ids = list(layer_ids)
         self._prenorm = None
         self._final = n
-        text_decoder(model).norm.register_forward_pre_hook(self._capture)
+        prenorm.hook_final_norm_input(text_decoder(model), self._capture)
 
     def _capture(self, module, args):
         self._prenorm = args[0]
