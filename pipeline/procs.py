@@ -9,6 +9,8 @@ from pathlib import Path
 
 import psutil
 
+from pipeline.compat import speculators_logs
+
 
 def group_members(pgid: int) -> list[psutil.Process]:
     """Live (non-zombie) processes of a process group. A zombie holds nothing and, in a container
@@ -149,7 +151,7 @@ def child_env(run_root: Path) -> dict:
     env.setdefault("HF_HUB_OFFLINE", "1")
     env["PYTHONUNBUFFERED"] = "1"
     env["NO_COLOR"] = "1"
-    env["COLUMNS"] = "1000"  # speculators logs through rich, which wraps "key=value" pairs at 80 columns
+    env["COLUMNS"] = speculators_logs.RICH_COLUMNS  # speculators logs through rich, which wraps at 80 columns
     env.setdefault("TORCHINDUCTOR_CACHE_DIR", str(run_root / ".cache" / "inductor"))
     env.setdefault("TRITON_CACHE_DIR", str(run_root / ".cache" / "triton"))
     env["PYTHONPATH"] = repo_on_path(env.get("PYTHONPATH"))

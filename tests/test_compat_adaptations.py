@@ -305,3 +305,34 @@ def test_the_stock_hidden_states_connector_still_needs_the_cpu_copy(serve_parser
     source = inspect.getsource(stock._submit_async_write)
     assert "pin_memory=True" in source and "torch.cuda.Event" in source  # what a CPU torch cannot do
     assert ".query()" in inspect.getsource(stock.get_finished)
+
+
+# --- pipeline/compat/speculators_logs.py: RICH_COLUMNS --------------------------------------------------------
+
+def test_trainer_metric_lines_stay_whole_only_with_wide_columns(monkeypatch):
+    import io
+    import logging
+
+    from rich.console import Console
+    from rich.logging import RichHandler
+    from speculators.train.logger import setup_root_logger
+
+    from pipeline.compat import speculators_logs
+    from pipeline.procs import child_env
+    from pipeline.stages.train import parse_metrics
+    assert "RichHandler()" in inspect.getsource(setup_root_logger)  # the trainer's lines go through rich
+    assert child_env(Path("/tmp"))["COLUMNS"] == speculators_logs.RICH_COLUMNS
+    line = ", ".join(f"train/loss_{i}=0.{i}25, train/full_acc_{i}=0.{i}5" for i in range(6)) + ", global_step=40"
+    lines = {}
+    for columns in ("80", speculators_logs.RICH_COLUMNS):
+        monkeypatch.setenv("COLUMNS", columns)
+        buf = io.StringIO()
+        log = logging.getLogger(f"test-rich-columns-{columns}")
+        log.propagate = False
+        log.addHandler(RichHandler(console=Console(file=buf)))
+        log.setLevel(logging.INFO)
+        log.info(line)
+        lines[columns] = [ln for ln in buf.getvalue().splitlines() if ln.strip()]
+    assert len(lines["80"]) > 1  # rich still wraps at the width it is given: the wide COLUMNS is still needed
+    (whole,) = lines[speculators_logs.RICH_COLUMNS]
+    assert parse_metrics(whole)["global_step"] == 40 and parse_metrics(whole)["train/full_acc_5"] == 0.55
