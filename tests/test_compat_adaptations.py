@@ -249,7 +249,8 @@ def test_render_endpoint_is_forbidden_without_scale_out(serve_parser):
         client = TestClient(app, raise_server_exceptions=False)
         status[scale_out] = client.post("/v1/chat/completions/render", json={"model": "m", "messages": []}).status_code
     assert status[False] == 403 and status[True] != 403
-    assert vllm_flags.render_endpoint_flags("render") == ["--enable-scale-out"] and not vllm_flags.render_endpoint_flags("local")
+    assert vllm_flags.render_endpoint_flags("render") == ["--enable-scale-out"]
+    assert vllm_flags.render_endpoint_flags("local") == []
 
 
 def _literal_values(tp) -> set:
