@@ -1,8 +1,9 @@
 """Online against offline training, side by side in one invocation: the train stage of a finished run
 twice through the pipeline's own runner — offline on the run's extracted states, then online with
-them deleted (the extraction server generates each sample while the draft trains). Prints each
-side's stage time, training tokens/s and their ratio, where the online time goes (server start,
-generation, training), and the states' disk: offline on disk vs online peak in flight.
+them deleted (the extraction server generates each sample while the draft trains) — each followed by
+the offline evaluation. Prints each side's stage time, training tokens/s and their ratio, where the
+online time goes (server start, generation, training), the states' disk (offline on disk vs online
+peak in flight) and τ of both heads.
 
     .venv/bin/python bench/online_train.py --run-dir RUN   # a finished run (demo or tiny, any backend)
 """
@@ -41,14 +42,15 @@ def train_once(run_dir: Path) -> dict:
     from pipeline.rundir import RunDir
 
     proc = subprocess.run([sys.executable, "-m", "pipeline", "run", "--resume", str(run_dir), "--no-tui",
-                           "--from", "train", "--until", "train"], cwd=ROOT, capture_output=True, text=True)
+                           "--from", "train", "--until", "evaluate-offline"], cwd=ROOT, capture_output=True, text=True)
     if proc.returncode != 0:
         sys.exit(f"train failed in {run_dir}: {proc.stderr.strip().splitlines()[-1]}")
     run = RunDir.open(run_dir)
     entry = run.stage_state("train")
     server = [e for e in run.events() if e["stage"] == "train" and e["kind"] == "server"]
     return {**entry["figures"], "stage_s": entry["seconds"], "train_s": entry.get("train_seconds"),
-            "server_start_s": server[-1].get("start_s") if server else None}
+            "server_start_s": server[-1].get("start_s") if server else None,
+            "tau": run.stage_state("evaluate-offline")["figures"]["tau"]}
 
 
 def main() -> None:
@@ -63,7 +65,8 @@ def main() -> None:
     print(f"run: {args.run_dir}")
     print(f"{'':<34}{'offline':>14}{'online':>14}")
     for label, key in (("train stage seconds", "stage_s"), ("  of which the trainer", "train_s"),
-                       ("training tokens/s (median step)", "tokens_per_s"), ("final train loss", "train_loss")):
+                       ("training tokens/s (median step)", "tokens_per_s"), ("final train loss", "train_loss"),
+                       ("offline evaluation τ (same seed)", "tau")):
         print(f"{label:<34}{offline.get(key) or '-':>14}{online.get(key) or '-':>14}")
     print(f"{'online: server start seconds':<34}{'':>14}{online.get('server_start_s') or '-':>14}")
     print(f"{'online: generated tokens':<34}{'':>14}{online['generated_tokens']:>14}")

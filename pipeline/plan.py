@@ -206,7 +206,9 @@ def make_plan(profile: Profile, run_dir: Path | None = None, free: int | None = 
                 train_gpus=train_gpus, extract_gpus=extract_gpus, extract=extract, train=train,
                 extract_s=extract_s, train_s=train_s, gpu_hours=gpu_hours, online=online,
                 mode=profile.extract.mode, mode_why=f"extract.mode = {profile.extract.mode}")
-    if profile.extract.mode == "auto":
+    if profile.extract.mode == "auto" and profile.extract.backend != "vllm":
+        plan = replace(plan, mode="offline", mode_why="auto: online needs extract.backend = \"vllm\"")
+    elif profile.extract.mode == "auto":
         fits, text = disk_verdict(plan, profile, run_dir, free=free, mode="offline")
         plan = replace(plan, mode="offline" if fits else "online",
                        mode_why=f"auto: offline {'fits' if fits else 'does not fit'} ({text})")

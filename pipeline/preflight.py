@@ -334,8 +334,11 @@ def disk_findings(profile: Profile, run_dir: Path | None = None, free: int | Non
     side = f"; {other} would need {human(plan.disk_for(other))}" if profile.extract.backend == "vllm" else ""
     found = [Finding("ok" if fits else "block", "disk", text + side + ("" if fits else
                                                                       " — does not fit; see eagle3-console plan"))]
+    o = plan.online
+    if plan.mode == "online" and o.splits and not any(s.fits for s in o.splits):
+        found.append(Finding("block", "mode", f"online training cannot serve and train on this box at once: "
+                                              f"{o.recommended.removeprefix('no split fits this box: ')}"))
     if profile.extract.mode != "offline":
-        o = plan.online
         found.append(Finding("info", "mode", f"hidden states {plan.mode}: {plan.mode_why}"
                              + (f"; online keeps {human(o.disk_cache)} of states ({o.cached_rows:,} rows) and "
                                 f"generates {o.generate_tokens / 1e6:,.1f} M tokens over the epochs"

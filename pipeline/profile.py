@@ -371,7 +371,7 @@ def _check_semantics(p: Profile, source: Path) -> None:
             f"must be >= 1 and divide hidden_size ({d.hidden_size}) and moe_intermediate_size "
             f"({d.moe_intermediate_size})")
     ex = p.extract
-    if ex.mode != "offline" and ex.backend != "vllm":
+    if ex.mode == "online" and ex.backend != "vllm":
         bad("extract.mode", ex.mode, "online states come from a vLLM extraction server: needs extract.backend = "
                                      "\"vllm\"")
     if ex.cache_gib < 0:

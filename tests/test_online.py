@@ -71,6 +71,8 @@ def test_online_run_killed_in_training_resumes_and_matches_offline(tmp_path, cac
 
 
 def test_online_needs_the_vllm_backend_and_mooncake_needs_online(tmp_path):
+    auto = load_profile(TINY, {"extract.mode": "auto", "extract.backend": "transformers"})
+    assert make_plan(auto, free=0).mode == "offline"  # auto cannot go online without a vLLM extraction server
     for sets, says in (({"extract.mode": "online", "extract.backend": "transformers"}, "extract.mode"),
                        ({"extract.transfer": "mooncake"}, "extract.transfer"),
                        ({"train.cuda_visible_devices": "0;1"}, "train.cuda_visible_devices")):

@@ -14,7 +14,8 @@ from tests.fake_nvml import NVML_ERROR_GPU_IS_LOST, FakeNvml, h200
 KIMI = ("kimi-k2.5-rtx6000x8-lowered", "kimi-k2.5-b300x8-full")
 NUMBERS_AND_HARDWARE = {"name", "description", "hardware", "data.max_samples", "data.seq_length",
                         "data.mean_sample_tokens", "train.epochs", "train.total_seq_len", "train.nproc_per_node",
-                        "evaluate.concurrency", "evaluate.num_prompts", "server.max_model_len", "extract.concurrency"}
+                        "evaluate.concurrency", "evaluate.num_prompts", "server.max_model_len", "extract.concurrency",
+                        "extract.cache_gib"}
 
 
 def flat(d, prefix=""):
