@@ -8,7 +8,7 @@ from pathlib import Path
 
 from pipeline import portlock, procs, vllm_modes
 from pipeline.profile import Profile
-from pipeline.server import ServerController, ServerError, port_owner, is_vllm
+from pipeline.server import ServerController, ServerError, is_vllm, port_owner
 
 
 class PortHeld(ServerError):

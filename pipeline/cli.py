@@ -29,9 +29,9 @@ def _setup_env() -> None:
 
 def cmd_run(args) -> int:
     from pipeline.profile import ProfileError, load_profile
+    from pipeline.progress import ProgressPrinter
     from pipeline.rundir import RunDir, RunDirError
     from pipeline.runner import Interrupted, RunnerError, run_stages, select
-    from pipeline.progress import ProgressPrinter
 
     run = None
     try:

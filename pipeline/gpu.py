@@ -157,7 +157,7 @@ class StageMonitor:
         self._thread: threading.Thread | None = None
         self._samples: list[GpuSnapshot] = []
 
-    def __enter__(self) -> "StageMonitor":
+    def __enter__(self) -> StageMonitor:
         if _init():
             self._thread = threading.Thread(target=self._loop, name="gpu-stage-monitor", daemon=True)
             self._thread.start()

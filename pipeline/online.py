@@ -36,7 +36,7 @@ class SpecCounters:
     accepted: float = 0.0
     per_position: tuple = ()
 
-    def __sub__(self, other: "SpecCounters") -> "SpecCounters":
+    def __sub__(self, other: SpecCounters) -> SpecCounters:
         n = max(len(self.per_position), len(other.per_position))
         a = list(self.per_position) + [0.0] * (n - len(self.per_position))
         b = list(other.per_position) + [0.0] * (n - len(other.per_position))

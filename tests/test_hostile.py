@@ -2,7 +2,6 @@
 dead server ends in one line naming what and why, the right exit code, no traceback, nothing written
 where the operator did not ask, nothing lost."""
 import json
-import os
 import signal
 import subprocess
 import sys

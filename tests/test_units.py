@@ -275,8 +275,8 @@ def test_orphan_stop_leaves_other_processes_alone(entry):
 def epoch(save: Path, name: str, broken: str = "") -> Path:
     """An epoch directory as speculators writes it (weights, optimizer, then training_state.json), with
     one piece `broken` as a kill at that point of the save would leave it."""
-    from safetensors.torch import save_file
     import torch
+    from safetensors.torch import save_file
 
     d = save / name
     d.mkdir(parents=True)

@@ -29,6 +29,7 @@ import dataclasses
 import json
 import sys
 
+
 def _spec(cls, **kw):
     """Specs (dataclasses, named tuples) gained fields between versions: pass only those this vLLM has."""
     names = set(cls._fields) if hasattr(cls, "_fields") else {f.name for f in dataclasses.fields(cls)}
@@ -79,7 +80,8 @@ def kv_cache_groups(backend, hidden: int, layers: int, n_aux: int, head_size: in
 
 def connector_group(groups) -> tuple[int | None, str]:
     from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import (
-        ExampleHiddenStatesConnector)
+        ExampleHiddenStatesConnector,
+    )
     from vllm.v1.kv_cache_interface import KVCacheConfig
     try:
         return ExampleHiddenStatesConnector._find_cache_kv_group_id(

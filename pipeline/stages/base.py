@@ -3,9 +3,9 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 from pipeline.profile import Profile
 from pipeline.rundir import RunDir

@@ -204,8 +204,8 @@ def extract_cache(ctx: StageContext, stage: str) -> dict:
 def state_bytes_per_token(ctx: StageContext) -> int:
     """Bytes of one token's states as the extraction server writes them: the aux layers plus the
     last, in the server's dtype (float32 on a CPU, bf16 on GPUs unless the profile says otherwise)."""
-    from pipeline.targetinfo import from_config
     from pipeline.target import resolve_layer_ids
+    from pipeline.targetinfo import from_config
 
     info = from_config(ctx.target_dir() / "config.json")
     n = len(resolve_layer_ids(ctx.profile.extract.layer_ids, info.layers))

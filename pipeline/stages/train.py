@@ -15,9 +15,9 @@ import psutil
 from pipeline import online_training, procs
 from pipeline.server import explain_failure
 from pipeline.stages.base import Stage, StageContext, StageError
+from pipeline.stages.vocab import mapping_paths
 from pipeline.target import resolve_layer_ids
 from pipeline.targetinfo import from_config
-from pipeline.stages.vocab import mapping_paths
 
 # speculators logs metrics as "key=value" pairs, e.g. "train/loss_0=1.23 ... train/full_acc_0=0.41".
 _PAIR = re.compile(r"([A-Za-z_]+/[A-Za-z0-9_]+|epoch|global_step)=([-+]?[0-9.]+(?:e[-+]?[0-9]+)?)")

@@ -23,6 +23,7 @@ class Vocab(Stage):
     def run(self, ctx: StageContext) -> dict:
         import torch
         from speculators.train.vocab_mapping import build_vocab_mappings_from_distribution
+
         from pipeline.targetinfo import from_config
 
         freq = torch.load(token_freq_path(ctx), weights_only=True)
