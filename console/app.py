@@ -203,7 +203,7 @@ class ConsoleApp(App):
             self.log_buffer.clear()
             self.w["log"].clear()
         self.log_buffer.extend(msg.log_lines)
-        shown = [l for l in msg.log_lines if self.log_filter in l]
+        shown = [line for line in msg.log_lines if self.log_filter in line]
         if shown and not self.paused:
             self.w["log"].write_lines(shown)  # batched: one call per tick
 
@@ -341,7 +341,7 @@ class ConsoleApp(App):
         self.log_filter = event.value
         log = self.w["log"]
         log.clear()
-        log.write_lines([l for l in self.log_buffer if self.log_filter in l])
+        log.write_lines([line for line in self.log_buffer if self.log_filter in line])
         if not event.value:
             event.input.remove_class("visible")
         log.focus()

@@ -90,7 +90,7 @@ _LOG_LEVEL = re.compile(r"\b(DEBUG|INFO|WARNING|WARN)\b[ :]")
 
 def error_line(text: str, tail: int = 200) -> str | None:
     """The last error line of text (with the indented detail line after it), None when it has none."""
-    lines = [l.rstrip() for l in text.splitlines()[-tail:] if l.strip()]
+    lines = [line.rstrip() for line in text.splitlines()[-tail:] if line.strip()]
     for i in range(len(lines) - 1, -1, -1):
         line = lines[i].strip()
         if _LOG_LEVEL.search(line):  # an INFO/WARNING line that mentions an error is not the failure
@@ -104,7 +104,7 @@ def error_line(text: str, tail: int = 200) -> str | None:
 
 def last_error_text(text: str, tail: int = 200) -> str:
     """last_error_line of text already in hand (a child's captured stderr)."""
-    lines = [l.strip() for l in text.splitlines() if l.strip()]
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
     return error_line(text, tail) or (lines[-1][-400:] if lines else "empty log")
 
 

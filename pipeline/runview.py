@@ -161,4 +161,4 @@ class LogTailer:
         if end == 0 and len(data) >= limit_bytes:  # one line longer than the limit: show its start, move on
             end = len(data)
         self._offset += end
-        return [_ANSI.sub("", l) for l in data[:end].decode(errors="replace").splitlines()]
+        return [_ANSI.sub("", line) for line in data[:end].decode(errors="replace").splitlines()]

@@ -31,7 +31,7 @@ class ServerError(RuntimeError):
 
 def log_tail(log: Path, n: int = 8, since: int = 0) -> list[str]:
     text = procs.read_log(Path(log), since)
-    return [l.rstrip() for l in (text or "").splitlines() if l.strip()][-n:]
+    return [line.rstrip() for line in (text or "").splitlines() if line.strip()][-n:]
 
 
 WILDCARD_HOSTS = {"0.0.0.0": "127.0.0.1", "": "127.0.0.1", "::": "[::1]"}

@@ -74,7 +74,7 @@ def screen_text(app) -> str:
 
 
 def line_of(screen: str, stage: str) -> str:
-    return next(l for l in screen.splitlines() if re.match(rf"\s*{re.escape(stage)}\s", l))
+    return next(line for line in screen.splitlines() if re.match(rf"\s*{re.escape(stage)}\s", line))
 
 
 def question(app) -> str:
@@ -112,7 +112,7 @@ def test_stage_panel_progress_and_log(run):
         await pilot.press("slash")
         await pilot.press(*"alpha", "enter")
         await pilot.pause(0.2)
-        assert log.line_count == 21 and all("alpha" in l for l in log.lines)
+        assert log.line_count == 21 and all("alpha" in line for line in log.lines)
         summary = str(app.query_one("#summary").text)
         assert "stage prepare" in summary and "no NVML" in summary
 

@@ -33,7 +33,7 @@ def wait_for(predicate, timeout=30.0, what="condition"):
 
 def timeline(path):
     try:
-        return [json.loads(l) for l in path.read_text().splitlines() if l.strip()]
+        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     except FileNotFoundError:
         return []
 

@@ -19,7 +19,7 @@ from tests.conftest import ROOT, TINY, cli, free_port
 def one_line_error(proc, code: int) -> str:
     assert proc.returncode == code, (proc.returncode, proc.stdout[-1500:], proc.stderr[-1500:])
     assert "Traceback" not in proc.stderr + proc.stdout
-    lines = [l for l in proc.stderr.splitlines() if l.strip()]
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert lines and lines[0].startswith("eagle3-console: error: "), proc.stderr
     return lines[0]
 

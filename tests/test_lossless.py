@@ -16,7 +16,7 @@ def load(finished_run):
     model = target.load_model(tdir, "float32")
     tok = target.load_tokenizer(tdir)
     draft = speculative.load_draft(run.stage_state("train")["figures"]["checkpoint"])
-    prompts = [json.loads(l)["messages"] for l in (run.data_dir / "heldout_prompts.jsonl").read_text().splitlines()]
+    prompts = [json.loads(line)["messages"] for line in (run.data_dir / "heldout_prompts.jsonl").read_text().splitlines()]
     return run, model, tok, draft, prompts
 
 

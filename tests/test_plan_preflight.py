@@ -70,23 +70,23 @@ def test_kimi_preflight_blocks_with_clear_findings():
     proc = cli("preflight", KIMI[0])
     assert proc.returncode == 1 and "Traceback" not in proc.stdout + proc.stderr
     lines = proc.stdout.splitlines()
-    block = [l for l in lines if "BLOCK" in l]
-    gpu_lines = [l for l in lines if " gpus " in l]
+    block = [line for line in lines if "BLOCK" in line]
+    gpu_lines = [line for line in lines if " gpus " in line]
     snap = gpu.sample()  # the GPUs of this machine, as the CLI saw them
     healthy = sum(not g.lost for g in snap.gpus)
     if snap.unavailable:  # CI: no NVML at all
-        assert any("needs 8 GPU(s)" in l and "no NVIDIA GPU/driver found" in l for l in block), gpu_lines
+        assert any("needs 8 GPU(s)" in line and "no NVIDIA GPU/driver found" in line for line in block), gpu_lines
     elif healthy < 8:  # a GPU box with fewer GPUs than the profile's 8
-        assert any(f"{healthy} GPU(s) found, the profile needs 8" in l for l in block), gpu_lines
+        assert any(f"{healthy} GPU(s) found, the profile needs 8" in line for line in block), gpu_lines
     else:
-        assert any("✔ ok" in l and "the profile needs 8" in l for l in gpu_lines), gpu_lines
-        assert not [l for l in block if " gpus " in l]
-    assert any("disk" in l and "does not fit" in l for l in block)
-    assert any("draft" in l and "[2, 30, 58, 61]" in l for l in lines)
+        assert any("✔ ok" in line and "the profile needs 8" in line for line in gpu_lines), gpu_lines
+        assert not [line for line in block if " gpus " in line]
+    assert any("disk" in line and "does not fit" in line for line in block)
+    assert any("draft" in line and "[2, 30, 58, 61]" in line for line in lines)
     # MLA is asked of the installed vLLM itself: its backend, its KV-cache groups, its connector's test
-    mla = [l for l in lines if " mla " in l]
+    mla = [line for line in lines if " mla " in line]
     assert len(mla) == 1 and "✔ ok" in mla[0] and "connector accepts it" in mla[0], mla
-    assert not [l for l in block if " mla " in l or " int4 " in l]  # the reasons here: weights, GPUs, data, disk
+    assert not [line for line in block if " mla " in line or " int4 " in line]  # the reasons here: weights, GPUs, data, disk
 
 
 def test_no_mla_question_without_vllm():

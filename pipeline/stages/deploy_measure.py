@@ -107,7 +107,7 @@ class DeployMeasure(Stage):
     def run(self, ctx: StageContext) -> dict:
         ev = ctx.profile.evaluate
         tok = target.load_tokenizer(ctx.target_dir())
-        rows = [json.loads(l) for l in heldout_path(ctx).read_text().splitlines() if l.strip()][: ev.num_prompts]
+        rows = [json.loads(line) for line in heldout_path(ctx).read_text().splitlines() if line.strip()][: ev.num_prompts]
         if not rows:
             raise StageError(f"{heldout_path(ctx)}: no held-out prompts")
         prompts = [conversations.render_ids(tok, r["messages"], add_generation_prompt=True) for r in rows]

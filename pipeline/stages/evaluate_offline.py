@@ -31,7 +31,7 @@ class EvaluateOffline(Stage):
         from pipeline import speculative
 
         ev = ctx.profile.evaluate
-        prompts = [json.loads(l) for l in heldout_path(ctx).read_text().splitlines() if l.strip()][: ev.num_prompts]
+        prompts = [json.loads(line) for line in heldout_path(ctx).read_text().splitlines() if line.strip()][: ev.num_prompts]
         if not prompts:
             raise StageError(f"{heldout_path(ctx)}: no held-out prompts (data.heldout = 0?)")
         tok = target.load_tokenizer(ctx.target_dir())
