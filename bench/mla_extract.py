@@ -35,8 +35,9 @@ def extract_copy(run_dir: Path, work: Path, backend: str):
     resolved = tomllib.loads((copy / "profile.toml").read_text())
     resolved["extract"]["backend"] = backend
     (copy / "profile.toml").write_text(dump_toml(resolved))
-    proc = subprocess.run([sys.executable, "-m", "pipeline", "run", "--resume", str(copy), "--no-tui", "--from", "extract",
-                           "--until", "extract"], cwd=ROOT, capture_output=True, text=True, check=False)
+    proc = subprocess.run([sys.executable, "-m", "pipeline", "run", "--resume", str(copy), "--no-tui",
+                           "--from", "extract", "--until", "extract"],
+                          cwd=ROOT, capture_output=True, text=True, check=False)
     if proc.returncode != 0:
         sys.exit(f"{backend} extraction failed: {(proc.stderr.strip().splitlines() or ['no output'])[-1]}")
     run = RunDir.open(copy)
@@ -72,7 +73,8 @@ def main() -> None:
         hf_s = hf.get("seconds") or hf_stage
         print(f"rows {n}, tokens {tokens}, layer ids {vl['layer_ids']}")
         print(f"{'backend':<14}{'seconds':>9}{'samples/s':>11}{'tokens/s':>10}  note")
-        print(f"{'transformers':<14}{hf_s:>9.2f}{n / hf_s:>11.1f}{tokens / hf_s:>10.0f}  stage {hf_stage:.1f} s (model load included)")
+        print(f"{'transformers':<14}{hf_s:>9.2f}{n / hf_s:>11.1f}{tokens / hf_s:>10.0f}  "
+              f"stage {hf_stage:.1f} s (model load included)")
         print(f"{'vllm':<14}{vl['seconds']:>9.2f}{n / vl['seconds']:>11.1f}{tokens / vl['seconds']:>10.0f}  "
               f"generate-offline-data (CLI start-up included); server start {vl['server_start_s']} s apart")
         print(f"ratio vllm / transformers (samples/s): {hf_s / vl['seconds']:.2f}")

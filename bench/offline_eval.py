@@ -54,7 +54,8 @@ def main() -> int:
     print(f"identical outputs {sum(x[0] == y[0] for x, y in zip(one, many))}/{len(prompts)}, "
           f"references {sum(x == y for x, y in zip(refs1, refsb))}/{len(prompts)}, "
           f"batched speculation == batched reference {sum(x[0] == r for x, r in zip(many, refsb))}/{len(prompts)}")
-    print(f"tau {totals[0].tau:.4f} vs {totals[1].tau:.4f}; acceptance {totals[0].acceptance()} vs {totals[1].acceptance()}")
+    print(f"tau {totals[0].tau:.4f} vs {totals[1].tau:.4f}; "
+          f"acceptance {totals[0].acceptance()} vs {totals[1].acceptance()}")
     return 0
 
 

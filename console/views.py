@@ -75,7 +75,8 @@ def server_text(server: dict, profile: Profile) -> str:
     if s.get("state") != "running":
         return f"vLLM on {profile.server.host}:{profile.server.port}: not running ({s.get('state')})"
     return (f"mode {s['mode']} · pid {s['pid']} (group {s['pgid']}: {s.get('pids')}) · port {s['port']} · "
-            f"{'healthy' if s.get('healthy') else 'NOT healthy'} · up {fmt_secs(s.get('uptime_s'))}\nlog {s.get('log')}")
+            f"{'healthy' if s.get('healthy') else 'NOT healthy'} · up {fmt_secs(s.get('uptime_s'))}\n"
+            f"log {s.get('log')}")
 
 
 def server_brief(server: dict) -> str:

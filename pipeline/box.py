@@ -84,7 +84,8 @@ def mode_inputs(profile: Profile, run, mode: str, draft: str | None = None, stor
 
     if profile.target.source == "demo" and run is None:
         raise ValueError("a demo target lives in a run: pass --run-dir RUN_DIR")
-    target_dir = StageContext(run=run, profile=profile, log=None).target_dir() if run else Path(profile.target.model_path)
+    target_dir = (StageContext(run=run, profile=profile, log=None).target_dir() if run
+                  else Path(profile.target.model_path))
     if mode == "extraction":
         from pipeline.targetinfo import from_config
         n = from_config(target_dir / "config.json").layers  # multimodal wrappers: text_config

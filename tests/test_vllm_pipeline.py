@@ -76,7 +76,8 @@ def test_benchmark_matrix_and_speculative_serving_matches_baseline(vllm_run):
     speedup = matrix["eagle3"]["levels"][str(low)]["speedup"]
     threshold = vllm_run.profile().evaluate.deploy_speedup
     verdict, relation = ("deploy", ">=") if speedup >= threshold else ("do not deploy", "<")
-    assert res["decision"] == f"{verdict}: speedup x{speedup:.3f} {relation} threshold x{threshold:g} at concurrency {low}"
+    assert res["decision"] == (f"{verdict}: speedup x{speedup:.3f} {relation} threshold x{threshold:g} "
+                               f"at concurrency {low}")
     assert vllm_run.stage_state("deploy-measure")["figures"]["decision"] == res["decision"]
     hand = json.loads((vllm_run.root / "server-handover.json").read_text())
     assert hand["after_run"] == "stop"

@@ -96,15 +96,16 @@ def main() -> int:
         write_verifier_stub(stub, config)
         print(f"verifier stub written in {time.perf_counter() - t:.1f} s", flush=True)
     tag = a.tag or f"n{a.nproc}{'-fsdp' if a.fsdp else ''}"
-    overrides = {"target.model_path": str(stub), "target.config": "", "run.runs_dir": str(a.work / "runs"), "run.cache_dir": str(a.work / "cache"),
+    overrides = {"target.model_path": str(stub), "target.config": "",
+                 "run.runs_dir": str(a.work / "runs"), "run.cache_dir": str(a.work / "cache"),
                  "train.epochs": a.epochs, "train.total_seq_len": a.total_seq_len, "train.nproc_per_node": a.nproc,
                  "train.fsdp": a.fsdp, "train.loss_implementation": a.loss, "train.draft_attn_impl": a.attn,
                  "vocab.draft_vocab_size": 256 if a.small else 32000, "data.seq_length": a.seq,
                  "data.max_samples": a.samples, "data.mean_sample_tokens": a.seq, "hardware.min_free_disk_gib": 1.0}
     profile = load_profile(ROOT / "bench/gpu/train-8b.toml", overrides)
     # One synthetic dataset per size, shared by every run of this work directory (runs link to it).
-    data = RunDir.create(profile, a.work / f"data-{a.samples}x{a.seq}") if not (a.work / f"data-{a.samples}x{a.seq}").exists() \
-        else RunDir.open(a.work / f"data-{a.samples}x{a.seq}")
+    data_dir = a.work / f"data-{a.samples}x{a.seq}"
+    data = RunDir.create(profile, data_dir) if not data_dir.exists() else RunDir.open(data_dir)
     if not (data.prepared_dir / "token_freq.pt").exists():
         t = time.perf_counter()
         write_prepared(data, config, a.samples, a.seq, n_states=4)
@@ -130,9 +131,11 @@ def main() -> int:
         s = steady(ms, per_epoch)
         tps = a.total_seq_len * a.nproc / (s / 1000)
         results[name] = {"wall_s": round(wall, 1), "steps": len(ms), "first_step_ms": ms[0],
-                         "steady_step_ms": round(s, 1), "tokens_per_s": round(tps), "peak_gpu_mem_gib": round(peak / 2**30, 2)}
+                         "steady_step_ms": round(s, 1), "tokens_per_s": round(tps),
+                         "peak_gpu_mem_gib": round(peak / 2**30, 2)}
         print(f"{name}: {len(ms)} steps, first {ms[0]:.0f} ms, steady {s:.1f} ms/step = {tps:,.0f} tok/s "
-              f"(x{a.nproc} ranks x {a.total_seq_len}), wall {wall:.1f} s, peak GPU memory {peak / 2**30:.2f} GiB", flush=True)
+              f"(x{a.nproc} ranks x {a.total_seq_len}), wall {wall:.1f} s, peak GPU memory {peak / 2**30:.2f} GiB",
+              flush=True)
 
     # both: direct first (it pays the cold compile), the stage, then direct again with the same warm
     # caches, so that the wall-clock ratio compares like with like

@@ -41,7 +41,8 @@ class Grid(Widget):
         bold = base + Style(bold=True)
         cells = [[(str(c), base + Style.parse(c.style) if isinstance(c, Text) and isinstance(c.style, str) else None)
                   for c in row] for row in (self.header, *self.rows)]
-        widths = [max((cell_len(row[c][0]) for row in cells if c < len(row)), default=0) for c in range(len(self.header))]
+        widths = [max((cell_len(row[c][0]) for row in cells if c < len(row)), default=0)
+                  for c in range(len(self.header))]
         return [Strip([Segment(text + " " * (widths[c] - cell_len(text) + 2), style or (bold if n == 0 else base))
                        for c, (text, style) in enumerate(row)]).crop_extend(0, width, base)
                 for n, row in enumerate(cells)]

@@ -10,8 +10,8 @@ from pipeline.stages.regenerate import Regenerate
 from pipeline.stages.train import Train
 from pipeline.stages.vocab import Vocab
 
-STAGES = [Preflight(), BuildTarget(), Regenerate(), Prepare(), Extract(), Vocab(), Train(), EvaluateOffline(), DeployMeasure(),
-          Handover()]
+STAGES = [Preflight(), BuildTarget(), Regenerate(), Prepare(), Extract(), Vocab(), Train(), EvaluateOffline(),
+          DeployMeasure(), Handover()]
 
 
 def stage_names() -> list[str]:

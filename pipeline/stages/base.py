@@ -31,7 +31,8 @@ class StageContext:
     def emit(self, kind: str, stage: str, **data) -> None:
         self.on_event(self.run.emit(stage, kind, **data))
 
-    def progress(self, stage: str, done: int, total: int | None, unit: str = "", force: bool = False, **figures) -> None:
+    def progress(self, stage: str, done: int, total: int | None, unit: str = "", force: bool = False,
+                 **figures) -> None:
         """Record progress; throttled to 4 events/s so a tight loop cannot flood the event log."""
         now = time.monotonic()
         if not force and total is not None and done < total and now - self._last_progress < 0.25:

@@ -107,7 +107,8 @@ class DeployMeasure(Stage):
     def run(self, ctx: StageContext) -> dict:
         ev = ctx.profile.evaluate
         tok = target.load_tokenizer(ctx.target_dir())
-        rows = [json.loads(line) for line in heldout_path(ctx).read_text().splitlines() if line.strip()][: ev.num_prompts]
+        rows = [json.loads(line) for line in heldout_path(ctx).read_text().splitlines()
+                if line.strip()][: ev.num_prompts]
         if not rows:
             raise StageError(f"{heldout_path(ctx)}: no held-out prompts")
         prompts = [conversations.render_ids(tok, r["messages"], add_generation_prompt=True) for r in rows]
@@ -122,7 +123,8 @@ class DeployMeasure(Stage):
         for method, row in matrix.items():
             for c, level in row.get("levels", {}).items():
                 b = base["levels"].get(c, {})
-                level["speedup"] = round(level["output_tok_s"] / b["output_tok_s"], 3) if b.get("output_tok_s") else None
+                level["speedup"] = (round(level["output_tok_s"] / b["output_tok_s"], 3) if b.get("output_tok_s")
+                                    else None)
             if method != "baseline" and low in row.get("levels", {}):
                 diff = [rows[i]["id"] for i, (a, b) in enumerate(zip(base["levels"][low]["outputs"],
                                                                       row["levels"][low]["outputs"])) if a != b]

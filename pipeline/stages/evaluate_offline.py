@@ -31,7 +31,8 @@ class EvaluateOffline(Stage):
         from pipeline import speculative
 
         ev = ctx.profile.evaluate
-        prompts = [json.loads(line) for line in heldout_path(ctx).read_text().splitlines() if line.strip()][: ev.num_prompts]
+        prompts = [json.loads(line) for line in heldout_path(ctx).read_text().splitlines()
+                   if line.strip()][: ev.num_prompts]
         if not prompts:
             raise StageError(f"{heldout_path(ctx)}: no held-out prompts (data.heldout = 0?)")
         tok = target.load_tokenizer(ctx.target_dir())
@@ -69,7 +70,8 @@ class EvaluateOffline(Stage):
             "target_forwards": total.target_forwards,
             "tokens_per_target_forward": round(total.generated / total.target_forwards, 4),
             "lossless": not mismatches, "mismatches": mismatches, "per_prompt": per_prompt,
-            "batch_size": ev.batch_size, "seconds_speculative": round(t_spec, 3), "seconds_greedy_reference": round(t_ref, 3),
+            "batch_size": ev.batch_size, "seconds_speculative": round(t_spec, 3),
+            "seconds_greedy_reference": round(t_ref, 3),
         }
         atomicio.atomic_write_json(result_path(ctx), result)
         if mismatches:
