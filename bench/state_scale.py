@@ -15,6 +15,7 @@ import sys
 import tempfile
 import time
 from contextlib import redirect_stdout
+from functools import partial
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -71,10 +72,10 @@ def main() -> None:
         rows = []
         for label, record, intact in (("per file (before)", per_file_manifest, per_file_intact),
                                       ("digest per directory (now)", runner.manifest, runner.outputs_intact)):
-            make_s, recorded = timed(lambda: record(run, [hs]), repeats=1)
+            make_s, recorded = timed(partial(record, run, [hs]), repeats=1)
             run.update_stage("extract", status="done", outputs=recorded, seconds=1.0, figures={})
             size = run.state_path.stat().st_size
-            check_s, ok = timed(lambda: intact(run, recorded))
+            check_s, ok = timed(partial(intact, run, recorded))
             assert ok, "the recorded outputs must read as intact"
             status_s, _ = timed(lambda: quiet_status(cli, run.root), repeats=1)
             tick_s, _ = timed(lambda: RunWatcher(run, [s.name for s in STAGES]).poll())

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import time
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from pathlib import Path
 
 from pipeline import atomicio, box, conversations, online, target
@@ -69,7 +70,8 @@ def measure_method(ctx: StageContext, stage: str, method: str, prompts: list[lis
         for c in sorted(p.evaluate.concurrency):
             before = online.scrape(rec.base_url)
             level = send_all(rec.base_url, p.server.served_model_name, prompts, p.evaluate.max_new_tokens, c,
-                             on_done=lambda n: ctx.progress(stage, n, len(prompts), f"prompts ({method}, c={c})"))
+                             on_done=partial(ctx.progress, stage, total=len(prompts),
+                                             unit=f"prompts ({method}, c={c})"))
             spec = online.scrape(rec.base_url) - before
             if spec.drafts:
                 level.update(mean_acceptance_length=round(spec.mean_acceptance_length, 4),
