@@ -57,7 +57,7 @@ def compare(a_run, b_run, n: int, layer_ids: list[int]) -> list[float]:
         b = load_file(str(b_run.hidden_states_dir / f"hs_{i}.safetensors"))
         assert torch.equal(a["token_ids"], b["token_ids"]), f"token ids differ in hs_{i}"
         diff = (a["hidden_states"].float() - b["hidden_states"].float()).abs().amax(dim=(0, 2))
-        worst = [max(w, d) for w, d in zip(worst, diff.tolist())]
+        worst = [max(w, d) for w, d in zip(worst, diff.tolist(), strict=True)]
     return worst
 
 
@@ -80,7 +80,7 @@ def main() -> None:
         print(f"ratio vllm / transformers (samples/s): {hf_s / vl['seconds']:.2f}")
         worst = compare(vl_run, hf_run, n, vl["layer_ids"])
         print("max |vLLM - transformers| per layer id: " + ", ".join(
-            f"{i}: {w:.2e}" for i, w in zip(vl["layer_ids"], worst)))
+            f"{i}: {w:.2e}" for i, w in zip(vl["layer_ids"], worst, strict=True)))
 
 
 if __name__ == "__main__":

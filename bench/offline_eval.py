@@ -51,9 +51,10 @@ def main() -> int:
     print(f"speculation: one at a time {t1 - t0:.2f} s, batched {t2 - t1:.2f} s -> {(t1 - t0) / (t2 - t1):.1f}x")
     print(f"greedy reference: one at a time {t3 - t2:.2f} s, batched {t4 - t3:.2f} s -> {(t3 - t2) / (t4 - t3):.1f}x")
     print(f"stage work: {t1 - t0 + t3 - t2:.2f} s -> {t2 - t1 + t4 - t3:.2f} s")
-    print(f"identical outputs {sum(x[0] == y[0] for x, y in zip(one, many))}/{len(prompts)}, "
-          f"references {sum(x == y for x, y in zip(refs1, refsb))}/{len(prompts)}, "
-          f"batched speculation == batched reference {sum(x[0] == r for x, r in zip(many, refsb))}/{len(prompts)}")
+    print(f"identical outputs {sum(x[0] == y[0] for x, y in zip(one, many, strict=True))}/{len(prompts)}, "
+          f"references {sum(x == y for x, y in zip(refs1, refsb, strict=True))}/{len(prompts)}, "
+          f"batched speculation == batched reference "
+          f"{sum(x[0] == r for x, r in zip(many, refsb, strict=True))}/{len(prompts)}")
     print(f"tau {totals[0].tau:.4f} vs {totals[1].tau:.4f}; "
           f"acceptance {totals[0].acceptance()} vs {totals[1].acceptance()}")
     return 0

@@ -183,7 +183,7 @@ class StageMonitor:
         if not self._samples:
             return None
         per_gpu: dict[int, dict] = {}
-        for prev, snap in zip([None] + self._samples[:-1], self._samples):
+        for prev, snap in zip([None] + self._samples[:-1], self._samples, strict=True):
             dt = snap.t - prev.t if prev else 0.0
             for g in snap.gpus:
                 if g.lost:

@@ -41,7 +41,7 @@ class SpecCounters:
         a = list(self.per_position) + [0.0] * (n - len(self.per_position))
         b = list(other.per_position) + [0.0] * (n - len(other.per_position))
         return SpecCounters(self.drafts - other.drafts, self.draft_tokens - other.draft_tokens,
-                            self.accepted - other.accepted, tuple(x - y for x, y in zip(a, b)))
+                            self.accepted - other.accepted, tuple(x - y for x, y in zip(a, b, strict=True)))
 
     @property
     def mean_acceptance_length(self) -> float:

@@ -75,7 +75,7 @@ class DraftProposer:
             h = d.input_norm(h)
         if d.fc_norm is not None:
             chunks = h.chunk(len(d.fc_norm), dim=-1)
-            h = torch.cat([norm(c) for norm, c in zip(d.fc_norm, chunks)], dim=-1)
+            h = torch.cat([norm(c) for norm, c in zip(d.fc_norm, chunks, strict=True)], dim=-1)
         h = d.fc(h)
         cache = DynamicCache()
         ids = next_ids
@@ -130,7 +130,7 @@ class SpecStats:
         self.accepted += other.accepted
         self.target_forwards += other.target_forwards
         self.generated += other.generated
-        self.per_position = [a + b for a, b in zip(self.per_position, other.per_position)]
+        self.per_position = [a + b for a, b in zip(self.per_position, other.per_position, strict=True)]
 
 
 def _truncate(tokens: list[int], eos: set[int], limit: int) -> list[int]:
@@ -158,7 +158,7 @@ def speculative_generate_batch(reader: HiddenStateReader, proposer: DraftPropose
 
     def verify(rows: list[int], tails: list[list[int]]) -> torch.Tensor:
         """Target forward over seq+tail of each row; returns logits and stores each row's aux states."""
-        full = [seqs[r] + t for r, t in zip(rows, tails)]
+        full = [seqs[r] + t for r, t in zip(rows, tails, strict=True)]
         logits, states = reader(_right_padded(full, pad=0))
         states = states.flatten(2)  # the reader reads the head's aux layers only
         for b, r in enumerate(rows):
@@ -196,7 +196,7 @@ def speculative_generate_batch(reader: HiddenStateReader, proposer: DraftPropose
             seqs[r] += new
             outs[r] += new
     results = []
-    for out, st in zip(outs, stats):
+    for out, st in zip(outs, stats, strict=True):
         out = _truncate(out, eos, max_new_tokens)
         st.generated = len(out)
         results.append((out, st))

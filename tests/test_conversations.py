@@ -34,8 +34,8 @@ def test_assistant_only_loss_mask(cache_dir):
             {"role": "assistant", "content": "six"}]
     rows = conversations.assistant_rows(tok, msgs)
     assert len(rows) == 2  # one row per assistant turn
-    for row, answer in zip(rows, ["four", "six"]):
-        learned = [t for t, m in zip(row["input_ids"], row["loss_mask"]) if m]
+    for row, answer in zip(rows, ["four", "six"], strict=True):
+        learned = [t for t, m in zip(row["input_ids"], row["loss_mask"], strict=True) if m]
         assert tok.decode(learned) == answer + "<|end|>"
     assert rows[0]["input_ids"] == rows[1]["input_ids"][: len(rows[0]["input_ids"])]
 

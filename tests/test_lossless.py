@@ -1,5 +1,6 @@
 """Speculative output must equal the target's greedy output; the stage must catch it when not."""
 import json
+from itertools import pairwise
 
 import pytest
 import torch
@@ -28,7 +29,7 @@ def test_offline_evaluation_result(finished_run):
     assert 1.0 <= res["tau"] <= 1 + res["k"]
     assert res["tau"] == pytest.approx(1 + res["accepted"] / res["rounds"], abs=1e-3)
     acc = res["acceptance_per_position"]
-    assert all(a >= b for a, b in zip(acc, acc[1:]))  # a chain: position i+1 needs position i
+    assert all(a >= b for a, b in pairwise(acc))  # a chain: position i+1 needs position i
     assert sum(acc) == pytest.approx(res["tau"] - 1, abs=1e-3)
 
 
@@ -94,7 +95,7 @@ def test_batched_speculation_equals_one_prompt_at_a_time(finished_run):
     assert len({len(i) for i in ids}) > 1  # rows of different lengths: padding is exercised
     batched = speculative.speculative_generate_batch(reader, proposer, ids, 3, 24, eos)
     refs = speculative.greedy_reference_batch(model, ids, 24, eos)
-    for p, (out, st), ref in zip(ids, batched, refs):
+    for p, (out, st), ref in zip(ids, batched, refs, strict=True):
         alone, st1 = speculative.speculative_generate(reader, proposer, p, 3, 24, eos)
         assert out == alone == ref == speculative.greedy_reference(model, p, 24, eos)
         assert (st.rounds, st.accepted, st.per_position, st.target_forwards) == \

@@ -85,7 +85,7 @@ def test_multi_node_argv_uses_hs_connectors_mooncake(tmp_path):
                             "extract.mooncake_master": "10.0.0.1:50051", "extract.mooncake_protocol": "rdma",
                             "extract.mooncake_device": "mlx5_0,mlx5_1", "server.cuda_visible_devices": "0,1,2,3"})
     flags = online_training.trainer_flags(p, "http://127.0.0.1:8000/v1", tmp_path)
-    pairs = dict(zip(flags[::2], flags[1::2]))
+    pairs = dict(zip(flags[::2], flags[1::2], strict=True))
     assert pairs["--on-missing"] == "generate" and pairs["--hidden-states-backend"] == "mooncake"
     assert pairs["--mooncake-master"] == "10.0.0.1:50051" and pairs["--mooncake-protocol"] == "rdma"
     assert pairs["--mooncake-device"] == "mlx5_0,mlx5_1" and "--hidden-states-path" not in pairs

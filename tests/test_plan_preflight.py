@@ -200,7 +200,7 @@ def test_gpu_findings_for_each_hardware(profile_name, snapshot, expected):
     """Every hardware case from an explicit snapshot: no NVML, too few, enough, smaller, lost, busy GPUs."""
     found = preflight.gpu_findings(load_profile(profile_name, check_inputs=False), snapshot)
     assert [f.severity for f in found] == [sev for sev, _ in expected], [f.line() for f in found]
-    for f, (_, text) in zip(found, expected):
+    for f, (_, text) in zip(found, expected, strict=True):
         assert text in f.message, (text, f.message)
 
 

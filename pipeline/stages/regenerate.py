@@ -47,7 +47,7 @@ class Regenerate(Stage):
                 batch = work[start:start + data.regenerate_batch_size]
                 prompts = [conversations.render_ids(tok, histories[h][:pos], True) for h, pos in batch]
                 completions = _greedy(model, tok, prompts, data.regenerate_max_tokens)
-                for (h, pos), prompt, completion in zip(batch, prompts, completions):
+                for (h, pos), prompt, completion in zip(batch, prompts, completions, strict=True):
                     rows.append({"input_ids": prompt + completion,
                                  "loss_mask": [0] * len(prompt) + [1] * len(completion)})
                     text = tok.decode([t for t in completion if t not in tok.all_special_ids])
