@@ -79,12 +79,14 @@ def adopt(profile: Profile, force: bool = False):
 def mode_inputs(profile: Profile, run, mode: str, draft: str | None = None, storage: str | None = None):
     """The target directory and mode arguments a server start needs, from a run (demo target, published
     draft, hidden-state storage) or from the profile and explicit paths."""
+    import logging
+
     from pipeline.stages.base import StageContext
     from pipeline.target import resolve_layer_ids
 
     if profile.target.source == "demo" and run is None:
         raise ValueError("a demo target lives in a run: pass --run-dir RUN_DIR")
-    target_dir = (StageContext(run=run, profile=profile, log=None).target_dir() if run
+    target_dir = (StageContext(run=run, profile=profile, log=logging.getLogger(__name__)).target_dir() if run
                   else Path(profile.target.model_path))
     if mode == "extraction":
         from pipeline.targetinfo import from_config

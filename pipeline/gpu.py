@@ -173,17 +173,17 @@ class StageMonitor:
                                              "mem": {str(g.index): g.mem_used for g in snap.gpus}})
             self._stop.wait(self.interval)
 
-    def __exit__(self, *exc) -> bool:
+    def __exit__(self, *exc) -> None:
         self._stop.set()
         if self._thread:
             self._thread.join(timeout=5)
-        return False
 
     def summary(self) -> dict | None:
         if not self._samples:
             return None
         per_gpu: dict[int, dict] = {}
-        for prev, snap in zip([None] + self._samples[:-1], self._samples, strict=True):
+        prevs: list[GpuSnapshot | None] = [None, *self._samples[:-1]]
+        for prev, snap in zip(prevs, self._samples, strict=True):
             dt = snap.t - prev.t if prev else 0.0
             for g in snap.gpus:
                 if g.lost:

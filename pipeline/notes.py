@@ -23,7 +23,7 @@ def redact(text: str) -> str:
 
 def add(run: RunDir, text: str, *, source: str = "operator", stage: str | None = None,
         figures: dict | None = None) -> dict:
-    record = {"ts": now_iso(), "source": source, "stage": stage, "text": redact(text)}
+    record: dict = {"ts": now_iso(), "source": source, "stage": stage, "text": redact(text)}
     if figures:
         record["figures"] = figures
     atomicio.append_jsonl(run.notes_path, record)
@@ -103,8 +103,8 @@ def to_markdown(run: RunDir, out_path: Path | None = None) -> str:
     lines += ["## Notes", ""]
     for note in read(run):
         who = "operator" if note.get("source") == "operator" else (note.get("stage") or "pipeline")
-        figs = note.get("figures")
-        tail = f" ({', '.join(f'{k}={_fmt(v)}' for k, v in figs.items())})" if figs else ""
+        note_figures = note.get("figures")
+        tail = f" ({', '.join(f'{k}={_fmt(v)}' for k, v in note_figures.items())})" if note_figures else ""
         lines.append(f"- `{note['ts']}` **{who}**: {note['text']}{tail}")
     return "\n".join(lines) + "\n"
 

@@ -280,7 +280,7 @@ def candidate_splits(profile: Profile, generate_tokens: float, train_tokens: flo
 
 
 def _shared_split(profile: Profile, gen: float, trn: float, generate_tokens: float, train_tokens: float,
-                  train_mem: int, weights: int, per_gpu: float) -> Split:
+                  train_mem: int, weights: float, per_gpu: float) -> Split:
     """Serve and train on every GPU: vLLM's share (server.gpu_memory_utilization) lowered to leave the
     trainer its memory, if the weights still fit the rest."""
     gpus = profile.hardware.gpus
@@ -305,6 +305,7 @@ def disk_verdict(plan: Plan, profile: Profile, run_dir: Path | None = None, free
                  mode: str | None = None) -> tuple[bool, str]:
     """Does the plan fit the disk of the run directory (or `free` bytes: a node planned for)?"""
     mode = mode or plan.mode
+    where: Path | str
     if free is None:
         where, free = free_disk(profile, run_dir)
     else:

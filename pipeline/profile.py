@@ -289,7 +289,7 @@ def _build(cls: type, data: dict, source: Path, prefix: str) -> Any:
                 raise ProfileError(f"{source}: missing required key '{dotted}'")
             continue
         value = data[name]
-        if dataclasses.is_dataclass(tp):
+        if isinstance(tp, type) and dataclasses.is_dataclass(tp):
             if not isinstance(value, dict):
                 raise ProfileError(f"{source}: key '{dotted}': expected a table, got {value!r}")
             kwargs[name] = _build(tp, value, source, dotted + ".")

@@ -15,7 +15,7 @@ class ProgressPrinter:
     def __init__(self, stream=None, tty: bool | None = None):
         self.stream = stream or sys.stdout
         self.tty = self.stream.isatty() if tty is None else tty
-        self.started: dict[str, float] = {}
+        self.started: dict[str | None, float] = {}  # by the event's stage (None: a run-level event)
         self._last_plain = 0.0
         self._bar_open = False
 
@@ -43,7 +43,7 @@ class ProgressPrinter:
         elif kind == "progress":
             self._progress(stage, event)
 
-    def _progress(self, stage: str, event: dict) -> None:
+    def _progress(self, stage: str | None, event: dict) -> None:
         done, total, unit = event.get("done", 0), event.get("total"), event.get("unit", "")
         elapsed = time.monotonic() - self.started.get(stage, time.monotonic())
         extra = " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in event.items()

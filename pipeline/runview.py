@@ -52,9 +52,10 @@ class RunWatcher:
         self.clock = clock
         self.stage_names = stage_names
         self._offset = 0
-        self._progress: dict[str, dict] = {}
-        self._started: dict[str, float] = {}
-        self._metrics: dict[str, dict] = {}
+        # by the event's stage (None: a run-level event)
+        self._progress: dict[str | None, dict] = {}
+        self._started: dict[str | None, float] = {}
+        self._metrics: dict[str | None, dict] = {}
         self._notes_offset = 0
         self._notes: list[dict] = []
         self._loss: list[float] = []
@@ -137,7 +138,7 @@ class LogTailer:
     def __init__(self, path: Path):
         self.path = Path(path)
         self._offset = 0
-        self._inode = None
+        self._inode: int | None = None
 
     def new_lines(self, limit_bytes: int = 1 << 20) -> list[str]:
         try:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from pipeline.profile import Profile
 from pipeline.target import resolve_layer_ids
@@ -98,15 +99,15 @@ def quant_weights(quant: dict) -> tuple[int, int, int]:
     """(weight bits, group size, activation bits) of a compressed-tensors scheme (Kimi-K2.5: 4, 32, 0 =
     activations not quantized), or zeros."""
     groups = quant.get("config_groups") or {}
-    scheme = next((g for g in groups.values() if g.get("weights")), {})
+    scheme: dict = next((g for g in groups.values() if g.get("weights")), {})
     weights, acts = scheme.get("weights") or {}, scheme.get("input_activations") or {}
     return int(weights.get("num_bits") or 0), int(weights.get("group_size") or 0), int(acts.get("num_bits") or 0)
 
 
 def demo_info(profile: Profile) -> TargetInfo:
     d = profile.demo_target
-    common = dict(source="profile [demo_target]", hidden=d.hidden_size, layers=d.num_layers, vocab=d.vocab_size,
-                  heads=d.num_heads, intermediate=d.intermediate_size)
+    common: dict[str, Any] = dict(source="profile [demo_target]", hidden=d.hidden_size, layers=d.num_layers,
+                                  vocab=d.vocab_size, heads=d.num_heads, intermediate=d.intermediate_size)
     if d.architecture in ("deepseek_v3", "kimi_k25"):
         int4 = d.quantization == "w4a16"
         arch, model_type = (("KimiK25ForConditionalGeneration", "kimi_k25") if d.architecture == "kimi_k25"

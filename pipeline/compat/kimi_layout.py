@@ -42,7 +42,8 @@ def write_kimi_layout(model_dir: Path) -> int:
     for name, tensor in load_file(str(path)).items():
         for old, new in RENAMES.items():
             if name.startswith(old):
-                name, _ = new + name[len(old):], used.add(old)
+                used.add(old)
+                name = new + name[len(old):]
                 break
         renamed[name] = tensor.contiguous()
     if "language_model.model.blocks." not in used:

@@ -17,6 +17,7 @@ speculators release renames or removes one of them.
 from __future__ import annotations
 
 import sys
+from typing import Any
 
 import torch
 
@@ -45,8 +46,9 @@ def adapt() -> list[str]:
         return []
     import importlib
 
-    trainer = importlib.import_module("speculators.train.trainer")
-    checkpointer = importlib.import_module("speculators.train.checkpointer")
+    # modules reached by name and patched: typed Any, their attributes are what ADAPTED checks
+    trainer: Any = importlib.import_module("speculators.train.trainer")
+    checkpointer: Any = importlib.import_module("speculators.train.checkpointer")
     for module, attr in ADAPTED:
         if not hasattr(importlib.import_module(module), attr):
             raise RuntimeError(f"speculators changed: {module}.{attr} no longer exists; "
@@ -67,7 +69,7 @@ def adapt() -> list[str]:
             return original_now(self)
 
     timer.mark, timer.now = mark, now
-    cli = importlib.import_module("speculators.train.cli")
+    cli: Any = importlib.import_module("speculators.train.cli")
     cli.maybe_setup_distributed = _setup_distributed_on_cpu
     # Trainer.device_type stays "cuda", which leaves autocast off (fp32 compute). Deliberately: CPU bf16
     # autocast measured 1,550 ms/step against 215 ms/step in fp32 on the 2-core CI machine (NOTES.md).

@@ -15,7 +15,7 @@ tables or speculators declares other bounds: that is the moment to run the proje
 from __future__ import annotations
 
 # Pairs this project ran (NOTES.md) and the ranges the packages themselves declare (docs/reference.md §1, §2.8).
-KNOWN = {
+KNOWN: dict[str, set[str] | tuple[str, str]] = {
     "speculators": {"0.9.0"},
     "transformers": ("5.0.0", "5.19.0"),  # speculators 0.9.0's own bounds
     "torch": ("2.9.0", "2.14.1"),

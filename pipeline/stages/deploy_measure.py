@@ -63,7 +63,7 @@ def measure_method(ctx: StageContext, stage: str, method: str, prompts: list[lis
     except ServerError as exc:
         box.free_port(p, ctx.log.info)
         return {"method": method, "error": str(exc)}
-    row = {"method": method, "server_start_s": round(time.perf_counter() - t0, 1), "levels": {}}
+    row: dict = {"method": method, "server_start_s": round(time.perf_counter() - t0, 1), "levels": {}}
     ctx.emit("server", stage, mode=mode, method=method, pid=rec.pid, port=rec.port, start_s=row["server_start_s"])
     try:
         online.complete(rec.base_url, p.server.served_model_name, prompts[0], 4, {})  # warm-up

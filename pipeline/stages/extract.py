@@ -75,7 +75,8 @@ def shard(total: int, world_size: int, rank: int) -> range:
 def plan_batches(lengths: dict[int, int], batch_size: int, batch_tokens: int) -> list[list[int]]:
     """Length-sorted batches (little padding), capped by count and by padded tokens."""
     order = sorted(lengths, key=lambda i: lengths[i])
-    batches, current = [], []
+    batches: list[list[int]] = []
+    current: list[int] = []
     for idx in order:
         width = lengths[idx]  # sorted ascending: the newest is the longest
         if current and (len(current) == batch_size or width * (len(current) + 1) > batch_tokens):

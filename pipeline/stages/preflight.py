@@ -34,7 +34,7 @@ class Preflight(Stage):
                              f"{blocked[0].message}",
                              resumable=not any(f.check in checks.PROFILE_ONLY for f in blocked))
         counts = {s: sum(f.severity == s for f in findings) for s in checks.SEVERITIES}
-        figures = {"ok": counts["ok"], "info": counts["info"], "warnings": counts["warn"]}
+        figures: dict[str, int | str] = {"ok": counts["ok"], "info": counts["info"], "warnings": counts["warn"]}
         if ctx.profile.extract.mode == "auto":  # decided once, at the first attempt, against this run's disk
             earlier = ctx.run.stage_state(self.name).get("figures") or {}
             if earlier.get("extract_mode"):

@@ -63,7 +63,7 @@ class Prepare(Stage):
                     rows += conversations.assistant_rows(tok, conv["messages"])
                 except ValueError as exc:
                     raise StageError(f"{source}: conversation {conv['id']}: {exc}") from None
-        columns = {"input_ids": [], "loss_mask": [], "seq_len": []}
+        columns: dict[str, list] = {"input_ids": [], "loss_mask": [], "seq_len": []}
         truncated = unsupervised = 0
         for row in rows:
             ids, mask = row["input_ids"][: data.seq_length], row["loss_mask"][: data.seq_length]
@@ -129,8 +129,8 @@ class Prepare(Stage):
         try:
             rc = procs.run_logged(cmd, ctx.run.log_path(self.name), env=procs.child_env(ctx.run.root),
                                   cwd=ctx.run.root)
-            failure = f"speculators prepare-data exited with {rc}: {procs.last_error_line(ctx.run.log_path(self.name))}"
-            failure = None if rc == 0 else explain_failure(rec, failure) if rec else failure
+            exited = f"speculators prepare-data exited with {rc}: {procs.last_error_line(ctx.run.log_path(self.name))}"
+            failure = None if rc == 0 else explain_failure(rec, exited) if rec else exited
         finally:
             if rec and ctx.profile.extract.backend != "vllm":
                 box.free_port(ctx.profile, ctx.log.info)  # nothing after prepare needs it

@@ -39,8 +39,8 @@ class Regenerate(Stage):
         for turn in range(max_turns):
             # Conversations that still have an assistant turn number `turn` to regenerate.
             work = []
-            for h_idx, h in enumerate(histories):
-                a_positions = [i for i, m in enumerate(h) if m["role"] == "assistant"]
+            for h_idx, history in enumerate(histories):
+                a_positions = [i for i, m in enumerate(history) if m["role"] == "assistant"]
                 if turn < len(a_positions):
                     work.append((h_idx, a_positions[turn]))
             for start in range(0, len(work), data.regenerate_batch_size):
