@@ -70,7 +70,7 @@ async def measure(seconds: float, lines: int) -> None:
                 print(f"attached, 8 GPUs at 1 Hz, {t1 - t0:.0f} s, {shown}: CPU {100 * used / (t1 - t0):.2f} % "
                       f"of one core, RSS {rss / 2**20:.0f} MiB")
             await pilot.press("1")
-            log = app.w["log"]
+            log = app.w.log
             base = log.line_count
             with open(run.log_path("train"), "a") as fh:
                 fh.writelines(f"step {i} train/loss=0.{i % 1000:03d} profile/step_ms=215.0\n" for i in range(lines))

@@ -12,6 +12,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
+from dataclasses import dataclass
 from pathlib import Path
 
 from textual import on, work
@@ -36,8 +37,22 @@ HISTORY = 60
 GPU_COLUMNS = ("GPU", "name", "util", "history", "memory", "history", "temp", "power", "SM MHz")
 PROCESS_COLUMNS = ("GPU", "PID", "process", "role", "GPU memory")
 MATRIX_COLUMNS = ("method", "conc.", "tok/s", "TPOT ms", "τ", "acceptance per position", "speedup", "same output")
-WIDGET_IDS = ("#summary, #stages, #filter, #log, #gpus, #gpu-procs, #server-info, #notes-log, #note-input, "
-              "#loss-curve, #matrix")
+
+
+@dataclass(frozen=True)
+class Widgets:
+    """The widgets the handlers update, by id (`gpu_procs`: #gpu-procs), each as its own kind."""
+    summary: Line
+    stages: StageTable
+    filter: Input
+    log: Log
+    gpus: Grid
+    gpu_procs: DiffTable
+    server_info: Static
+    notes_log: Log
+    note_input: Input
+    loss_curve: Static
+    matrix: DiffTable
 
 
 class ConsoleApp(App):
@@ -75,7 +90,7 @@ class ConsoleApp(App):
         self.polled: RunPolled | None = None
         self.snapshot: gpu.GpuSnapshot | None = None
         self.history: dict[int, tuple[deque, deque]] = {}
-        self._shown: dict[str, object] = {}
+        self._shown: dict[str | None, object] = {}
 
     # ---- layout
     def compose(self) -> ComposeResult:
@@ -105,10 +120,15 @@ class ConsoleApp(App):
     def on_mount(self) -> None:
         # Handlers use these references, not query_one: a query searches the active screen, which is
         # a dialog while one is open.
-        self.w = {w.id: w for w in self.query(WIDGET_IDS)}
+        q = self.query_one
+        self.w = Widgets(summary=q("#summary", Line), stages=q("#stages", StageTable), filter=q("#filter", Input),
+                         log=q("#log", Log), gpus=q("#gpus", Grid), gpu_procs=q("#gpu-procs", DiffTable),
+                         server_info=q("#server-info", Static), notes_log=q("#notes-log", Log),
+                         note_input=q("#note-input", Input), loss_curve=q("#loss-curve", Static),
+                         matrix=q("#matrix", DiffTable))
         self.tabs = self.query_one(TabbedContent)
-        self.w["gpu-procs"].add_columns(*PROCESS_COLUMNS)
-        self.w["matrix"].add_columns(*MATRIX_COLUMNS)
+        self.w.gpu_procs.add_columns(*PROCESS_COLUMNS)
+        self.w.matrix.add_columns(*MATRIX_COLUMNS)
         if self.readonly:
             for b in self.query(Button):
                 b.disabled = True
@@ -174,8 +194,8 @@ class ConsoleApp(App):
             self._draw_gpus(self.snapshot)
 
     def _draw_gpus(self, snap: gpu.GpuSnapshot) -> None:
-        self.w["gpus"].set(views.gpu_rows(snap, self.history))
-        self.w["gpu-procs"].fill(views.gpu_process_rows(snap, self.polled.job.get("roles", {}) if self.polled else {}))
+        self.w.gpus.set(views.gpu_rows(snap, self.history))
+        self.w.gpu_procs.fill(views.gpu_process_rows(snap, self.polled.job.get("roles", {}) if self.polled else {}))
 
     @on(RunPolled)
     def show_run(self, msg: RunPolled) -> None:
@@ -185,36 +205,35 @@ class ConsoleApp(App):
             return
         view = msg.view
         applies = {s.name: s.applies(self.profile) for s in STAGES}
-        self.w["stages"].show(views.live_stages(view.stages, msg.job), applies)
-        self._show_summary()
-        self._set(self.w["server-info"], views.server_text(self.server, self.profile))
+        self.w.stages.show(views.live_stages(view.stages, msg.job), applies)
+        self._show_summary(msg)
+        self._set(self.w.server_info, views.server_text(self.server, self.profile))
         self._show_eval(view)
         self._show_notes(view)
 
-    def _show_summary(self) -> None:
-        msg = self.polled
+    def _show_summary(self, msg: RunPolled) -> None:
         flags = (" · PAUSED" if self.paused else "") + (" · READ-ONLY" if self.readonly else "")
-        self.w["summary"].set(views.summary(msg.view.root, msg.job, msg.view.current, msg.server, self.snapshot, flags))
+        self.w.summary.set(views.summary(msg.view.root, msg.job, msg.view.current, msg.server, self.snapshot, flags))
 
     def _take_log(self, msg: RunPolled) -> None:
         """Keep every new line (for a later filter); show the ones the filter lets through unless paused."""
         if msg.log_name != self.log_name:
             self.log_name = msg.log_name
             self.log_buffer.clear()
-            self.w["log"].clear()
+            self.w.log.clear()
         self.log_buffer.extend(msg.log_lines)
         shown = [line for line in msg.log_lines if self.log_filter in line]
         if shown and not self.paused:
-            self.w["log"].write_lines(shown)  # batched: one call per tick
+            self.w.log.write_lines(shown)  # batched: one call per tick
 
     def _show_eval(self, view: RunView) -> None:
         if view.train_loss:
-            self._set(self.w["loss-curve"], views.loss_curve(view.train_loss))
+            self._set(self.w.loss_curve, views.loss_curve(view.train_loss))
         if view.evaluation:
-            self.w["matrix"].fill(views.matrix_rows(view.evaluation))
+            self.w.matrix.fill(views.matrix_rows(view.evaluation))
 
     def _show_notes(self, view: RunView) -> None:
-        notes_log = self.w["notes-log"]
+        notes_log = self.w.notes_log
         if len(view.notes) > notes_log.line_count:
             notes_log.write_lines([views.note_line(n) for n in view.notes[notes_log.line_count:]])
 
@@ -238,8 +257,11 @@ class ConsoleApp(App):
         return self.readonly
 
     def _confirm_then(self, question: str, what: str, mode: str | None) -> None:
-        self.push_screen(ConfirmScreen(question + self._holder_warning()),
-                         lambda yes: yes and self.server_command(what, mode))
+        def answered(yes: bool | None) -> None:
+            if yes:
+                self.server_command(what, mode)
+
+        self.push_screen(ConfirmScreen(question + self._holder_warning()), answered)
 
     def action_stop_server(self) -> None:
         if self._refuse_if_readonly():
@@ -298,6 +320,8 @@ class ConsoleApp(App):
         """In the server worker's thread: the command itself, through pipeline.box as the CLI's."""
         if what == "stop":
             return f"stopped: {box.free_port(self.profile, lambda m: None, force=force)}"
+        if mode is None:  # the start commands all name a mode
+            raise ValueError("no server mode chosen")
         target_dir, mode_args = box.mode_inputs(self.profile, self.rundir, mode)
         rec = box.start_mode(self.profile, mode, target_dir, self.rundir.log_path(f"server-{mode}"),
                              self.rundir.root / ".cache", lambda m: None, force=force, **mode_args)
@@ -309,7 +333,7 @@ class ConsoleApp(App):
         question = (f"{run} is using this server: its current stage will fail.\n"
                     f"Pull the server from under it anyway? y/n")
 
-        def answered(yes: bool) -> None:
+        def answered(yes: bool | None) -> None:
             if yes:
                 self.server_command(msg.what, msg.mode, held_by=msg.holder)
             else:
@@ -332,14 +356,14 @@ class ConsoleApp(App):
 
     # ---- log, display, notes
     def action_filter(self) -> None:
-        box_ = self.w["filter"]
+        box_ = self.w.filter
         box_.add_class("visible")
         box_.focus()
 
     @on(Input.Submitted, "#filter")
     def apply_filter(self, event: Input.Submitted) -> None:
         self.log_filter = event.value
-        log = self.w["log"]
+        log = self.w.log
         log.clear()
         log.write_lines([line for line in self.log_buffer if self.log_filter in line])
         if not event.value:
@@ -347,19 +371,19 @@ class ConsoleApp(App):
         log.focus()
 
     def action_follow(self) -> None:
-        log = self.w["log"]
+        log = self.w.log
         log.auto_scroll = True
         log.scroll_end(animate=False)
 
     def action_pause(self) -> None:
         self.paused = not self.paused
         if self.polled:
-            self._show_summary()
+            self._show_summary(self.polled)
         self.notify("display paused (collection continues)" if self.paused else "display resumed")
 
     def action_note(self) -> None:
         self.tabs.active = "notes"
-        self.w["note-input"].focus()
+        self.w.note_input.focus()
 
     @on(Input.Submitted, "#note-input")
     def add_note(self, event: Input.Submitted) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 BLOCKS = "▁▂▃▄▅▆▇█"
 
 
-def human_bytes(n: int | None) -> str:
+def human_bytes(n: float | None) -> str:
     if n is None:
         return "N/A"
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):

@@ -47,7 +47,7 @@ class ModeScreen(ModalScreen[str | None]):
 
     @on(Button.Pressed)
     def pressed(self, event: Button.Pressed) -> None:
-        self.dismiss(event.button.id.removeprefix("mode-"))
+        self.dismiss((event.button.id or "").removeprefix("mode-"))  # every button has an id
 
 
 HELP = """\
@@ -70,11 +70,11 @@ a lost GPU reads "GPU LOST".
 
 
 class HelpScreen(ModalScreen[None]):
-    BINDINGS = [Binding("escape,q,question_mark", "dismiss", "Close")]
+    BINDINGS = [Binding("escape,q,question_mark", "close", "Close")]
 
     def compose(self) -> ComposeResult:
         with Vertical(id="dialog"):
             yield Static(HELP)
 
-    def action_dismiss(self) -> None:
+    def action_close(self) -> None:  # not action_dismiss: Screen's own is async and takes a result
         self.dismiss(None)
