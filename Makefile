@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 export HF_HUB_OFFLINE := 1
 export HF_DATASETS_OFFLINE := 1
 
-.PHONY: venv demo test bench clean
+.PHONY: venv demo lint test bench clean
 
 venv: $(STAMP)
 
@@ -23,7 +23,12 @@ $(STAMP): requirements/base.txt requirements/test.txt requirements/constraints.t
 demo: venv
 	$(BIN)/eagle3-console run demo --no-tui
 
-test: venv
+# ruff (pyproject.toml [tool.ruff]) and mypy on pipeline/ and console/ ([tool.mypy]); `make test` runs it first.
+lint: venv
+	$(BIN)/ruff check pipeline console tests bench
+	$(BIN)/mypy
+
+test: lint
 	$(BIN)/python -m pytest -q
 
 bench: venv
