@@ -69,7 +69,7 @@ class StatesWatch:
     """While online training runs: the disk the in-flight states take (peak, sampled) and the
     server's generation rate (prompt tokens per second from /metrics), reported to `report`."""
 
-    def __init__(self, raw_dir: Path, base_url: str, report, period: float = 0.5):
+    def __init__(self, raw_dir: Path, base_url: str, report, period: float = 0.1):
         self.raw_dir, self.base_url, self.report, self.period = Path(raw_dir), base_url, report, period
         self.peak_bytes = self.peak_files = 0
         self.generated_tokens = 0.0
