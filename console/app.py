@@ -324,7 +324,7 @@ class ConsoleApp(App):
             raise ValueError("no server mode chosen")
         target_dir, mode_args = box.mode_inputs(self.profile, self.rundir, mode)
         rec = box.start_mode(self.profile, mode, target_dir, self.rundir.log_path(f"server-{mode}"),
-                             self.rundir.root / ".cache", lambda m: None, force=force, **mode_args)
+                             self.rundir.cache_root, lambda m: None, force=force, **mode_args)
         return f"{mode} server healthy, pid {rec.pid}"
 
     @on(PortHeldByRun)
@@ -409,7 +409,7 @@ class ConsoleApp(App):
         opened first: a run that cannot be written fails before anything is rendered."""
         from pipeline.atomicio import atomic_write_rendered
 
-        out = self.rundir.root / "notes.md"
+        out = self.rundir.notes_export
         try:
             atomic_write_rendered(out, lambda: notes.export(self.rundir, "md", out).encode())
         except Exception as exc:  # a read-only run, a full disk, a plot that failed: a notification, not a traceback

@@ -91,12 +91,12 @@ def mode_inputs(profile: Profile, run, mode: str, draft: str | None = None, stor
     if mode == "extraction":
         from pipeline.targetinfo import from_config
         n = from_config(target_dir / "config.json").layers  # multimodal wrappers: text_config
-        where = Path(storage) if storage else (run.data_dir / "hs_raw" if run else None)
+        where = Path(storage) if storage else (run.hs_raw_dir if run else None)
         if where is None:
             raise ValueError("extraction mode needs --storage DIR (or --run-dir)")
         return target_dir, {"layer_ids": resolve_layer_ids(profile.extract.layer_ids, n), "storage": where}
     if mode == "speculative" or draft:
-        where = Path(draft) if draft else (run.root / "deploy" / "draft" if run else None)
+        where = Path(draft) if draft else (run.draft_dir if run else None)
         if where is None or not (where / "config.json").is_file():
             raise ValueError(f"no published draft at {where}: pass --draft DIR (a deploy-measure output)")
         return target_dir, {"draft_dir": where}

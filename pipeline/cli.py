@@ -49,7 +49,7 @@ def cmd_run(args) -> int:
             profile = load_profile(args.profile, _overrides(args.set))
             select(profile, args.start, args.until)  # validate the range before creating anything
             run = RunDir.create(profile, Path(args.run_dir) if args.run_dir else None)
-        os.environ.setdefault("HF_HOME", str(run.root / ".cache" / "hf"))
+        os.environ.setdefault("HF_HOME", str(run.cache_root / "hf"))
         print(f"run directory: {run.root}", flush=True)
         if not args.no_tui:
             return _detach_and_attach(run, args)
@@ -258,7 +258,7 @@ def cmd_server(args) -> int:
         target_dir, mode_args = box.mode_inputs(profile, run, args.mode, args.draft, args.storage)
         logs = (run.logs_dir if run else Path(profile.run.runs_dir).resolve() / ".servers")
         rec = box.start_mode(profile, args.mode, target_dir, logs / f"server-{args.mode}.log",
-                             (run.root if run else Path(profile.run.cache_dir).resolve()) / ".cache", print,
+                             (run.cache_root if run else Path(profile.run.cache_dir).resolve() / ".cache"), print,
                              force=args.force, **mode_args)
         print(f"{args.mode} server healthy: pid {rec.pid}, {rec.base_url}, log {rec.log}")
         return 0

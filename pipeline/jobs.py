@@ -15,10 +15,6 @@ from pipeline import atomicio
 from pipeline.rundir import RunDir
 
 
-def job_path(run: RunDir) -> Path:
-    return run.root / "job.json"
-
-
 def start_detached(run: RunDir, start: str | None = None, until: str | None = None) -> int:
     argv = [sys.executable, "-m", "pipeline", "run", "--resume", str(run.root), "--no-tui"]
     if start:
@@ -26,10 +22,10 @@ def start_detached(run: RunDir, start: str | None = None, until: str | None = No
     if until:
         argv += ["--until", until]
     run.logs_dir.mkdir(exist_ok=True)
-    with open(run.logs_dir / "job.log", "ab") as out:
+    with open(run.job_log, "ab") as out:
         proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
                                 start_new_session=True, cwd=Path(__file__).resolve().parent.parent)
-    atomicio.atomic_write_json(job_path(run), {"pid": proc.pid, "argv": argv, "started": time.time()})
+    atomicio.atomic_write_json(run.job_record, {"pid": proc.pid, "argv": argv, "started": time.time()})
     return proc.pid
 
 
@@ -43,7 +39,7 @@ def runner_alive(run: RunDir) -> int | None:
     except (psutil.Error, KeyError):
         pass
     try:
-        job = json.loads(job_path(run).read_text())
+        job = json.loads(run.job_record.read_text())
         p = psutil.Process(job["pid"])
         if p.status() != psutil.STATUS_ZOMBIE and str(run.root) in " ".join(p.cmdline()):
             return job["pid"]

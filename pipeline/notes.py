@@ -64,7 +64,7 @@ def to_markdown(run: RunDir, out_path: Path | None = None) -> str:
     profile = run.profile()
     state = run.read_state()
     stages = state.get("stages", {})
-    online_path = run.eval_dir / "online.json"
+    online_path = run.online_result
     online = json.loads(online_path.read_text()) if online_path.exists() else None
     versions = ", ".join(f"{k} {v}" for k, v in (state.get("versions") or {}).items())
     lines = [f"# Run report: {run.root.name}", "", f"- profile: `{profile.name}` {profile.description}".rstrip(),
@@ -93,7 +93,7 @@ def to_markdown(run: RunDir, out_path: Path | None = None) -> str:
             "", f"TPOT = request latency / output tokens (prefill included). Offline τ of the same head: "
                 f"{_fmt(online.get('offline_tau'))}.", ""]
     try:
-        made = plots.all_plots(run, run.root / "report")
+        made = plots.all_plots(run, run.report_dir)
     except OSError as exc:  # a read-only or full run: the report goes out without its plots
         made = {}
         lines += ["## Plots", "", f"not written: {exc}", ""]

@@ -41,7 +41,7 @@ def acceptance(run: RunDir, out: Path) -> Path | None:
     offline = run.stage_state("evaluate-offline").get("figures", {})
     if offline.get("acceptance_per_position"):
         series["eagle3 (offline)"] = offline["acceptance_per_position"]
-    online_path = run.eval_dir / "online.json"
+    online_path = run.online_result
     if online_path.exists():
         res = json.loads(online_path.read_text())
         low = str(min(res["concurrency"]))
@@ -65,7 +65,7 @@ def acceptance(run: RunDir, out: Path) -> Path | None:
 
 
 def gpu_timeline(run: RunDir, out: Path) -> Path | None:
-    samples = list(atomicio.read_jsonl(run.root / "gpu_timeline.jsonl"))
+    samples = list(atomicio.read_jsonl(run.gpu_timeline))
     if not samples:
         return None
     plt = _plt()

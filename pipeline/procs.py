@@ -144,7 +144,7 @@ def repo_on_path(pythonpath: str | None) -> str:
     return root + (os.pathsep + pythonpath if pythonpath else "")
 
 
-def child_env(run_root: Path) -> dict:
+def child_env(cache_root: Path) -> dict:
     """Environment for the speculators subprocesses of a run: offline, unbuffered, uncoloured,
     caches inside the run, and this repository importable (the CPU compat launcher lives here)."""
     env = dict(os.environ)
@@ -152,7 +152,7 @@ def child_env(run_root: Path) -> dict:
     env["PYTHONUNBUFFERED"] = "1"
     env["NO_COLOR"] = "1"
     env["COLUMNS"] = speculators_logs.RICH_COLUMNS  # speculators logs through rich, which wraps at 80 columns
-    env.setdefault("TORCHINDUCTOR_CACHE_DIR", str(run_root / ".cache" / "inductor"))
-    env.setdefault("TRITON_CACHE_DIR", str(run_root / ".cache" / "triton"))
+    env.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_root / "inductor"))
+    env.setdefault("TRITON_CACHE_DIR", str(cache_root / "triton"))
     env["PYTHONPATH"] = repo_on_path(env.get("PYTHONPATH"))
     return env

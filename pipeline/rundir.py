@@ -63,6 +63,50 @@ class RunDir:
     @property
     def eval_dir(self) -> Path: return self.root / "eval"
 
+    @property
+    def cache_root(self) -> Path: return self.root / ".cache"  # HF, vLLM, inductor, triton caches of this run
+    @property
+    def job_record(self) -> Path: return self.root / "job.json"
+    @property
+    def job_log(self) -> Path: return self.logs_dir / "job.log"
+    @property
+    def gpu_timeline(self) -> Path: return self.root / "gpu_timeline.jsonl"
+    @property
+    def preflight_result(self) -> Path: return self.root / "preflight.json"
+    # data/
+    @property
+    def demo_conversations(self) -> Path: return self.data_dir / "demo_conversations.jsonl"
+    @property
+    def regenerated_conversations(self) -> Path: return self.data_dir / "conversations.regenerated.jsonl"
+    @property
+    def train_conversations(self) -> Path: return self.data_dir / "train_conversations.jsonl"
+    @property
+    def heldout_prompts(self) -> Path: return self.data_dir / "heldout_prompts.jsonl"
+    @property
+    def token_freq(self) -> Path: return self.prepared_dir / "token_freq.pt"
+    @property
+    def hs_raw_dir(self) -> Path: return self.data_dir / "hs_raw"  # the extraction server's states in flight
+    @property
+    def online_cache_record(self) -> Path: return self.hidden_states_dir / "online-cache.json"
+
+    def vocab_mappings(self, draft_vocab_size: int) -> tuple[Path, Path]:
+        """speculators' size-keyed d2t / t2d files."""
+        return (self.prepared_dir / f"d2t-{draft_vocab_size}.npy", self.prepared_dir / f"t2d-{draft_vocab_size}.npy")
+
+    # results
+    @property
+    def offline_result(self) -> Path: return self.eval_dir / "offline.json"
+    @property
+    def online_result(self) -> Path: return self.eval_dir / "online.json"
+    @property
+    def draft_dir(self) -> Path: return self.root / "deploy" / "draft"  # the published head vLLM serves
+    @property
+    def handover_record(self) -> Path: return self.root / "server-handover.json"
+    @property
+    def report_dir(self) -> Path: return self.root / "report"
+    @property
+    def notes_export(self) -> Path: return self.root / "notes.md"
+
     def log_path(self, stage: str) -> Path:
         return self.logs_dir / f"{stage}.log"
 

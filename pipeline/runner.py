@@ -216,9 +216,10 @@ def _run_stages(run: RunDir, profile, stages: list[Stage], on_event: Callable[[d
                          earlier_seconds=round(earlier, 2), error=None)
         notes.add(run, f"{stage.name} started (attempt {attempt})", source="auto", stage=stage.name)
         t0 = time.monotonic()
-        monitor = gpu.StageMonitor(timeline=run.root / "gpu_timeline.jsonl")
+        monitor = gpu.StageMonitor(timeline=run.gpu_timeline)
         try:
             with monitor, speculators_logs.into(log):
+                require_inputs(stage, ctx)
                 figures = stage.run(ctx) or {}
             recorded = manifest(run, stage.outputs(ctx))
         except BaseException as exc:
@@ -253,6 +254,14 @@ def _run_stages(run: RunDir, profile, stages: list[Stage], on_event: Callable[[d
 
 
 ENDINGS = ("finish", "fail", "interrupt")
+
+
+def require_inputs(stage: Stage, ctx: StageContext) -> None:
+    """A stage whose declared inputs are missing fails before any work, naming the first one."""
+    missing = [p for p in stage.inputs(ctx) if not p.exists()]
+    if missing:
+        raise StageError(f"{stage.name} needs {missing[0]}, which an earlier stage writes: run from that "
+                         f"stage (--from), or resume the whole run")
 
 
 def _disk_full(run: RunDir, exc: OSError) -> str:

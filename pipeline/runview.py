@@ -121,7 +121,7 @@ class RunWatcher:
             if status == "running":
                 current = name
             views.append(StageView(name, status, done, total, prog.get("unit", ""), elapsed, eta, short))
-        online = self.run.eval_dir / "online.json"
+        online = self.run.online_result
         try:
             mtime = online.stat().st_mtime
             if mtime != self._eval_mtime:

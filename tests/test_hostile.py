@@ -260,3 +260,12 @@ def test_status_of_a_finished_run(finished_run):
     assert shown["state"] == "finished" and shown["pid"] is None
     assert {r["status"] for r in shown["stages"]} <= {"done", "n/a"}
     assert all("gpu" in r and "attempts" in r for r in shown["stages"])
+
+
+def test_a_stage_whose_inputs_are_missing_says_which_and_who_writes_them(tmp_path):
+    """`--from vocab` on a run that never prepared: one line naming the missing file, before any work."""
+    proc = cli("run", TINY, "--no-tui", "--run-dir", tmp_path / "run", "--from", "vocab", "--until", "vocab",
+               "--set", f"server.port={free_port()}")
+    line = one_line_error(proc, 1)
+    assert f"vocab needs {tmp_path / 'run' / 'data' / 'prepared' / 'token_freq.pt'}" in line
+    assert "an earlier stage writes" in line

@@ -115,7 +115,7 @@ def test_report_has_matrix_plots_and_decision(vllm_run, tmp_path):
 ])
 def test_production_gets_the_head_only_on_a_deploy_decision(decision, deploys):
     from pipeline.stages.handover import draft_goes_to_production
-    ok, why = draft_goes_to_production({"decision": decision} if decision else {})
+    ok, why = draft_goes_to_production(decision)
     assert ok is deploys and why.startswith("deployed" if deploys else "not deployed")
     assert (decision or "no measured decision") in why
 

@@ -160,7 +160,7 @@ def main() -> int:
             print("direct:", " ".join(cmd), flush=True)
             t = time.perf_counter()
             with PeakMemory() as pm:
-                rc = procs.run_logged(cmd, log, env=procs.child_env(run.root), cwd=run.root)
+                rc = procs.run_logged(cmd, log, env=procs.child_env(run.cache_root), cwd=run.root)
             report(name, log, time.perf_counter() - t, pm.peak)
             results[name]["rc"] = rc
             if rc != 0:

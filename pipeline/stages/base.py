@@ -51,11 +51,11 @@ class StageContext:
 
     def source_conversations(self) -> Path:
         spec = self.profile.data.conversations
-        return self.run.data_dir / "demo_conversations.jsonl" if spec == "demo" else Path(spec)
+        return self.run.demo_conversations if spec == "demo" else Path(spec)
 
     def training_conversations(self) -> Path:
         if self.profile.data.regenerate:
-            return self.run.data_dir / "conversations.regenerated.jsonl"
+            return self.run.regenerated_conversations
         return self.source_conversations()
 
     def extract_mode(self) -> str:
@@ -67,6 +67,16 @@ class StageContext:
             raise StageError("extract.mode auto: preflight has not decided offline or online for this run")
         return decided
 
+    def offline_tau(self) -> float | None:
+        """τ that evaluate-offline measured for this run's head (None before it ran)."""
+        tau = self.run.stage_state("evaluate-offline").get("figures", {}).get("tau")
+        return float(tau) if tau is not None else None
+
+    def deploy_decision(self) -> str | None:
+        """deploy-measure's decision line ("deploy: …" / "do not deploy: …"), None when it did not run."""
+        decision = self.run.stage_state("deploy-measure").get("figures", {}).get("decision")
+        return str(decision) if decision else None
+
     def draft_checkpoint(self) -> Path:
         recorded = self.run.stage_state("train").get("figures", {}).get("checkpoint")
         if not recorded:
@@ -75,14 +85,18 @@ class StageContext:
 
 
 class Stage:
-    """name: the CLI name. outputs(): what the stage writes (recorded with sizes when it finishes;
-    the stage counts as done only while they are all still there, unchanged). run(): does the work
-    and returns the key figures that go into the state, the events and the notes."""
+    """name: the CLI name. inputs(): the files earlier stages wrote that this one reads (checked before
+    it runs). outputs(): what the stage writes (recorded when it finishes; the stage counts as done only
+    while they are all still there, unchanged). run(): does the work and returns the key figures that go
+    into the state, the events and the notes."""
 
     name: str = ""
 
     def applies(self, profile: Profile) -> bool:
         return True
+
+    def inputs(self, ctx: StageContext) -> list[Path]:
+        return []
 
     def outputs(self, ctx: StageContext) -> list[Path]:
         raise NotImplementedError

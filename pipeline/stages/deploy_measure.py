@@ -17,17 +17,8 @@ from pipeline import atomicio, box, conversations, online, target
 from pipeline.deploy import publish_draft
 from pipeline.server import ServerError, explain_failure
 from pipeline.stages.base import Stage, StageContext, StageError
-from pipeline.stages.prepare import heldout_path
 
 MODE = {"baseline": "baseline", "ngram": "ngram", "existing": "speculative", "eagle3": "speculative"}
-
-
-def result_path(ctx: StageContext) -> Path:
-    return ctx.run.eval_dir / "online.json"
-
-
-def draft_dir(ctx: StageContext) -> Path:
-    return ctx.run.root / "deploy" / "draft"
 
 
 def send_all(base_url: str, model: str, prompts: list[list[int]], max_tokens: int, concurrency: int,
@@ -59,7 +50,7 @@ def measure_method(ctx: StageContext, stage: str, method: str, prompts: list[lis
     t0 = time.perf_counter()
     try:
         rec = box.start_mode(p, mode, ctx.target_dir(), ctx.run.log_path(f"server-{method}"),
-                             ctx.run.root / ".cache", ctx.log.info, **mode_args)
+                             ctx.run.cache_root, ctx.log.info, **mode_args)
     except ServerError as exc:
         box.free_port(p, ctx.log.info)
         return {"method": method, "error": str(exc)}
@@ -103,18 +94,21 @@ class DeployMeasure(Stage):
     def applies(self, profile) -> bool:
         return profile.evaluate.online
 
+    def inputs(self, ctx: StageContext) -> list[Path]:
+        return [ctx.run.heldout_prompts]
+
     def outputs(self, ctx: StageContext) -> list[Path]:
-        return [result_path(ctx), draft_dir(ctx) / "config.json"]
+        return [ctx.run.online_result, ctx.run.draft_dir / "config.json"]
 
     def run(self, ctx: StageContext) -> dict:
         ev = ctx.profile.evaluate
         tok = target.load_tokenizer(ctx.target_dir())
-        rows = [json.loads(line) for line in heldout_path(ctx).read_text().splitlines()
+        rows = [json.loads(line) for line in ctx.run.heldout_prompts.read_text().splitlines()
                 if line.strip()][: ev.num_prompts]
         if not rows:
-            raise StageError(f"{heldout_path(ctx)}: no held-out prompts")
+            raise StageError(f"{ctx.run.heldout_prompts}: no held-out prompts")
         prompts = [conversations.render_ids(tok, r["messages"], add_generation_prompt=True) for r in rows]
-        draft = publish_draft(ctx.draft_checkpoint(), draft_dir(ctx), ctx.target_dir())
+        draft = publish_draft(ctx.draft_checkpoint(), ctx.run.draft_dir, ctx.target_dir())
         args = {"eagle3": {"draft_dir": draft}, "existing": {"draft_dir": Path(ev.existing_head)}}
         matrix = {m: measure_method(ctx, self.name, m, prompts, **args.get(m, {})) for m in ev.methods}
         base = matrix["baseline"]
@@ -137,11 +131,11 @@ class DeployMeasure(Stage):
             for level in row.get("levels", {}).values():
                 level.pop("outputs", None)
         eagle = matrix.get("eagle3")
-        offline = ctx.run.stage_state("evaluate-offline").get("figures", {})
+        offline_tau = ctx.offline_tau()
         result = {"k": ev.k, "prompts": len(prompts), "max_new_tokens": ev.max_new_tokens,
                   "concurrency": sorted(ev.concurrency), "matrix": matrix, "mismatches": mismatches,
-                  "offline_tau": offline.get("tau"), "decision": decide(eagle, low, ev.deploy_speedup)}
-        atomicio.atomic_write_json(result_path(ctx), result)
+                  "offline_tau": offline_tau, "decision": decide(eagle, low, ev.deploy_speedup)}
+        atomicio.atomic_write_json(ctx.run.online_result, result)
         if eagle is not None:
             if eagle.get("error"):
                 raise StageError(f"serving the new head failed: {eagle['error']}")
@@ -150,8 +144,9 @@ class DeployMeasure(Stage):
                                  f"see {ctx.run.log_path('server-eagle3')}")
             if "eagle3" in mismatches:
                 raise StageError(f"outputs with and without the new head differ for {len(mismatches['eagle3'])}/"
-                                 f"{len(prompts)} prompts (first: {mismatches['eagle3'][0]}); see {result_path(ctx)}")
-        figures = {"decision": result["decision"], "offline_tau": offline.get("tau"),
+                                 f"{len(prompts)} prompts (first: {mismatches['eagle3'][0]}); "
+                                 f"see {ctx.run.online_result}")
+        figures = {"decision": result["decision"], "offline_tau": offline_tau,
                    "baseline_tok_s": base["levels"][low]["output_tok_s"]}
         if eagle is not None:
             lv = eagle["levels"][low]

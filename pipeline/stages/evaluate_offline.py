@@ -9,11 +9,6 @@ from pathlib import Path
 
 from pipeline import atomicio, conversations, target
 from pipeline.stages.base import Stage, StageContext, StageError
-from pipeline.stages.prepare import heldout_path
-
-
-def result_path(ctx: StageContext) -> Path:
-    return ctx.run.eval_dir / "offline.json"
 
 
 def eos_ids(model) -> set[int]:
@@ -24,17 +19,20 @@ def eos_ids(model) -> set[int]:
 class EvaluateOffline(Stage):
     name = "evaluate-offline"
 
+    def inputs(self, ctx: StageContext) -> list[Path]:
+        return [ctx.run.heldout_prompts]
+
     def outputs(self, ctx: StageContext) -> list[Path]:
-        return [result_path(ctx)]
+        return [ctx.run.offline_result]
 
     def run(self, ctx: StageContext) -> dict:
         from pipeline import speculative
 
         ev = ctx.profile.evaluate
-        prompts = [json.loads(line) for line in heldout_path(ctx).read_text().splitlines()
+        prompts = [json.loads(line) for line in ctx.run.heldout_prompts.read_text().splitlines()
                    if line.strip()][: ev.num_prompts]
         if not prompts:
-            raise StageError(f"{heldout_path(ctx)}: no held-out prompts (data.heldout = 0?)")
+            raise StageError(f"{ctx.run.heldout_prompts}: no held-out prompts (data.heldout = 0?)")
         tok = target.load_tokenizer(ctx.target_dir())
         model = target.load_model(ctx.target_dir(), ctx.profile.target.dtype)
         draft = speculative.load_draft(ctx.draft_checkpoint()).to(model.get_input_embeddings().weight.device)
@@ -75,9 +73,9 @@ class EvaluateOffline(Stage):
             "batch_size": ev.batch_size, "seconds_speculative": round(t_spec, 3),
             "seconds_greedy_reference": round(t_ref, 3),
         }
-        atomicio.atomic_write_json(result_path(ctx), result)
+        atomicio.atomic_write_json(ctx.run.offline_result, result)
         if mismatches:
             raise StageError(f"lossless check failed: {len(mismatches)}/{len(prompts)} outputs differ from the "
-                             f"target's greedy output (first: {mismatches[0]}); see {result_path(ctx)}")
+                             f"target's greedy output (first: {mismatches[0]}); see {ctx.run.offline_result}")
         return {k: result[k] for k in ("tau", "acceptance_per_position", "prompts", "generated_tokens",
                                        "tokens_per_target_forward", "lossless")}

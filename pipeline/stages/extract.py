@@ -138,9 +138,12 @@ def extract(model, dataset, hs_dir: Path, layer_ids: list[int], batch_size: int,
 class Extract(Stage):
     name = "extract"
 
+    def inputs(self, ctx: StageContext) -> list[Path]:
+        return [ctx.run.prepared_dir / "dataset_info.json"]
+
     def outputs(self, ctx: StageContext) -> list[Path]:
         if ctx.extract_mode() == "online":
-            return [cache_record(ctx)]
+            return [ctx.run.online_cache_record]
         return [ctx.run.hidden_states_dir]
 
     def run(self, ctx: StageContext) -> dict:
@@ -178,10 +181,6 @@ def clear_raw_states(raw: Path) -> int:
     return cleared
 
 
-def cache_record(ctx: StageContext) -> Path:
-    return ctx.run.hidden_states_dir / "online-cache.json"
-
-
 def extract_cache(ctx: StageContext, stage: str) -> dict:
     """Online mode: extract only the leading rows whose states fit extract.cache_gib (kept for every
     epoch); the trainer generates the rest while it trains. Nothing to extract without a cache."""
@@ -198,7 +197,7 @@ def extract_cache(ctx: StageContext, stage: str) -> dict:
         figures.update(extract_with_vllm(ctx, stage, world, rank, keep_server=True), mode="online")
         figures["cached_rows"] = figures["samples"]
     ctx.run.hidden_states_dir.mkdir(parents=True, exist_ok=True)
-    atomicio.atomic_write_json(cache_record(ctx), figures)
+    atomicio.atomic_write_json(ctx.run.online_cache_record, figures)
     return figures
 
 
@@ -241,7 +240,7 @@ def extract_with_vllm(ctx: StageContext, stage: str, world_size: int, rank: int,
         ctx.log.info("cleared %d raw state files a killed attempt left in %s", left, raw)
     t0 = time.perf_counter()
     rec = box.start_mode(ctx.profile, "extraction", ctx.target_dir(), ctx.run.log_path("server-extraction"),
-                         ctx.run.root / ".cache", ctx.log.info,
+                         ctx.run.cache_root, ctx.log.info,
                          on_wait=lambda s: ctx.progress(stage, 0, total, "samples", server_wait_s=round(s)),
                          **mode_args)
     server_start = time.perf_counter() - t0
@@ -256,7 +255,7 @@ def extract_with_vllm(ctx: StageContext, stage: str, world_size: int, rank: int,
     t1 = time.perf_counter()
     failure: str | None | bool = False  # False: the client did not finish (interrupted, crashed)
     try:
-        rc = procs.run_logged(cmd, ctx.run.log_path(stage), env=procs.child_env(ctx.run.root), cwd=ctx.run.root)
+        rc = procs.run_logged(cmd, ctx.run.log_path(stage), env=procs.child_env(ctx.run.cache_root), cwd=ctx.run.root)
         failure = None if rc == 0 else explain_failure(rec, f"speculators generate-offline-data exited with {rc}: "
                                                             f"{procs.last_error_line(ctx.run.log_path(stage))}")
     finally:

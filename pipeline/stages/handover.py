@@ -10,14 +10,9 @@ from pipeline.rundir import now_iso
 from pipeline.stages.base import Stage, StageContext
 
 
-def record_path(ctx: StageContext) -> Path:
-    return ctx.run.root / "server-handover.json"
-
-
-def draft_goes_to_production(measured: dict) -> tuple[bool, str]:
+def draft_goes_to_production(decision: str | None) -> tuple[bool, str]:
     """Whether `after_run = "production-with-draft"` may put the new head into production: only on the
     benchmark's own decision line "deploy: …"; otherwise the reason production keeps running without it."""
-    decision = measured.get("decision")
     if not decision:
         return False, "not deployed: no measured decision (deploy-measure did not run; evaluate.online = false?)"
     if decision.startswith("deploy:"):
@@ -32,7 +27,7 @@ class Handover(Stage):
         return profile.evaluate.online or profile.extract.backend == "vllm" or profile.server.after_run != "stop"
 
     def outputs(self, ctx: StageContext) -> list[Path]:
-        return [record_path(ctx)]
+        return [ctx.run.handover_record]
 
     def run(self, ctx: StageContext) -> dict:
         after = ctx.profile.server.after_run
@@ -42,16 +37,15 @@ class Handover(Stage):
         else:
             draft, why = None, ""
             if after == "production-with-draft":
-                deploy, why = draft_goes_to_production(ctx.run.stage_state("deploy-measure").get("figures", {}))
+                deploy, why = draft_goes_to_production(ctx.deploy_decision())
                 if deploy:
                     from pipeline.deploy import publish_draft
-                    from pipeline.stages.deploy_measure import draft_dir
-                    draft = publish_draft(ctx.draft_checkpoint(), draft_dir(ctx), ctx.target_dir())
+                    draft = publish_draft(ctx.draft_checkpoint(), ctx.run.draft_dir, ctx.target_dir())
                 else:
                     ctx.log.warning("production restarts without the new head: %s", why)
             rec = box.start_mode(ctx.profile, "production", ctx.target_dir(), ctx.run.log_path("server-production"),
-                                 ctx.run.root / ".cache", ctx.log.info, draft_dir=draft)
+                                 ctx.run.cache_root, ctx.log.info, draft_dir=draft)
             figures = {"after_run": after, "server": "production" + (" with draft" if draft else ""),
                        "pid": rec.pid, "port": rec.port, **({"draft": why} if why else {})}
-        atomicio.atomic_write_json(record_path(ctx), {**figures, "at": now_iso()})
+        atomicio.atomic_write_json(ctx.run.handover_record, {**figures, "at": now_iso()})
         return figures

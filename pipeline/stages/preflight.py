@@ -10,20 +10,16 @@ from pipeline import preflight as checks
 from pipeline.stages.base import Stage, StageContext, StageError
 
 
-def result_path(ctx: StageContext) -> Path:
-    return ctx.run.root / "preflight.json"
-
-
 class Preflight(Stage):
     name = "preflight"
     always_run = True
 
     def outputs(self, ctx: StageContext) -> list[Path]:
-        return [result_path(ctx)]
+        return [ctx.run.preflight_result]
 
     def run(self, ctx: StageContext) -> dict:
         findings = checks.preflight(ctx.profile, run_dir=ctx.run.root)
-        atomicio.atomic_write_text(result_path(ctx), checks.to_json(findings))
+        atomicio.atomic_write_text(ctx.run.preflight_result, checks.to_json(findings))
         for f in findings:
             ctx.log.info("%s", f.line())
         worth_noting = [f for f in findings if f.severity in ("warn", "block")]

@@ -19,20 +19,15 @@ def dataset_features():
                      "seq_len": Value("int64")})
 
 
-def heldout_path(ctx: StageContext) -> Path:
-    return ctx.run.data_dir / "heldout_prompts.jsonl"
-
-
-def token_freq_path(ctx: StageContext) -> Path:
-    return ctx.run.prepared_dir / "token_freq.pt"
-
-
 class Prepare(Stage):
     name = "prepare"
 
+    def inputs(self, ctx: StageContext) -> list[Path]:
+        return list(dict.fromkeys([ctx.source_conversations(), ctx.training_conversations()]))
+
     def outputs(self, ctx: StageContext) -> list[Path]:
         return [ctx.run.prepared_dir / "dataset_info.json", ctx.run.prepared_dir / "state.json",
-                token_freq_path(ctx), heldout_path(ctx)]
+                ctx.run.token_freq, ctx.run.heldout_prompts]
 
     def run(self, ctx: StageContext) -> dict:
         from datasets import Dataset
@@ -87,7 +82,7 @@ class Prepare(Stage):
         shutil.rmtree(out, ignore_errors=True)
         tmp.rename(out)
         atomicio.fsync_dir(out.parent)
-        _write_token_freq(ds, token_freq_path(ctx))
+        _write_token_freq(ds, ctx.run.token_freq)
         prompts = _write_heldout(ctx, heldout)
         n_tokens = sum(columns["seq_len"])
         return {"rows": len(columns["seq_len"]), "tokens": n_tokens,
@@ -110,13 +105,13 @@ class Prepare(Stage):
         if data.regenerate:
             source, rec = ctx.training_conversations(), None  # token rows: no server needed
         else:
-            source = ctx.run.data_dir / "train_conversations.jsonl"
+            source = ctx.run.train_conversations
             atomicio.atomic_write_text(source, "".join(json.dumps({"conversations": c["messages"]}) + "\n"
                                                        for c in train))
             mode = "extraction" if ctx.profile.extract.backend == "vllm" else "baseline"
             _, mode_args = box.mode_inputs(ctx.profile, ctx.run, mode)
             rec = box.start_mode(ctx.profile, mode, ctx.target_dir(), ctx.run.log_path(f"server-{mode}"),
-                                 ctx.run.root / ".cache", ctx.log.info, **mode_args)
+                                 ctx.run.cache_root, ctx.log.info, **mode_args)
         out = ctx.run.prepared_dir
         tmp = out.with_name(out.name + ".tmp")
         shutil.rmtree(tmp, ignore_errors=True)
@@ -127,7 +122,7 @@ class Prepare(Stage):
             cmd += ["--render-endpoint", rec.base_url]
         ctx.log.info("command: %s", " ".join(cmd))
         try:
-            rc = procs.run_logged(cmd, ctx.run.log_path(self.name), env=procs.child_env(ctx.run.root),
+            rc = procs.run_logged(cmd, ctx.run.log_path(self.name), env=procs.child_env(ctx.run.cache_root),
                                   cwd=ctx.run.root)
             exited = f"speculators prepare-data exited with {rc}: {procs.last_error_line(ctx.run.log_path(self.name))}"
             failure = None if rc == 0 else explain_failure(rec, exited) if rec else exited
@@ -148,7 +143,7 @@ class Prepare(Stage):
 
 def _write_heldout(ctx: StageContext, heldout: list[dict]) -> list[dict]:
     prompts = [{"id": c["id"], "messages": conversations.first_prompt(c["messages"])} for c in heldout]
-    atomicio.atomic_write_text(heldout_path(ctx), "".join(json.dumps(p) + "\n" for p in prompts))
+    atomicio.atomic_write_text(ctx.run.heldout_prompts, "".join(json.dumps(p) + "\n" for p in prompts))
     return prompts
 
 

@@ -16,6 +16,9 @@ class Regenerate(Stage):
     def applies(self, profile) -> bool:
         return profile.data.regenerate
 
+    def inputs(self, ctx: StageContext) -> list[Path]:
+        return [ctx.source_conversations()]
+
     def outputs(self, ctx: StageContext) -> list[Path]:
         return [ctx.training_conversations()]
 

@@ -15,7 +15,6 @@ import psutil
 from pipeline import online_training, procs
 from pipeline.server import explain_failure
 from pipeline.stages.base import Stage, StageContext, StageError
-from pipeline.stages.vocab import mapping_paths
 from pipeline.target import resolve_layer_ids
 from pipeline.targetinfo import from_config
 
@@ -39,7 +38,7 @@ def build_command(ctx: StageContext, *, python: str = sys.executable, endpoint: 
     gpu = accelerator_available()
     n_layers = from_config(ctx.target_dir() / "config.json").layers  # multimodal wrappers: text_config
     layer_ids = resolve_layer_ids(p.extract.layer_ids, n_layers)
-    d2t, t2d = mapping_paths(ctx)
+    d2t, t2d = ctx.run.vocab_mappings(ctx.profile.vocab.draft_vocab_size)
     flags = [
         "--speculator-type", "eagle3",
         "--verifier-name-or-path", str(ctx.target_dir()),
@@ -122,6 +121,11 @@ def final_checkpoint(save_path: Path) -> Path | None:
 class Train(Stage):
     name = "train"
 
+    def inputs(self, ctx: StageContext) -> list[Path]:
+        states = [] if ctx.extract_mode() == "online" else [ctx.run.hidden_states_dir]
+        return [ctx.run.prepared_dir / "dataset_info.json", *ctx.run.vocab_mappings(ctx.profile.vocab.draft_vocab_size),
+                *states]
+
     def outputs(self, ctx: StageContext) -> list[Path]:
         ckpt = final_checkpoint(ctx.run.checkpoints_dir)
         return [ckpt] if ckpt else [ctx.run.checkpoints_dir / "missing-final-epoch"]
@@ -138,7 +142,7 @@ class Train(Stage):
             ctx.log.info("cleared %d state files a killed attempt left in %s", left, raw)
         t0 = time.monotonic()
         rec = box.start_mode(ctx.profile, "extraction", ctx.target_dir(), ctx.run.log_path("server-extraction"),
-                             ctx.run.root / ".cache", ctx.log.info,
+                             ctx.run.cache_root, ctx.log.info,
                              on_wait=lambda w: ctx.progress(self.name, 0, ctx.profile.train.epochs, "epochs",
                                                             server_wait_s=round(w)), **mode_args)
         ctx.emit("server", self.name, mode="extraction", pid=rec.pid, port=rec.port,
@@ -188,7 +192,7 @@ class Train(Stage):
 
         # Recorded so that a resume after this process was SIGKILLed can stop the orphaned trainer
         # (it runs in its own session and would keep writing checkpoints).
-        env = procs.child_env(ctx.run.root)
+        env = procs.child_env(ctx.run.cache_root)
         if ctx.profile.train.cuda_visible_devices:  # training on some GPUs, serving on the others
             env["CUDA_VISIBLE_DEVICES"] = ctx.profile.train.cuda_visible_devices
         t0 = time.monotonic()

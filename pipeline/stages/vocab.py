@@ -6,19 +6,16 @@ from pathlib import Path
 
 from pipeline import atomicio
 from pipeline.stages.base import Stage, StageContext, StageError
-from pipeline.stages.prepare import token_freq_path
-
-
-def mapping_paths(ctx: StageContext) -> tuple[Path, Path]:
-    d = ctx.profile.vocab.draft_vocab_size
-    return ctx.run.prepared_dir / f"d2t-{d}.npy", ctx.run.prepared_dir / f"t2d-{d}.npy"
 
 
 class Vocab(Stage):
     name = "vocab"
 
+    def inputs(self, ctx: StageContext) -> list[Path]:
+        return [ctx.run.token_freq]
+
     def outputs(self, ctx: StageContext) -> list[Path]:
-        return list(mapping_paths(ctx))
+        return list(ctx.run.vocab_mappings(ctx.profile.vocab.draft_vocab_size))
 
     def run(self, ctx: StageContext) -> dict:
         import torch
@@ -26,13 +23,13 @@ class Vocab(Stage):
 
         from pipeline.targetinfo import from_config
 
-        freq = torch.load(token_freq_path(ctx), weights_only=True)
+        freq = torch.load(ctx.run.token_freq, weights_only=True)
         target_vocab = from_config(ctx.target_dir() / "config.json").vocab  # multimodal wrappers: text_config
         size = ctx.profile.vocab.draft_vocab_size
         if size > target_vocab:
             raise StageError(f"vocab.draft_vocab_size {size} > target vocab size {target_vocab}", resumable=False)
         d2t, t2d = build_vocab_mappings_from_distribution(freq, size, target_vocab)
-        d2t_path, t2d_path = mapping_paths(ctx)
+        d2t_path, t2d_path = ctx.run.vocab_mappings(ctx.profile.vocab.draft_vocab_size)
         atomicio.atomic_write_with(d2t_path, lambda p: _save_npy(p, d2t.numpy()))
         atomicio.atomic_write_with(t2d_path, lambda p: _save_npy(p, t2d.numpy()))
         total = sum(freq.values())
