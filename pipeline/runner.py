@@ -114,7 +114,7 @@ def select(profile, start: str | None, until: str | None) -> list[Stage]:
         raise RunnerError(f"--from {start} comes after --until {until}")
     chosen = STAGES[lo:hi + 1]
     # Checks that must hold before any work (preflight) run whatever --from says.
-    chosen = [s for s in STAGES[:lo] if getattr(s, "always_run", False)] + chosen
+    chosen = [s for s in STAGES[:lo] if s.always_run] + chosen
     return [s for s in chosen if s.applies(profile)]
 
 
@@ -129,7 +129,7 @@ def _stage_logger(run: RunDir, stage: str) -> tuple[logging.Logger, logging.Hand
 
 
 def is_done(run: RunDir, stage: Stage, quick: bool = False) -> bool:
-    if getattr(stage, "always_run", False):
+    if stage.always_run:
         return False
     entry = run.stage_state(stage.name)
     return entry.get("status") == "done" and outputs_intact(run, entry.get("outputs", {}), quick)
@@ -151,7 +151,7 @@ def recorded_status(run: RunDir, stage: Stage, profile) -> str:
     if not stage.applies(profile):
         return "n/a"
     status = run.stage_state(stage.name).get("status", "pending")
-    if status == "done" and not getattr(stage, "always_run", False) and not is_done(run, stage, quick=True):
+    if status == "done" and not stage.always_run and not is_done(run, stage, quick=True):
         return "stale"
     return status
 

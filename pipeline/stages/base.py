@@ -91,6 +91,7 @@ class Stage:
     into the state, the events and the notes."""
 
     name: str = ""
+    always_run: bool = False  # a check that must hold on every attempt (preflight): never skipped as done
 
     def applies(self, profile: Profile) -> bool:
         return True
