@@ -79,15 +79,12 @@ def adopt(profile: Profile, force: bool = False):
 def mode_inputs(profile: Profile, run, mode: str, draft: str | None = None, storage: str | None = None):
     """The target directory and mode arguments a server start needs, from a run (demo target, published
     draft, hidden-state storage) or from the profile and explicit paths."""
-    import logging
-
-    from pipeline.stages.base import StageContext
+    from pipeline.stages.base import target_dir as run_target_dir
     from pipeline.target import resolve_layer_ids
 
     if profile.target.source == "demo" and run is None:
         raise ValueError("a demo target lives in a run: pass --run-dir RUN_DIR")
-    target_dir = (StageContext(run=run, profile=profile, log=logging.getLogger(__name__)).target_dir() if run
-                  else Path(profile.target.model_path))
+    target_dir = run_target_dir(run, profile) if run else Path(profile.target.model_path)
     if mode == "extraction":
         from pipeline.targetinfo import from_config
         n = from_config(target_dir / "config.json").layers  # multimodal wrappers: text_config

@@ -20,6 +20,16 @@ class StageError(RuntimeError):
         self.resumable = resumable
 
 
+def target_dir(run: RunDir, profile: Profile) -> Path:
+    """The served target: the profile's model path, or the demo target build-target recorded."""
+    if profile.target.source == "path":
+        return Path(profile.target.model_path)
+    recorded = run.stage_state("build-target").get("figures", {}).get("target_dir")
+    if not recorded:
+        raise StageError("build-target has not run: no demo target recorded in state.json")
+    return Path(recorded)
+
+
 @dataclass
 class StageContext:
     run: RunDir
@@ -40,14 +50,9 @@ class StageContext:
         self._last_progress = now
         self.emit("progress", stage, done=done, total=total, unit=unit, **figures)
 
-    # Paths shared between stages (one place decides where a stage's inputs are).
+    # What earlier stages produced, typed (one place decides where a stage's inputs are).
     def target_dir(self) -> Path:
-        if self.profile.target.source == "path":
-            return Path(self.profile.target.model_path)
-        recorded = self.run.stage_state("build-target").get("figures", {}).get("target_dir")
-        if not recorded:
-            raise StageError("build-target has not run: no demo target recorded in state.json")
-        return Path(recorded)
+        return target_dir(self.run, self.profile)
 
     def source_conversations(self) -> Path:
         spec = self.profile.data.conversations
