@@ -50,3 +50,15 @@ def completed_run(run_dir: Path, profile: Path, cache_dir: Path, *sets: str, tim
     proc = cli("run", profile, "--no-tui", "--run-dir", run_dir, *args, timeout=timeout)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return RunDir.open(run_dir)
+
+
+def stages_until_train_running() -> dict:
+    """state.json's stages of a run whose train stage is running after the earlier ones finished."""
+    return {
+        "build-target": {"status": "done", "seconds": 1.8, "figures": {"params": 1115264}},
+        "regenerate": {"status": "done", "seconds": 7.2, "figures": {}},
+        "prepare": {"status": "done", "seconds": 2.6, "figures": {}},
+        "extract": {"status": "done", "seconds": 58.3, "figures": {"samples_per_s": 9.19}},
+        "vocab": {"status": "done", "seconds": 0.01, "figures": {}},
+        "train": {"status": "running"},
+    }

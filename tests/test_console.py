@@ -21,7 +21,7 @@ from pipeline.profile import load_profile
 from pipeline.rundir import RunDir
 from pipeline.server import ServerRecord
 from pipeline.stages import stage_names
-from tests.conftest import ROOT, TINY
+from tests.conftest import ROOT, TINY, stages_until_train_running
 from tests.fake_nvml import NVML_ERROR_GPU_IS_LOST, NVML_ERROR_NOT_SUPPORTED, FakeNvml, h200
 
 
@@ -290,15 +290,7 @@ def busy_run(tmp_path):
     profile = load_profile(TINY, {"run.runs_dir": str(tmp_path / "runs"), "server.port": free_port()})
     run = RunDir.create(profile, tmp_path / "run")
     state = json.loads(run.state_path.read_text())
-    state["stages"] = {
-        "preflight": {"status": "done", "seconds": 0.4, "figures": {}},
-        "build-target": {"status": "done", "seconds": 1.8, "figures": {"params": 1115264}},
-        "regenerate": {"status": "done", "seconds": 7.2, "figures": {}},
-        "prepare": {"status": "done", "seconds": 2.6, "figures": {}},
-        "extract": {"status": "done", "seconds": 58.3, "figures": {"samples_per_s": 9.19}},
-        "vocab": {"status": "done", "seconds": 0.01, "figures": {}},
-        "train": {"status": "running"},
-    }
+    state["stages"] = {"preflight": {"status": "done", "seconds": 0.4, "figures": {}}, **stages_until_train_running()}
     run.state_path.write_text(json.dumps(state))
     events = [{"t": T0, "stage": "train", "kind": "start"},
               {"t": T0 + 120, "stage": "train", "kind": "metric", "step": 143, "train/loss": 0.0125,

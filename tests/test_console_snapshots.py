@@ -10,7 +10,7 @@ from console.app import ConsoleApp
 from pipeline import gpu
 from pipeline.profile import load_profile
 from pipeline.rundir import RunDir
-from tests.conftest import TINY
+from tests.conftest import TINY, stages_until_train_running
 from tests.fake_nvml import NVML_ERROR_GPU_IS_LOST, NVML_ERROR_NOT_SUPPORTED, FakeNvml, h200
 
 T0 = 1_800_000_000.0
@@ -21,14 +21,7 @@ def frozen_run(tmp_path):
     profile = load_profile(TINY, {"run.runs_dir": str(tmp_path / "runs"), "server.port": 1})
     run = RunDir.create(profile, tmp_path / "run")
     state = json.loads(run.state_path.read_text())
-    state["stages"] = {
-        "build-target": {"status": "done", "seconds": 1.8, "figures": {"params": 1115264}},
-        "regenerate": {"status": "done", "seconds": 7.2, "figures": {}},
-        "prepare": {"status": "done", "seconds": 2.6, "figures": {}},
-        "extract": {"status": "done", "seconds": 58.3, "figures": {"samples_per_s": 9.19}},
-        "vocab": {"status": "done", "seconds": 0.01, "figures": {}},
-        "train": {"status": "running"},
-    }
+    state["stages"] = stages_until_train_running()
     state["runner"] = {"pid": os.getpid(), "since": psutil.Process().create_time()}  # a live run
     run.state_path.write_text(json.dumps(state))
     events = [{"t": T0, "stage": "train", "kind": "start"},
