@@ -253,13 +253,14 @@ def extract_with_vllm(ctx: StageContext, stage: str, world_size: int, rank: int,
         cmd += ["--world-size", str(world_size), "--rank", str(rank)]
     ctx.log.info("command: %s", " ".join(cmd))
     t1 = time.perf_counter()
-    failure: str | None | bool = False  # False: the client did not finish (interrupted, crashed)
+    succeeded = False  # stays False when the client is interrupted or crashes
     try:
         rc = procs.run_logged(cmd, ctx.run.log_path(stage), env=procs.child_env(ctx.run.cache_root), cwd=ctx.run.root)
         failure = None if rc == 0 else explain_failure(rec, f"speculators generate-offline-data exited with {rc}: "
                                                             f"{procs.last_error_line(ctx.run.log_path(stage))}")
+        succeeded = failure is None
     finally:
-        if failure is not False or not keep_server:
+        if not (succeeded and keep_server):  # online training asks this server next
             box.free_port(ctx.profile, ctx.log.info)
         clear_raw_states(raw)
     seconds = time.perf_counter() - t1
