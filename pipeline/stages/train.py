@@ -131,6 +131,7 @@ class Train(Stage):
         return [ckpt] if ckpt else [ctx.run.checkpoints_dir / "missing-final-epoch"]
 
     def run(self, ctx: StageContext) -> dict:
+        _stop_orphan(ctx)  # first: an orphaned trainer would still be asking the server and reading states
         if ctx.extract_mode() != "online":
             return self.train(ctx)
         from pipeline import box
@@ -162,7 +163,6 @@ class Train(Stage):
 
     def train(self, ctx: StageContext, endpoint: str | None = None, server=None) -> dict:
         save = ctx.run.checkpoints_dir
-        _stop_orphan(ctx)
         moved = quarantine_incomplete(save, ctx.log)
         resumed = final_checkpoint(save)
         cmd = build_command(ctx, endpoint=endpoint)
