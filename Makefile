@@ -29,7 +29,7 @@ lint: venv
 	$(BIN)/mypy
 
 test: lint
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=15
 
 bench: venv
 	$(BIN)/python bench/demo_stages.py

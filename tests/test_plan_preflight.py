@@ -97,9 +97,11 @@ def test_no_mla_question_without_vllm():
 
 
 def _answer(profile):
+    """vLLM's answer as preflight gets it (asked once per vLLM version and question, then remembered under
+    the profile's cache_dir, where preflight.target_findings finds it)."""
     from pipeline.targetinfo import target_info
-    return preflight._ask_vllm(profile.server.python, json.dumps(
-        preflight.probe_question(profile, target_info(profile)), sort_keys=True))
+    return preflight.ask_vllm(profile, json.dumps(preflight.probe_question(profile, target_info(profile)),
+                                                  sort_keys=True))
 
 
 def test_vllm_groups_a_kimi_target_with_its_hidden_states_in_one_group():
