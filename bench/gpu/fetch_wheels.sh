@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Download, on a machine with package-registry access, the wheels the project needs on a GPU box whose
 # image already holds torch, transformers, numpy, safetensors, pyarrow, pandas, rich, nvidia-ml-py, …
-# (the device machine's image: /work/.library/device/KINDS.md) but not speculators and its own needs.
+# (the H200 image measured in NOTES.md "On H200s": torch 2.11.0+cu130, Python 3.12) but not speculators and its own needs.
 # The GPU box installs them with bench/gpu/setup.sh, without any network.
 set -euo pipefail
 dest=${1:-.whl}
