@@ -68,6 +68,17 @@ def test_offline_and_vllm_acceptance_agree(vllm_run):
         assert abs(a - b) <= 0.05
 
 
+def test_the_offline_ngram_replay_counts_what_vllm_counts(vllm_run):
+    """evaluate-offline replays vLLM's prompt lookup on its greedy outputs (pipeline/prompt_lookup.py);
+    vLLM's n-gram server on the same prompts reports the same drafts and acceptance (equal on the demo)."""
+    served = json.loads((vllm_run.eval_dir / "online.json").read_text())["matrix"]["ngram"]["levels"]["1"]
+    replayed = json.loads(vllm_run.offline_result.read_text())["ngram"]
+    assert replayed["drafts"] > 0, replayed  # the looping random target gives prompt lookup plenty to match
+    assert abs(replayed["drafts"] - served["drafts"]) <= max(2, 0.05 * served["drafts"]), (replayed, served)
+    assert abs(replayed["tau"] - served["mean_acceptance_length"]) <= 0.05, (replayed, served)
+    assert abs(replayed["tokens_per_step"] - served["tokens_per_step"]) <= 0.05, (replayed, served)
+
+
 def test_report_has_matrix_plots_and_decision(vllm_run, tmp_path):
     out = tmp_path / "report.md"
     proc = cli("notes", "export", vllm_run.root, "--format", "md", "-o", out)

@@ -26,7 +26,7 @@ class EvaluateOffline(Stage):
         return [ctx.run.offline_result]
 
     def run(self, ctx: StageContext) -> dict:
-        from pipeline import speculative
+        from pipeline import prompt_lookup, speculative
 
         ev = ctx.profile.evaluate
         prompts = [json.loads(line) for line in ctx.run.heldout_prompts.read_text().splitlines()
@@ -40,6 +40,7 @@ class EvaluateOffline(Stage):
         reader = target.HiddenStateReader(model, proposer.aux_ids)
         eos = eos_ids(model)
         total = speculative.SpecStats(k=ev.k)
+        ngram = prompt_lookup.Acceptance(per_position=[0] * ev.k)
         per_prompt, mismatches = [], []
         t_spec = t_ref = 0.0
         done = 0
@@ -52,8 +53,10 @@ class EvaluateOffline(Stage):
             refs = speculative.greedy_reference_batch(model, ids, ev.max_new_tokens, eos)
             t_ref += time.perf_counter() - t1
             t_spec += t1 - t0
-            for p, (out, stats), ref in zip(batch, results, refs, strict=True):
+            for p, prompt_ids, (out, stats), ref in zip(batch, ids, results, refs, strict=True):
                 total.merge(stats)
+                ngram.add(prompt_lookup.acceptance(prompt_ids, ref, ev.k, ev.ngram_min, ev.ngram_max,
+                                                   ctx.profile.server.max_model_len))
                 same = out == ref
                 if not same:
                     # out and ref may differ in length: the first position they differ at, else the shorter's end
@@ -72,10 +75,20 @@ class EvaluateOffline(Stage):
             "lossless": not mismatches, "mismatches": mismatches, "per_prompt": per_prompt,
             "batch_size": ev.batch_size, "seconds_speculative": round(t_spec, 3),
             "seconds_greedy_reference": round(t_ref, 3),
+            "ngram": ngram_figures(ngram, ev.ngram_min, ev.ngram_max),
         }
         atomicio.atomic_write_json(ctx.run.offline_result, result)
         if mismatches:
             raise StageError(f"lossless check failed: {len(mismatches)}/{len(prompts)} outputs differ from the "
                              f"target's greedy output (first: {mismatches[0]}); see {ctx.run.offline_result}")
-        return {k: result[k] for k in ("tau", "acceptance_per_position", "prompts", "generated_tokens",
-                                       "tokens_per_target_forward", "lossless")}
+        return {**{k: result[k] for k in ("tau", "acceptance_per_position", "prompts", "generated_tokens",
+                                          "tokens_per_target_forward", "lossless")},
+                "ngram_tau": round(ngram.tau, 4), "ngram_tokens_per_step": round(ngram.tokens_per_step, 4)}
+
+
+def ngram_figures(ngram, min_n: int, max_n: int) -> dict:
+    """Prompt lookup replayed on the same greedy outputs, counted as vLLM counts it (drafting steps)."""
+    return {"tau": round(ngram.tau, 4), "tokens_per_step": round(ngram.tokens_per_step, 4), "drafts": ngram.drafts,
+            "accepted": ngram.accepted, "steps": ngram.steps, "min_n": min_n, "max_n": max_n,
+            "acceptance_per_position": [round(a / ngram.drafts, 4) if ngram.drafts else 0.0
+                                        for a in ngram.per_position]}
