@@ -8,7 +8,7 @@ import os
 import sys
 from pathlib import Path
 
-from pipeline.compat import vllm_flags
+from pipeline.compat import vllm_cpu_env, vllm_flags
 from pipeline.procs import repo_on_path
 from pipeline.profile import Profile
 
@@ -99,6 +99,9 @@ def server_env(profile: Profile, cache_root: Path, mode: str = "production") -> 
            "VLLM_CPU_KVCACHE_SPACE": str(profile.server.cpu_kvcache_gib),
            # engine workers import the CPU connector from this repository
            "PYTHONPATH": repo_on_path(os.environ.get("PYTHONPATH"))}
+    if not accelerator_available():
+        env.update(vllm_cpu_env.cpu_server_env(profile.server.python or sys.executable,
+                                               profile.server.tensor_parallel_size, os.environ.get("LD_PRELOAD", "")))
     if profile.server.cuda_visible_devices:  # serving on some GPUs, training on the others
         env["CUDA_VISIBLE_DEVICES"] = profile.server.cuda_visible_devices
     if profile.server.api_key_env and mode == "production":  # the internal modes stay on loopback, keyless

@@ -337,3 +337,50 @@ def test_trainer_metric_lines_stay_whole_only_with_wide_columns(monkeypatch):
     assert len(lines["80"]) > 1  # rich still wraps at the width it is given: the wide COLUMNS is still needed
     (whole,) = lines[speculators_logs.RICH_COLUMNS]
     assert parse_metrics(whole)["global_step"] == 40 and parse_metrics(whole)["train/full_acc_5"] == 0.55
+
+
+# --- pipeline/compat/vllm_cpu_env.py ---------------------------------------------------------------------------
+
+def test_vllm_cpu_runs_one_worker_process_only_when_told():
+    pytest.importorskip("vllm")
+    from vllm.platforms import cpu
+    hook = inspect.getsource(cpu.CpuPlatform.check_and_update_config)
+    # "uni" becomes "mp" (one more spawned process) unless VLLM_ENABLE_V1_MULTIPROCESSING is 0
+    assert 'VLLM_ENABLE_V1_MULTIPROCESSING", "1") == "1"' in hook and 'distributed_executor_backend = "mp"' in hook
+    worker = Path(importlib.util.find_spec("vllm.v1.worker.cpu_worker").origin).read_text()
+    assert "Speculative decoding on CPU without Intel OpenMP in" in worker
+    assert 'check_preloaded_libs("libiomp")' in worker
+
+
+def test_cpu_server_env_preloads_intel_openmp_next_to_the_interpreter(tmp_path):
+    from pipeline.compat import vllm_cpu_env
+    python = tmp_path / "venv" / "bin" / "python"
+    python.parent.mkdir(parents=True)
+    assert vllm_cpu_env.cpu_server_env(str(python), 1) == {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    (tmp_path / "venv" / "lib").mkdir()
+    (tmp_path / "venv" / "lib" / vllm_cpu_env.INTEL_OPENMP).write_bytes(b"")
+    env = vllm_cpu_env.cpu_server_env(str(python), 2, "/usr/lib/libother.so")
+    assert "VLLM_ENABLE_V1_MULTIPROCESSING" not in env  # tensor parallel on a CPU needs the mp executor
+    assert env["LD_PRELOAD"].split() == [str(tmp_path / "venv" / "lib" / vllm_cpu_env.INTEL_OPENMP),
+                                         "/usr/lib/libother.so"]
+
+
+# --- pipeline/prompt_lookup.py: vLLM's n-gram proposer, ported -------------------------------------------------
+
+@pytest.mark.parametrize("min_n,max_n,k", [(2, 4, 3), (1, 3, 5), (3, 3, 2)])
+def test_prompt_lookup_proposes_what_vllm_proposes(min_n, max_n, k):
+    pytest.importorskip("vllm")
+    import random
+
+    import numpy as np
+    from vllm.v1.spec_decode.ngram_proposer import _find_longest_matched_ngram_and_propose_tokens as vllm_propose
+
+    from pipeline.prompt_lookup import propose
+    rng = random.Random(min_n * 100 + k)
+    for trial in range(400):
+        alphabet = rng.choice([2, 3, 5, 50])  # small alphabets: many matches, many ties
+        tokens = [rng.randrange(alphabet) for _ in range(rng.randrange(0, 40))]
+        max_len = len(tokens) + rng.choice([0, 1, 2, 10])
+        ours = propose(tokens, min_n, max_n, k, max_len)
+        theirs = vllm_propose(np.array(tokens, dtype=np.int32), min_n, max_n, max_len, k).tolist()
+        assert ours == theirs, (trial, tokens, ours, theirs)

