@@ -324,3 +324,65 @@ def test_quarantine_moves_only_incomplete_epoch_directories_aside(tmp_path):
 def test_quarantine_of_a_save_path_that_does_not_exist_yet(tmp_path):
     assert quarantine_incomplete(tmp_path / "checkpoints", Log()) == []
     assert final_checkpoint(tmp_path / "checkpoints") is None
+
+
+# --- deploy-measure: servers side by side ----------------------------------------------------------------------
+
+def _measure_context(tmp_path, port: int, start_together: int):
+    import logging
+
+    from pipeline.stages.base import StageContext
+    profile = load_profile(TINY, overrides={"server.port": port, "evaluate.start_together": start_together,
+                                            "run.runs_dir": str(tmp_path / "runs")})
+    run = RunDir.create(profile, tmp_path / "run")
+    return StageContext(run=run, profile=profile, log=logging.getLogger("test"))
+
+
+def _held_elsewhere(tmp_path, port: int) -> bool:
+    """Whether another process sees the port's run lock held (portlock.holder from a child)."""
+    code = ("from pipeline import portlock; from pipeline.profile import load_profile; "
+            f"p = load_profile({str(TINY)!r}, overrides={{'server.port': {port}, "
+            f"'run.runs_dir': {str(tmp_path / 'runs')!r}}}); print(portlock.holder(p) is not None)")
+    probe = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                           cwd=Path(__file__).resolve().parents[1])
+    assert probe.returncode == 0, probe.stderr
+    return probe.stdout.strip() == "True"
+
+
+def test_side_by_side_servers_take_the_next_ports_and_their_locks(tmp_path):
+    import contextlib
+
+    from pipeline.stages.deploy_measure import side_by_side_ports
+    from tests.conftest import free_port
+    ctx = _measure_context(tmp_path, free_port(), 3)
+    with contextlib.ExitStack() as stack:
+        ports = [p.server.port for p in side_by_side_ports(ctx, 3, stack)]
+        assert ports == [ctx.profile.server.port + i for i in range(3)]
+        # another run of the box cannot take the extra ports while the measured servers live
+        assert _held_elsewhere(tmp_path, ports[1]) and _held_elsewhere(tmp_path, ports[2])
+    assert not _held_elsewhere(tmp_path, ports[2])  # released with the stage
+
+
+def test_side_by_side_falls_back_to_one_at_a_time_when_a_port_is_taken(tmp_path):
+    import contextlib
+    import socket
+
+    from pipeline.stages.deploy_measure import side_by_side_ports
+    from tests.conftest import free_port
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        taken = busy.getsockname()[1]
+        ctx = _measure_context(tmp_path, taken - 1, 3)  # the second port is someone else's
+        with contextlib.ExitStack() as stack:
+            assert [p.server.port for p in side_by_side_ports(ctx, 3, stack)] == [taken - 1]
+    ctx = _measure_context(tmp_path / "again", free_port(), 1)
+    with contextlib.ExitStack() as stack:
+        assert len(side_by_side_ports(ctx, 1, stack)) == 1
+
+
+def test_tokens_per_step_counts_every_decode_step():
+    from pipeline.stages.deploy_measure import tokens_per_step
+    # 2 requests × 11 tokens: 20 decoded after the prefills; 8 accepted drafts → 12 steps
+    assert tokens_per_step({"output_tokens": 22}, 2, 8) == round(20 / 12, 4)
+    assert tokens_per_step({"output_tokens": 22}, 2, 0) == 1.0

@@ -10,12 +10,14 @@ from __future__ import annotations
 import json
 import time
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack, closing
+from dataclasses import replace
 from functools import partial
 from pathlib import Path
 
-from pipeline import atomicio, box, conversations, online, target
+from pipeline import atomicio, box, conversations, online, portlock, target, vllm_modes
 from pipeline.deploy import publish_draft
-from pipeline.server import ServerError, explain_failure
+from pipeline.server import ServerError, explain_failure, port_owner
 from pipeline.stages.base import Stage, StageContext, StageError
 
 MODE = {"baseline": "baseline", "ngram": "ngram", "existing": "speculative", "eagle3": "speculative"}
@@ -44,18 +46,23 @@ def send_all(base_url: str, model: str, prompts: list[list[int]], max_tokens: in
             "tpot_ms": round(1000 * sum(per_token) / len(per_token), 3) if per_token else None}
 
 
-def measure_method(ctx: StageContext, stage: str, method: str, prompts: list[list[int]], **mode_args) -> dict:
-    p = ctx.profile
-    mode = MODE[method]
+def start_method(ctx: StageContext, profile, method: str, **mode_args):
+    """Serve `method` on `profile`'s port: (record, seconds) or (None, why)."""
     t0 = time.perf_counter()
     try:
-        rec = box.start_mode(p, mode, ctx.target_dir(), ctx.run.log_path(f"server-{method}"),
+        rec = box.start_mode(profile, MODE[method], ctx.target_dir(), ctx.run.log_path(f"server-{method}"),
                              ctx.run.cache_root, ctx.log.info, **mode_args)
     except ServerError as exc:
-        box.free_port(p, ctx.log.info)
-        return {"method": method, "error": str(exc)}
-    row: dict = {"method": method, "server_start_s": round(time.perf_counter() - t0, 1), "levels": {}}
-    ctx.emit("server", stage, mode=mode, method=method, pid=rec.pid, port=rec.port, start_s=row["server_start_s"])
+        box.free_port(profile, ctx.log.info)
+        return None, str(exc)
+    return rec, round(time.perf_counter() - t0, 1)
+
+
+def measure_served(ctx: StageContext, stage: str, method: str, rec, start_s: float,
+                   prompts: list[list[int]]) -> dict:
+    p = ctx.profile
+    row: dict = {"method": method, "server_start_s": start_s, "levels": {}}
+    ctx.emit("server", stage, mode=MODE[method], method=method, pid=rec.pid, port=rec.port, start_s=start_s)
     try:
         online.complete(rec.base_url, p.server.served_model_name, prompts[0], 4, {})  # warm-up
         for c in sorted(p.evaluate.concurrency):
@@ -69,12 +76,65 @@ def measure_method(ctx: StageContext, stage: str, method: str, prompts: list[lis
                              acceptance_rate=round(spec.acceptance_rate, 4),
                              acceptance_per_position=[round(x, 4) for x in spec.per_position_rate()],
                              drafts=spec.drafts, accepted=spec.accepted)
+            level["tokens_per_step"] = tokens_per_step(level, len(prompts), int(spec.accepted) if spec.drafts else 0)
             row["levels"][c] = level
     except Exception as exc:  # noqa: BLE001 - a method that fails mid-way is a row, not a crash
         row["error"] = explain_failure(rec, f"{type(exc).__name__}: {exc}")
-    finally:
-        box.free_port(p, ctx.log.info)
     return row
+
+
+def tokens_per_step(level: dict, requests: int, accepted: int) -> float:
+    """Output tokens per target forward after the prefill: each decode step of a request yields its
+    accepted draft tokens plus one. It is τ for a method that drafts at every step (EAGLE-3); for
+    n-gram, whose τ counts only the steps where it found a match, it is what the speed sees."""
+    decoded = level["output_tokens"] - requests  # the first token of each request comes from its prefill
+    steps = decoded - accepted
+    return round(decoded / steps, 4) if steps > 0 else 1.0
+
+
+def side_by_side_ports(ctx: StageContext, count: int, stack: ExitStack) -> list:
+    """`count` profiles on server.port, server.port + 1, …: the run holds the first port; the others are
+    taken here (their locks held until the stage ends) when free and not serving anything, else the
+    methods fall back to one server at a time on the run's own port."""
+    base = ctx.profile
+    profiles = [base]
+    for offset in range(1, count):
+        variant = replace(base, server=replace(base.server, port=base.server.port + offset))
+        if port_owner(variant.server.host, variant.server.port) is not None:
+            ctx.log.info("port %d is in use: the measured servers start one at a time", variant.server.port)
+            return [base]
+        try:
+            stack.enter_context(closing(portlock.hold(variant, ctx.run.root)))
+        except portlock.PortTaken as exc:
+            ctx.log.info("%s: the measured servers start one at a time", exc)
+            return [base]
+        profiles.append(variant)
+    return profiles
+
+
+def measure_all(ctx: StageContext, stage: str, methods: list[str], prompts: list[list[int]], args: dict) -> dict:
+    """The matrix: servers started `evaluate.start_together` at a time (side by side on consecutive
+    ports, so their starts overlap), then measured one at a time while the others idle, then stopped."""
+    with ExitStack() as stack:
+        profiles = side_by_side_ports(ctx, min(ctx.profile.evaluate.start_together, len(methods)), stack)
+        return _measure_groups(ctx, stage, methods, prompts, args, profiles)
+
+
+def _measure_groups(ctx: StageContext, stage: str, methods: list[str], prompts: list[list[int]], args: dict,
+                    profiles: list) -> dict:
+    matrix: dict = {}
+    for first in range(0, len(methods), len(profiles)):
+        group = list(zip(methods[first: first + len(profiles)], profiles, strict=False))
+        with ThreadPoolExecutor(max_workers=len(group)) as pool:
+            started = list(pool.map(lambda mp: start_method(ctx, mp[1], mp[0], **args.get(mp[0], {})), group))
+        try:
+            for (method, _), (rec, start) in zip(group, started, strict=True):
+                matrix[method] = ({"method": method, "error": start} if rec is None
+                                  else measure_served(ctx, stage, method, rec, start, prompts))
+        finally:
+            for _, profile in group:
+                box.free_port(profile, ctx.log.info)
+    return matrix
 
 
 def decide(eagle: dict | None, baseline_c: int, threshold: float) -> str:
@@ -110,7 +170,7 @@ class DeployMeasure(Stage):
         prompts = [conversations.render_ids(tok, r["messages"], add_generation_prompt=True) for r in rows]
         draft = publish_draft(ctx.draft_checkpoint(), ctx.run.draft_dir, ctx.target_dir())
         args = {"eagle3": {"draft_dir": draft}, "existing": {"draft_dir": Path(ev.existing_head)}}
-        matrix = {m: measure_method(ctx, self.name, m, prompts, **args.get(m, {})) for m in ev.methods}
+        matrix = measure_all(ctx, self.name, list(ev.methods), prompts, args)
         base = matrix["baseline"]
         if base.get("error"):
             raise StageError(f"baseline server failed: {base['error']}")
@@ -152,8 +212,23 @@ class DeployMeasure(Stage):
             lv = eagle["levels"][low]
             figures.update(mean_acceptance_length=lv["mean_acceptance_length"],
                            acceptance_per_position=lv["acceptance_per_position"], speedup=lv["speedup"],
-                           speculative_tok_s=lv["output_tok_s"], identical_outputs=eagle["identical_outputs"])
-        ngram = matrix.get("ngram", {})
-        if ngram.get("levels", {}).get(low, {}).get("mean_acceptance_length") is not None:
-            figures["ngram_tau"] = ngram["levels"][low]["mean_acceptance_length"]
+                           speculative_tok_s=lv["output_tok_s"], identical_outputs=eagle["identical_outputs"],
+                           tokens_per_step=lv["tokens_per_step"],
+                           **step_economics(base["levels"][low], lv, ev.deploy_speedup))
+        ngram = matrix.get("ngram", {}).get("levels", {}).get(low, {})
+        if ngram.get("mean_acceptance_length") is not None:
+            steps = ngram["output_tokens"] - len(prompts) - ngram["accepted"]
+            figures.update(ngram_tau=ngram["mean_acceptance_length"], ngram_tokens_per_step=ngram["tokens_per_step"],
+                           ngram_draft_share=round(ngram["drafts"] / steps, 4) if steps > 0 else 1.0)
         return figures
+
+
+def step_economics(baseline: dict, eagle: dict, threshold: float) -> dict:
+    """A decode step's cost with the head (its time per token times the tokens a step yields) against a
+    plain step's, and the τ at which the head would reach the deploy threshold at that cost."""
+    if not baseline.get("tpot_ms") or not eagle.get("tpot_ms"):
+        return {}
+    step_ms = eagle["tpot_ms"] * eagle["tokens_per_step"]
+    return {"step_ms": round(step_ms, 3), "baseline_step_ms": baseline["tpot_ms"],
+            "break_even_tau": round(threshold * step_ms / baseline["tpot_ms"], 3),
+            "gpu": vllm_modes.accelerator_available()}
