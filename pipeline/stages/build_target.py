@@ -7,9 +7,10 @@ import hashlib
 import json
 import re
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
-from pipeline import atomicio, demo_data
+from pipeline import atomicio, demo_data, demo_pretrain
 from pipeline.compat import kimi_layout
 from pipeline.profile import DemoTargetSection, Profile
 from pipeline.stages.base import Stage, StageContext
@@ -27,12 +28,17 @@ BUILD_VERSION = 1  # bump when the builder changes what it produces
 
 LLAMA_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
                 "max_position_embeddings", "tokenizer_source_files", "seed")
+CORPUS_FIELDS = ("corpus_conversations", "corpus_seed", "corpus_steps", "corpus_lr", "corpus_batch", "corpus_seq")
+PRETRAIN_RECORD = "pretrain.json"  # what teaching the target its corpus measured, kept with the weights
 
 
 def cache_key(spec: DemoTargetSection) -> str:
     """Content hash of what the builder produces: only the fields the architecture uses count, so a
     Llama target keeps its key when DeepSeek-V3 fields are added or changed."""
-    fields = spec.__dict__ if spec.architecture != "llama" else {f: getattr(spec, f) for f in LLAMA_FIELDS}
+    fields = spec.__dict__ if spec.architecture != "llama" else {f: getattr(spec, f)
+                                                                 for f in LLAMA_FIELDS + CORPUS_FIELDS}
+    if not spec.corpus_conversations:  # random weights: the corpus fields do not change what is built
+        fields = {k: v for k, v in fields.items() if k not in CORPUS_FIELDS}
     blob = json.dumps({"v": BUILD_VERSION, **fields}, sort_keys=True).encode()
     return hashlib.sha256(blob).hexdigest()[:12]
 
@@ -185,8 +191,10 @@ def quantize_routed_experts(model_dir: Path, group_size: int) -> int:
     return count
 
 
-def build_target(spec: DemoTargetSection, cache_dir: Path) -> Path:
-    """Return the cached target directory, building it (into a temp dir, then renamed) if absent."""
+def build_target(spec: DemoTargetSection, cache_dir: Path,
+                 on_step: Callable[[int, int, float], None] = lambda step, total, loss: None) -> Path:
+    """Return the cached target directory, building it (into a temp dir, then renamed) if absent;
+    `on_step` follows the corpus training when there is one."""
     final = Path(cache_dir) / f"demo-target-{cache_key(spec)}"
     if (final / "model.safetensors").is_file() and (final / "tokenizer.json").is_file():
         return final
@@ -195,7 +203,11 @@ def build_target(spec: DemoTargetSection, cache_dir: Path) -> Path:
     tmp.mkdir(parents=True)
     tokenizer = build_tokenizer(spec)
     tokenizer.save_pretrained(tmp)
-    build_model(spec, len(tokenizer), tokenizer).save_pretrained(tmp)
+    model = build_model(spec, len(tokenizer), tokenizer)
+    if spec.corpus_conversations:
+        record = demo_pretrain.pretrain(model, tokenizer, spec, on_step)
+        atomicio.atomic_write_json(tmp / PRETRAIN_RECORD, record)
+    model.save_pretrained(tmp)
     if spec.architecture == "kimi_k25":
         kimi_layout.write_kimi_layout(tmp)
     if spec.quantization == "w4a16":
@@ -227,11 +239,14 @@ class BuildTarget(Stage):
             cache = Path(ctx.profile.run.cache_dir).resolve()
             cached = (cache / f"demo-target-{cache_key(spec)}" / "model.safetensors").is_file()
             ctx.log.info("demo target %s (%s)", cache_key(spec), "cached" if cached else "building")
-            target = build_target(spec, cache)
+            target = build_target(spec, cache, lambda step, total, loss: ctx.progress(
+                self.name, step, total, "corpus steps", loss=round(loss, 3)))
             ctx.run.update_stage(self.name, figures={"target_dir": str(target)})
             figures.update(target_dir=str(target), cached=cached,
                            params=_param_count(target), vocab_size=spec.vocab_size, layers=spec.num_layers,
                            architecture=spec.architecture)
+            if (target / PRETRAIN_RECORD).is_file():
+                figures.update(json.loads((target / PRETRAIN_RECORD).read_text()))
         if ctx.profile.data.conversations == "demo":
             convs = demo_data.conversations(ctx.profile.data.num_conversations, ctx.profile.data.seed)
             text = "".join(json.dumps(c) + "\n" for c in convs)

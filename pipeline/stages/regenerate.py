@@ -58,7 +58,28 @@ class Regenerate(Stage):
                     generated_tokens += len(completion)
                 ctx.progress(self.name, len(rows), total, "turns")
         atomicio.atomic_write_text(ctx.training_conversations(), "".join(json.dumps(r) + "\n" for r in rows))
-        return {"rows": len(rows), "generated_tokens": generated_tokens, "skipped_rows": len(loaded.bad)}
+        return {"rows": len(rows), "generated_tokens": generated_tokens, "skipped_rows": len(loaded.bad),
+                **answer_variety(rows)}
+
+
+def answer_variety(rows: list[dict]) -> dict:
+    """How much the target's answers say: distinct tokens over all of them, and the share of answer tokens
+    that complete a trigram already in their context (what prompt lookup can copy; a looping model
+    scores near 1)."""
+    distinct: set[int] = set()
+    repeated = total = 0
+    for row in rows:
+        ids, mask = row["input_ids"], row["loss_mask"]
+        seen: set[tuple[int, ...]] = set()
+        for i, token in enumerate(ids):
+            if i >= 2 and mask[i]:
+                total += 1
+                repeated += (ids[i - 2], ids[i - 1], token) in seen
+                distinct.add(token)
+            if i >= 2:
+                seen.add((ids[i - 2], ids[i - 1], token))
+    return {"answer_distinct_tokens": len(distinct),
+            "answer_repeated_trigram_share": round(repeated / total, 3) if total else 0.0}
 
 
 def _greedy(model, tok, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
