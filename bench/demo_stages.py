@@ -21,14 +21,33 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
 def stage_times(run) -> None:
+    import json
+
     state = run.read_state()
     total = 0.0
-    print(f"{'stage':<18}{'seconds':>10}")
+    print(f"{'stage':<18}{'seconds':>10}  key figures")
     for name, entry in state["stages"].items():
         secs = entry.get("seconds") or 0.0
         total += secs
-        print(f"{name:<18}{secs:>10.2f}")
+        print(f"{name:<18}{secs:>10.2f}  {_key_figures(name, entry.get('figures') or {})}")
     print(f"{'sum of stages':<18}{total:>10.2f}")
+    events = [json.loads(line) for line in run.events_path.read_text().splitlines() if line.strip()]
+    starts = [e for e in events if e.get("kind") == "server"]
+    if events:
+        print(f"{'run wall clock':<18}{events[-1]['t'] - events[0]['t']:>10.2f}  first event to last")
+    for e in starts:
+        print(f"  server {e.get('method') or e.get('mode'):<10} port {e['port']}: up in {e['start_s']} s")
+
+
+KEY_FIGURES = {"build-target": ("corpus_steps", "corpus_loss_last", "cached"),
+               "regenerate": ("rows", "answer_distinct_tokens", "answer_repeated_trigram_share"),
+               "train": ("epochs", "tokens_per_s"),
+               "evaluate-offline": ("tau", "ngram_tau", "ngram_tokens_per_step"),
+               "deploy-measure": ("mean_acceptance_length", "tokens_per_step", "speedup", "break_even_tau")}
+
+
+def _key_figures(stage: str, figures: dict) -> str:
+    return ", ".join(f"{k}={figures[k]}" for k in KEY_FIGURES.get(stage, ()) if k in figures)
 
 
 def extraction_ratio(run, repeats: int) -> None:
