@@ -71,15 +71,18 @@ class Acceptance:
 
 
 def acceptance(prompt: list[int], output: list[int], k: int, min_n: int, max_n: int,
-               max_model_len: int) -> Acceptance:
+               max_model_len: int, emitted: int | None = None) -> Acceptance:
     """Replay `output` (the target's greedy tokens after `prompt`) through prompt lookup: after each
     target step it proposes from everything so far; the target accepts the proposal's prefix that equals
-    its own next tokens and adds one token of its own."""
+    its own next tokens and adds one token of its own. `emitted` (default: all of `output`) is how many
+    tokens the request returns; `output` may run up to k tokens past it, because vLLM's last step accepts
+    drafts against the target's tokens before the request is cut at max_tokens, and counts them."""
+    emitted = len(output) if emitted is None else emitted
     result = Acceptance(per_position=[0] * k)
-    if not output:
+    if not emitted:
         return result
     context, i = list(prompt) + output[:1], 1  # the prefill samples the first token
-    while i < len(output):
+    while i < emitted:
         draft = propose(context, min_n, max_n, k, max_model_len)
         hit = 0
         while hit < len(draft) and i + hit < len(output) and draft[hit] == output[i + hit]:
@@ -89,7 +92,7 @@ def acceptance(prompt: list[int], output: list[int], k: int, min_n: int, max_n: 
             result.drafts += 1
             result.accepted += hit
         result.steps += 1
-        result.decoded += min(hit + 1, len(output) - i)
+        result.decoded += min(hit + 1, emitted - i)
         context += output[i: i + hit + 1]
         i += hit + 1
     return result

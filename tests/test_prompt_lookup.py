@@ -40,3 +40,12 @@ def test_merged_counts_add_up():
     total.add(a)
     assert (total.drafts, total.accepted, total.steps, total.decoded) == (2, 6, 4, 10)
     assert total.per_position == [2, 2, 2] and total.tau == a.tau
+
+
+def test_the_last_step_counts_drafts_past_max_tokens_as_vllm_does():
+    # The request returns 3 tokens; the target would go on with 8 9. The last step's draft [7 8 9] is
+    # accepted in full before the request is cut, and vLLM's counters keep all three.
+    full = acceptance([5, 6, 7, 8, 9], [5, 6, 7, 8, 9], k=3, min_n=2, max_n=4, max_model_len=64, emitted=3)
+    assert (full.drafts, full.accepted, full.steps, full.decoded) == (1, 3, 2, 2)
+    cut = acceptance([5, 6, 7, 8, 9], [5, 6, 7], k=3, min_n=2, max_n=4, max_model_len=64)
+    assert (cut.drafts, cut.accepted) == (1, 1)  # without the tokens past the cut only one is known

@@ -74,9 +74,12 @@ def test_the_offline_ngram_replay_counts_what_vllm_counts(vllm_run):
     served = json.loads((vllm_run.eval_dir / "online.json").read_text())["matrix"]["ngram"]["levels"]["1"]
     replayed = json.loads(vllm_run.offline_result.read_text())["ngram"]
     assert replayed["drafts"] > 0, replayed  # the looping random target gives prompt lookup plenty to match
-    assert abs(replayed["drafts"] - served["drafts"]) <= max(2, 0.05 * served["drafts"]), (replayed, served)
+    # equal on the demo and here (the replay verifies the last step's drafts past max_tokens, as vLLM does)
+    assert abs(replayed["drafts"] - served["drafts"]) <= 1, (replayed, served)
+    assert abs(replayed["accepted"] - served["accepted"]) <= 1, (replayed, served)
     assert abs(replayed["tau"] - served["mean_acceptance_length"]) <= 0.05, (replayed, served)
-    assert abs(replayed["tokens_per_step"] - served["tokens_per_step"]) <= 0.05, (replayed, served)
+    for a, b in zip(replayed["acceptance_per_position"], served["acceptance_per_position"], strict=True):
+        assert abs(a - b) <= 0.05, (replayed, served)
 
 
 def test_report_has_matrix_plots_and_decision(vllm_run, tmp_path):

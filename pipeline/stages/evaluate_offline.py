@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 
 from pipeline import atomicio, conversations, target
-from pipeline.stages.base import Stage, StageContext, StageError
+from pipeline.stages.base import Stage, StageContext, StageError, first_difference
 
 
 def eos_ids(model) -> set[int]:
@@ -50,19 +50,18 @@ class EvaluateOffline(Stage):
             t0 = time.perf_counter()
             results = speculative.speculative_generate_batch(reader, proposer, ids, ev.k, ev.max_new_tokens, eos)
             t1 = time.perf_counter()
-            refs = speculative.greedy_reference_batch(model, ids, ev.max_new_tokens, eos)
+            # k tokens past max_new_tokens: what vLLM's last step verifies n-gram's drafts against
+            longer = speculative.greedy_reference_batch(model, ids, ev.max_new_tokens + ev.k, eos)
+            refs = [r[: ev.max_new_tokens] for r in longer]
             t_ref += time.perf_counter() - t1
             t_spec += t1 - t0
-            for p, prompt_ids, (out, stats), ref in zip(batch, ids, results, refs, strict=True):
+            for p, prompt_ids, (out, stats), ref, ref_on in zip(batch, ids, results, refs, longer, strict=True):
                 total.merge(stats)
-                ngram.add(prompt_lookup.acceptance(prompt_ids, ref, ev.k, ev.ngram_min, ev.ngram_max,
-                                                   ctx.profile.server.max_model_len))
+                ngram.add(prompt_lookup.acceptance(prompt_ids, ref_on, ev.k, ev.ngram_min, ev.ngram_max,
+                                                   ctx.profile.server.max_model_len, emitted=len(ref)))
                 same = out == ref
                 if not same:
-                    # out and ref may differ in length: the first position they differ at, else the shorter's end
-                    first = next((j for j, (a, b) in enumerate(zip(out, ref, strict=False)) if a != b),
-                                 min(len(out), len(ref)))
-                    mismatches.append({"id": p["id"], "first_difference": first})
+                    mismatches.append({"id": p["id"], "first_difference": first_difference(out, ref)})
                 per_prompt.append({"id": p["id"], "tau": round(stats.tau, 4), "tokens": len(out), "lossless": same})
             done += len(batch)
             ctx.progress(self.name, done, len(prompts), "prompts", tau=round(total.tau, 3))
