@@ -29,6 +29,20 @@ def complete(base_url: str, model: str, prompt_ids: list[int], max_tokens: int, 
             "completion_tokens": data["usage"]["completion_tokens"], "seconds": time.perf_counter() - t0}
 
 
+def top_logprobs(base_url: str, model: str, prompt_ids: list[int], headers: dict, n: int = 2,
+                 timeout: float = 600) -> list[tuple[int, float]]:
+    """The served model's n most likely next tokens after `prompt_ids` as (token id, logprob), best first
+    (vLLM's completions API with `return_tokens_as_token_ids`: keys read "token_id:123")."""
+    body = {"model": model, "prompt": prompt_ids, "max_tokens": 1, "temperature": 0.0, "logprobs": n,
+            "return_tokens_as_token_ids": True}
+    req = urllib.request.Request(f"{base_url}/v1/completions", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json", **headers}, method="POST")
+    with urllib.request.urlopen(req, timeout=timeout) as resp:  # noqa: S310 - the server we started
+        data = json.loads(resp.read())
+    top = data["choices"][0]["logprobs"]["top_logprobs"][0]
+    return sorted(((int(key.rsplit(":", 1)[1]), float(lp)) for key, lp in top.items()), key=lambda kv: -kv[1])
+
+
 @dataclass(frozen=True)
 class SpecCounters:
     drafts: float = 0.0

@@ -164,6 +164,9 @@ class EvaluateSection:
     # deploy-measure: servers started side by side on server.port, +1, … (their starts overlap; each is
     # measured alone while the others idle). 1 = one at a time on server.port: a GPU holds one target.
     start_together: int = 1
+    # An output that leaves the baseline's where the target's own top two next tokens are within this many
+    # nats is a numerics tie (bf16, the verify step's batch shape): reported, not a failure of the head
+    tie_logprob_gap: float = 0.1
 
 
 @dataclass(frozen=True)
@@ -353,6 +356,8 @@ def _check_semantics(p: Profile, source: Path) -> None:
         bad("evaluate.concurrency", p.evaluate.concurrency, "must be a non-empty list of integers >= 1")
     if "existing" in p.evaluate.methods and not p.evaluate.existing_head:
         raise ProfileError(f"{source}: missing required key 'evaluate.existing_head' (methods include 'existing')")
+    if not p.evaluate.tie_logprob_gap >= 0:
+        bad("evaluate.tie_logprob_gap", p.evaluate.tie_logprob_gap, "must be >= 0 nats (0 = every mismatch fails)")
     if p.evaluate.start_together < 1:
         bad("evaluate.start_together", p.evaluate.start_together, "must be >= 1 (1 = one server at a time)")
     if p.evaluate.num_prompts > p.data.heldout:

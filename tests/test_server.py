@@ -47,6 +47,12 @@ def test_start_healthy_adopt_then_sigkill_api_server_then_stop_cleans_group(tmp_
     assert http_get(f"{rec.base_url}/v1/models")[0] == 401  # the key is in force
     models = json.loads(http_get(f"{rec.base_url}/v1/models", headers={"Authorization": f"Bearer {SECRET}"})[1])
     assert models["data"][0]["id"] == "target"
+    # deploy-measure asks a server for the target's margin where outputs part (its top two next tokens)
+    from pipeline import online
+    auth, prompt = {"Authorization": f"Bearer {SECRET}"}, [1, 5, 9, 13, 17]
+    top = online.top_logprobs(rec.base_url, "target", prompt, auth)
+    greedy = online.complete(rec.base_url, "target", prompt, 1, auth)["token_ids"]
+    assert len(top) == 2 and top[0][1] >= top[1][1] and top[0][0] == greedy[0], (top, greedy)
     status = ctl.status()
     assert status["state"] == "running" and status["healthy"] and len(status["pids"]) >= 2  # API + engine
     engine = [p for p in procs.group_members(rec.pgid) if p.pid != rec.pid]

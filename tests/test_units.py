@@ -386,3 +386,11 @@ def test_tokens_per_step_counts_every_decode_step():
     # 2 requests × 11 tokens: 20 decoded after the prefills; 8 accepted drafts → 12 steps
     assert tokens_per_step({"output_tokens": 22}, 2, 8) == round(20 / 12, 4)
     assert tokens_per_step({"output_tokens": 22}, 2, 0) == 1.0
+
+
+def test_only_near_ties_of_the_target_excuse_a_mismatch():
+    from pipeline.stages.deploy_measure import numeric_ties
+    found = [{"prompt": 0, "gap": 0.03}, {"prompt": 3, "gap": 1.7}, {"prompt": 5, "gap": None, "why": "refused"},
+             {"prompt": 7, "gap": 0.1}]
+    assert numeric_ties(found, 0.1) == [0, 7]  # a clear margin or an unanswered question stays a failure
+    assert numeric_ties(found, 0.0) == []

@@ -109,3 +109,8 @@ class Stage:
 
     def run(self, ctx: StageContext) -> dict:
         raise NotImplementedError
+
+
+def first_difference(a: list[int], b: list[int]) -> int:
+    """The first position where two token sequences differ (the shorter's length when one is a prefix)."""
+    return next((j for j, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))

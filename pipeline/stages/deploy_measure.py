@@ -18,7 +18,7 @@ from pathlib import Path
 from pipeline import atomicio, box, conversations, online, portlock, target, vllm_modes
 from pipeline.deploy import publish_draft
 from pipeline.server import ServerError, explain_failure, port_owner
-from pipeline.stages.base import Stage, StageContext, StageError
+from pipeline.stages.base import Stage, StageContext, StageError, first_difference
 
 MODE = {"baseline": "baseline", "ngram": "ngram", "existing": "speculative", "eagle3": "speculative"}
 
@@ -59,7 +59,9 @@ def start_method(ctx: StageContext, profile, method: str, **mode_args):
 
 
 def measure_served(ctx: StageContext, stage: str, method: str, rec, start_s: float,
-                   prompts: list[list[int]]) -> dict:
+                   prompts: list[list[int]], reference: list[list[int]] | None = None) -> dict:
+    """One method's row; with the baseline's outputs (`reference`), every output that differs at the lowest
+    concurrency is located and the target's own margin there asked of this server (`divergences`)."""
     p = ctx.profile
     row: dict = {"method": method, "server_start_s": start_s, "levels": {}}
     ctx.emit("server", stage, mode=MODE[method], method=method, pid=rec.pid, port=rec.port, start_s=start_s)
@@ -78,15 +80,47 @@ def measure_served(ctx: StageContext, stage: str, method: str, rec, start_s: flo
                              drafts=spec.drafts, accepted=spec.accepted)
             level["tokens_per_step"] = tokens_per_step(level, len(prompts), int(spec.accepted) if spec.drafts else 0)
             row["levels"][c] = level
+        low = min(p.evaluate.concurrency)
+        if reference is not None:
+            row["divergences"] = divergences(rec, p.server.served_model_name, prompts, reference,
+                                             row["levels"][low]["outputs"])
     except Exception as exc:  # noqa: BLE001 - a method that fails mid-way is a row, not a crash
         row["error"] = explain_failure(rec, f"{type(exc).__name__}: {exc}")
     return row
 
 
+def divergences(rec, model: str, prompts: list[list[int]], reference: list[list[int]],
+                outputs: list[list[int]]) -> list[dict]:
+    """Where each output leaves the baseline's, the two tokens, and the target's top-two logprob gap at
+    that position (asked with the common prefix): a gap within bf16 rounding says numerics (the verify
+    step's batch shape differs from a plain decode step's), a clear one says the serving path is wrong."""
+    found = []
+    for i, (ref, out) in enumerate(zip(reference, outputs, strict=True)):
+        if ref == out:
+            continue
+        at = first_difference(ref, out)
+        entry: dict = {"prompt": i, "position": at, "baseline": ref[at: at + 1], "method": out[at: at + 1]}
+        try:
+            top = online.top_logprobs(rec.base_url, model, prompts[i] + ref[:at], {})
+            entry["gap"] = round(top[0][1] - top[1][1], 4) if len(top) > 1 else None
+        except Exception as exc:  # noqa: BLE001 - an unanswered question leaves the mismatch a failure
+            entry["gap"], entry["why"] = None, f"{type(exc).__name__}: {exc}"
+        found.append(entry)
+    return found
+
+
+def numeric_ties(found: list[dict], max_gap: float) -> list[int]:
+    """The prompts whose divergence sits where the target's own top two were within `max_gap` nats."""
+    return [d["prompt"] for d in found if d.get("gap") is not None and d["gap"] <= max_gap]
+
+
 def tokens_per_step(level: dict, requests: int, accepted: int) -> float:
     """Output tokens per target forward after the prefill: each decode step of a request yields its
     accepted draft tokens plus one. It is τ for a method that drafts at every step (EAGLE-3); for
-    n-gram, whose τ counts only the steps where it found a match, it is what the speed sees."""
+    n-gram, whose τ counts only the steps where it found a match, it is what the speed sees. From the
+    counters alone it runs high when a request's last step accepted drafts past max_tokens (vLLM counts
+    them; the request keeps none): a few per request, visible on short outputs; evaluate-offline's replay
+    counts the steps themselves."""
     decoded = level["output_tokens"] - requests  # the first token of each request comes from its prefill
     steps = decoded - accepted
     return round(decoded / steps, 4) if steps > 0 else 1.0
@@ -123,14 +157,17 @@ def measure_all(ctx: StageContext, stage: str, methods: list[str], prompts: list
 def _measure_groups(ctx: StageContext, stage: str, methods: list[str], prompts: list[list[int]], args: dict,
                     profiles: list) -> dict:
     matrix: dict = {}
+    low = min(ctx.profile.evaluate.concurrency)
     for first in range(0, len(methods), len(profiles)):
         group = list(zip(methods[first: first + len(profiles)], profiles, strict=False))
         with ThreadPoolExecutor(max_workers=len(group)) as pool:
             started = list(pool.map(lambda mp: start_method(ctx, mp[1], mp[0], **args.get(mp[0], {})), group))
         try:
             for (method, _), (rec, start) in zip(group, started, strict=True):
+                reference = (None if method == "baseline" else
+                             matrix.get("baseline", {}).get("levels", {}).get(low, {}).get("outputs"))
                 matrix[method] = ({"method": method, "error": start} if rec is None
-                                  else measure_served(ctx, stage, method, rec, start, prompts))
+                                  else measure_served(ctx, stage, method, rec, start, prompts, reference))
         finally:
             for _, profile in group:
                 box.free_port(profile, ctx.log.info)
@@ -176,6 +213,7 @@ class DeployMeasure(Stage):
             raise StageError(f"baseline server failed: {base['error']}")
         low = min(ev.concurrency)
         mismatches: dict[str, list[str]] = {}
+        failures: dict[str, list[str]] = {}  # mismatches that are not near-ties of the target's own
         for method, row in matrix.items():
             for c, level in row.get("levels", {}).items():
                 b = base["levels"].get(c, {})
@@ -183,10 +221,14 @@ class DeployMeasure(Stage):
                                     else None)
             if method != "baseline" and low in row.get("levels", {}):
                 pairs = zip(base["levels"][low]["outputs"], row["levels"][low]["outputs"], strict=True)
-                diff = [rows[i]["id"] for i, (a, b) in enumerate(pairs) if a != b]
-                row["identical_outputs"] = not diff
-                if diff:
-                    mismatches[method] = diff
+                differ = [i for i, (a, b) in enumerate(pairs) if a != b]
+                row["identical_outputs"] = not differ
+                if differ:
+                    mismatches[method] = [rows[i]["id"] for i in differ]
+                    ties = set(numeric_ties(row.get("divergences", []), ev.tie_logprob_gap))
+                    row["numeric_ties"] = len(ties)
+                    if real := [rows[i]["id"] for i in differ if i not in ties]:
+                        failures[method] = real
         for row in matrix.values():
             for level in row.get("levels", {}).values():
                 level.pop("outputs", None)
@@ -194,6 +236,7 @@ class DeployMeasure(Stage):
         offline_tau = ctx.offline_tau()
         result = {"k": ev.k, "prompts": len(prompts), "max_new_tokens": ev.max_new_tokens,
                   "concurrency": sorted(ev.concurrency), "matrix": matrix, "mismatches": mismatches,
+                  "mismatches_beyond_ties": failures, "tie_logprob_gap": ev.tie_logprob_gap,
                   "offline_tau": offline_tau, "decision": decide(eagle, low, ev.deploy_speedup)}
         atomicio.atomic_write_json(ctx.run.online_result, result)
         if eagle is not None:
@@ -202,10 +245,12 @@ class DeployMeasure(Stage):
             if not eagle["levels"][low].get("drafts"):
                 raise StageError("the speculative server reported no drafts: is the head loaded? "
                                  f"see {ctx.run.log_path('server-eagle3')}")
-            if "eagle3" in mismatches:
-                raise StageError(f"outputs with and without the new head differ for {len(mismatches['eagle3'])}/"
-                                 f"{len(prompts)} prompts (first: {mismatches['eagle3'][0]}); "
-                                 f"see {ctx.run.online_result}")
+            if "eagle3" in failures:
+                ties = eagle.get("numeric_ties", 0)
+                raise StageError(f"outputs with and without the new head differ for {len(failures['eagle3'])}/"
+                                 f"{len(prompts)} prompts (first: {failures['eagle3'][0]})"
+                                 + (f" beyond {ties} near-tie(s) of the target's own" if ties else "")
+                                 + f"; see {ctx.run.online_result}")
         figures = {"decision": result["decision"], "offline_tau": offline_tau,
                    "baseline_tok_s": base["levels"][low]["output_tok_s"]}
         if eagle is not None:
