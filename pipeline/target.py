@@ -94,4 +94,5 @@ class HiddenStateReader:
         out = self.model(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True,
                          use_cache=False)
         layers = [self._prenorm if i == self._final else out.hidden_states[i] for i in self.layer_ids]
-        return out.logits, torch.stack(layers, dim=2)
+        # spread over several GPUs (device_map "auto"), the layers' states live on different devices
+        return out.logits, torch.stack([x.to(out.logits.device) for x in layers], dim=2)
