@@ -18,6 +18,10 @@ QUESTION_TEMPLATES = (
 FOLLOW_UPS = ("Can you give an example?", "What should I watch out for?", "Is there an alternative?")
 
 
+class TooFewFunctions(RuntimeError):
+    """More demo conversations asked than this Python's standard library has documented functions."""
+
+
 def stdlib_sources(limit: int) -> list[Path]:
     """The first `limit` stdlib modules by sorted path: deterministic on a given Python."""
     root = Path(sysconfig.get_paths()["stdlib"])
@@ -49,7 +53,7 @@ def conversations(count: int, seed: int) -> list[dict]:
         pool += [(path.stem, name, doc) for name, doc in _documented_functions(path)]
     rng.shuffle(pool)
     if len(pool) < count:
-        raise RuntimeError(f"only {len(pool)} documented stdlib functions, {count} conversations asked")
+        raise TooFewFunctions(f"only {len(pool)} documented stdlib functions, {count} conversations asked")
     out = []
     for module, name, doc in pool[:count]:
         messages = [

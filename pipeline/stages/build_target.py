@@ -13,7 +13,7 @@ from pathlib import Path
 from pipeline import atomicio, demo_data, demo_pretrain
 from pipeline.compat import kimi_layout
 from pipeline.profile import DemoTargetSection, Profile
-from pipeline.stages.base import Stage, StageContext
+from pipeline.stages.base import Stage, StageContext, StageError
 
 SPECIAL_TOKENS = ["<|pad|>", "<|bos|>", "<|eos|>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]
 END_TOKEN_ID = 6
@@ -239,8 +239,12 @@ class BuildTarget(Stage):
             cache = Path(ctx.profile.run.cache_dir).resolve()
             cached = (cache / f"demo-target-{cache_key(spec)}" / "model.safetensors").is_file()
             ctx.log.info("demo target %s (%s)", cache_key(spec), "cached" if cached else "building")
-            target = build_target(spec, cache, lambda step, total, loss: ctx.progress(
-                self.name, step, total, "corpus steps", loss=round(loss, 3)))
+            try:
+                target = build_target(spec, cache, lambda step, total, loss: ctx.progress(
+                    self.name, step, total, "corpus steps", loss=round(loss, 3)))
+            except demo_data.TooFewFunctions as exc:  # the profile asks the impossible: a resume keeps it
+                raise StageError(f"demo_target.corpus_conversations = {spec.corpus_conversations}: {exc}",
+                                 resumable=False) from None
             ctx.run.update_stage(self.name, figures={"target_dir": str(target)})
             figures.update(target_dir=str(target), cached=cached,
                            params=_param_count(target), vocab_size=spec.vocab_size, layers=spec.num_layers,
@@ -248,7 +252,11 @@ class BuildTarget(Stage):
             if (target / PRETRAIN_RECORD).is_file():
                 figures.update(json.loads((target / PRETRAIN_RECORD).read_text()))
         if ctx.profile.data.conversations == "demo":
-            convs = demo_data.conversations(ctx.profile.data.num_conversations, ctx.profile.data.seed)
+            try:
+                convs = demo_data.conversations(ctx.profile.data.num_conversations, ctx.profile.data.seed)
+            except demo_data.TooFewFunctions as exc:
+                raise StageError(f"data.num_conversations = {ctx.profile.data.num_conversations}: {exc}",
+                                 resumable=False) from None
             text = "".join(json.dumps(c) + "\n" for c in convs)
             atomicio.atomic_write_text(ctx.source_conversations(), text)
             figures["conversations"] = len(convs)
