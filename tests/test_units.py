@@ -394,3 +394,24 @@ def test_only_near_ties_of_the_target_excuse_a_mismatch():
              {"prompt": 7, "gap": 0.1}]
     assert numeric_ties(found, 0.1) == [0, 7]  # a clear margin or an unanswered question stays a failure
     assert numeric_ties(found, 0.0) == []
+
+
+def _build_tiny_target(cache: str) -> str:
+    from pipeline.stages.build_target import build_target
+    return str(build_target(load_profile(TINY).demo_target, Path(cache)))
+
+
+def test_two_processes_building_the_same_target_share_one_result(tmp_path):
+    """Two runs of one spec (two ports of a box) build side by side: one directory results, both use it,
+    and a dead process's half-built leftover is removed."""
+    import multiprocessing
+
+    from pipeline.stages.build_target import cache_key
+    key = cache_key(load_profile(TINY).demo_target)
+    stale = tmp_path / f"demo-target-{key}.building-999999"  # no such process
+    stale.mkdir()
+    with multiprocessing.get_context("spawn").Pool(2) as pool:
+        built = pool.map(_build_tiny_target, [str(tmp_path)] * 2)
+    assert built[0] == built[1] == str(tmp_path / f"demo-target-{key}")
+    assert sorted(p.name for p in tmp_path.iterdir()) == [f"demo-target-{key}"]
+    assert (tmp_path / f"demo-target-{key}" / "model.safetensors").is_file()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
 import shutil
 from collections.abc import Callable
@@ -198,7 +199,12 @@ def build_target(spec: DemoTargetSection, cache_dir: Path,
     final = Path(cache_dir) / f"demo-target-{cache_key(spec)}"
     if (final / "model.safetensors").is_file() and (final / "tokenizer.json").is_file():
         return final
-    tmp = final.with_name(final.name + ".building")
+    # One temp directory per process: two runs of the same spec (say on two ports) build side by side and
+    # the first rename wins; a killed build's leftover goes once its process is gone.
+    for stale in final.parent.glob(f"{final.name}.building-*"):
+        if not _alive(stale.name.rsplit("-", 1)[1]):
+            shutil.rmtree(stale, ignore_errors=True)
+    tmp = final.with_name(f"{final.name}.building-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     tokenizer = build_tokenizer(spec)
@@ -212,10 +218,26 @@ def build_target(spec: DemoTargetSection, cache_dir: Path,
         kimi_layout.write_kimi_layout(tmp)
     if spec.quantization == "w4a16":
         quantize_routed_experts(tmp, spec.quant_group_size)
-    shutil.rmtree(final, ignore_errors=True)
-    tmp.rename(final)
+    if final.exists() and not (final / "model.safetensors").is_file():
+        shutil.rmtree(final, ignore_errors=True)  # an incomplete leftover, not another process's result
+    try:
+        tmp.rename(final)
+    except OSError:  # another process finished the same target first (a non-empty directory is there)
+        if not (final / "model.safetensors").is_file():
+            raise
+        shutil.rmtree(tmp, ignore_errors=True)
     atomicio.fsync_dir(final.parent)
     return final
+
+
+def _alive(pid: str) -> bool:
+    try:
+        os.kill(int(pid), 0)
+    except (ValueError, ProcessLookupError):
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 class BuildTarget(Stage):
