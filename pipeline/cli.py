@@ -134,12 +134,14 @@ def _print_summary(run) -> None:
         print(f"vLLM: mean acceptance length {online['mean_acceptance_length']:.3f} (per position {acc}), "
               f"{online['speculative_tok_s']:.1f} vs {online['baseline_tok_s']:.1f} tok/s baseline "
               f"(x{online['speedup']}), outputs identical to baseline = {online['identical_outputs']}")
-    _print_ngram(ev, online)
+    from pipeline import notes
+    if line := notes.ngram_comparison(ev, online):
+        print(line)
     if online:
         if online.get("decision"):
             print(f"decision: {online['decision']}")
-        if online.get("break_even_tau"):
-            print(f"why: {_economics(online)}")
+        if why := notes.economics(online):
+            print(f"why: {why}")
     hand = state["stages"].get("handover", {}).get("figures")
     if hand:
         print(f"serving port after the run: {hand['server']} (server.after_run = {hand['after_run']})")
@@ -149,38 +151,6 @@ def _print_summary(run) -> None:
               f"      the console       eagle3-console attach {run.root}\n"
               f"      your own target   copy profiles/base.toml (one GPU) or profiles/kimi-k2.5.toml, set\n"
               f"                        target.model_path, then: eagle3-console preflight YOUR.toml")
-
-
-def _print_ngram(offline: dict | None, online: dict | None) -> None:
-    """n-gram prompt lookup next to the head: vLLM's figures when the matrix served it, else the offline
-    replay of vLLM's proposer on the same greedy outputs. Its τ counts only the steps where it found a
-    match; tokens per step counts them all, as the head's τ does."""
-    if online and online.get("ngram_tau") is not None:
-        source, tau, per_step, head = ("vLLM", online["ngram_tau"], online["ngram_tokens_per_step"],
-                                       online.get("tokens_per_step"))
-    elif offline and offline.get("ngram_tau") is not None:
-        source, tau, per_step, head = ("replayed offline", offline["ngram_tau"], offline["ngram_tokens_per_step"],
-                                       offline["tau"])
-    else:
-        return
-    line = (f"n-gram (prompt lookup, {source}): mean acceptance length {tau:.3f} when it drafts; "
-            f"tokens per step {per_step:.3f}")
-    if head is not None:
-        line += f" against the head's {head:.3f} (x{head / per_step:.2f})"
-    print(line)
-
-
-def _economics(online: dict) -> str:
-    """What the speed figures mean: a speculative step's cost against a plain one's, and the τ at which
-    the head would pay on this machine."""
-    text = (f"a decode step with the head costs {online['step_ms']:.1f} ms here against "
-            f"{online['baseline_step_ms']:.1f} ms without it, so the head pays from tau {online['break_even_tau']:.2f} "
-            f"(it reached {online['tokens_per_step']:.2f})")
-    if not online.get("gpu"):
-        text += ("; on a CPU the head's draft forwards and the wider verification cost about as much as the small "
-                 "target's own step, on a GPU the target's forward dominates a step and the head pays from a far "
-                 "lower tau (NOTES.md \"The demo\")")
-    return text
 
 
 def cmd_status(args) -> int:

@@ -56,6 +56,40 @@ def _matrix_lines(res: dict) -> list[str]:
     return lines
 
 
+def ngram_comparison(offline: dict | None, online: dict | None) -> str | None:
+    """n-gram prompt lookup next to the head: vLLM's figures when the matrix served it, else the offline
+    replay of vLLM's proposer on the same greedy outputs. Its τ counts only the steps where it found a
+    match; tokens per step counts them all, as the head's τ does."""
+    if online and online.get("ngram_tau") is not None:
+        source, tau, per_step, head = ("vLLM", online["ngram_tau"], online["ngram_tokens_per_step"],
+                                       online.get("tokens_per_step"))
+    elif offline and offline.get("ngram_tau") is not None:
+        source, tau, per_step, head = ("replayed offline", offline["ngram_tau"], offline["ngram_tokens_per_step"],
+                                       offline["tau"])
+    else:
+        return None
+    line = (f"n-gram (prompt lookup, {source}): mean acceptance length {tau:.3f} when it drafts; "
+            f"tokens per step {per_step:.3f}")
+    if head is not None:
+        line += f" against the head's {head:.3f} (x{head / per_step:.2f})"
+    return line
+
+
+def economics(online: dict | None) -> str | None:
+    """What the speed figures mean: a decode step's cost with and without the head, and the τ from which
+    the head pays on this machine."""
+    if not online or not online.get("break_even_tau"):
+        return None
+    text = (f"a decode step with the head costs {online['step_ms']:.1f} ms here against "
+            f"{online['baseline_step_ms']:.1f} ms without it, so the head pays from tau {online['break_even_tau']:.2f} "
+            f"(it reached {online['tokens_per_step']:.2f})")
+    if not online.get("gpu"):
+        text += ("; on a CPU the head's draft forwards and the wider verification cost about as much as the small "
+                 "target's own step, on a GPU the target's forward dominates a step and the head pays from a far "
+                 "lower tau (NOTES.md \"The demo\")")
+    return text
+
+
 def to_markdown(run: RunDir, out_path: Path | None = None) -> str:
     """The run report: profile and versions, the decision, stage timings, offline and online evaluation,
     plots (written as PNG into RUN/report/), and every note in order."""
@@ -72,8 +106,11 @@ def to_markdown(run: RunDir, out_path: Path | None = None) -> str:
              f"- versions: {versions or 'not recorded'}",
              f"- target: {profile.target.model_path or 'demo target'}; k = {profile.evaluate.k}; "
              f"draft vocab {profile.vocab.draft_vocab_size}; epochs {profile.train.epochs}", ""]
+    measured = stages.get("deploy-measure", {}).get("figures")
     if online:
         lines += [f"**Decision: {online['decision']}**", ""]
+        if why := economics(measured):
+            lines += [f"Why: {why}.", ""]
     if stages:
         lines += ["## Stages", "", "| stage | status | seconds | key figures |", "|---|---|---|---|"]
         for name, entry in stages.items():
@@ -88,6 +125,8 @@ def to_markdown(run: RunDir, out_path: Path | None = None) -> str:
         lines += ["## Offline evaluation (transformers target + new head)", "",
                   f"τ = {offline['tau']:.3f} over {offline['prompts']} held-out prompts, per-position acceptance "
                   f"{acc}, lossless = {offline['lossless']}.", ""]
+        if line := ngram_comparison(offline, measured):
+            lines += [f"{line}.", ""]
     if online:
         lines += ["## Benchmark matrix (vLLM, greedy, held-out prompts)", ""] + _matrix_lines(online) + [
             "", f"TPOT = request latency / output tokens (prefill included). Offline τ of the same head: "

@@ -88,6 +88,11 @@ def test_report_has_matrix_plots_and_decision(vllm_run, tmp_path):
     assert proc.returncode == 0, proc.stderr
     md = out.read_text()
     assert "**Decision: " in md and "| eagle3 | 1 |" in md and "| ngram | 1 |" in md
+    figs = vllm_run.stage_state("deploy-measure")["figures"]
+    # why the decision came out so: the step costs it rests on, from this run's own figures
+    assert f"Why: a decode step with the head costs {figs['step_ms']:.1f} ms here against " in md
+    assert f"pays from tau {figs['break_even_tau']:.2f}" in md
+    assert "n-gram (prompt lookup, vLLM): mean acceptance length " in md
     for png in ("training.png", "acceptance.png"):
         assert (vllm_run.root / "report" / png).stat().st_size > 5000
         assert png in md
