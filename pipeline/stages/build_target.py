@@ -11,6 +11,8 @@ import shutil
 from collections.abc import Callable
 from pathlib import Path
 
+import psutil
+
 from pipeline import atomicio, demo_data, demo_pretrain
 from pipeline.compat import kimi_layout
 from pipeline.profile import DemoTargetSection, Profile
@@ -202,7 +204,8 @@ def build_target(spec: DemoTargetSection, cache_dir: Path,
     # One temp directory per process: two runs of the same spec (say on two ports) build side by side and
     # the first rename wins; a killed build's leftover goes once its process is gone.
     for stale in final.parent.glob(f"{final.name}.building-*"):
-        if not _alive(stale.name.rsplit("-", 1)[1]):
+        pid = stale.name.rsplit("-", 1)[1]
+        if not (pid.isdigit() and psutil.pid_exists(int(pid))):
             shutil.rmtree(stale, ignore_errors=True)
     tmp = final.with_name(f"{final.name}.building-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -228,16 +231,6 @@ def build_target(spec: DemoTargetSection, cache_dir: Path,
         shutil.rmtree(tmp, ignore_errors=True)
     atomicio.fsync_dir(final.parent)
     return final
-
-
-def _alive(pid: str) -> bool:
-    try:
-        os.kill(int(pid), 0)
-    except (ValueError, ProcessLookupError):
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 class BuildTarget(Stage):
