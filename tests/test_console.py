@@ -94,6 +94,10 @@ def run_app(app, coro, size=(120, 40)):
     async def main():
         async with app.run_test(size=size) as pilot:
             await pilot.pause(0.6)
+            # on a loaded machine the first full frame (footer included) can come later than that
+            deadline = time.monotonic() + 15
+            while not screen_text(app).rstrip("\n").splitlines()[-1].strip() and time.monotonic() < deadline:
+                await pilot.pause(0.1)
             await coro(app, pilot)
     asyncio.run(main())
 
