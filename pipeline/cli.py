@@ -371,7 +371,15 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--json", action="store_true")
         p.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a profile value")
         p.set_defaults(func=func)
+    sc = sub.add_parser("schema", help="the profile's JSON schema (for editors; docs/profile.schema.json)")
+    sc.set_defaults(func=cmd_schema)
     return parser
+
+
+def cmd_schema(args) -> int:
+    from pipeline.profile import json_schema
+    sys.stdout.write(json_schema())
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:

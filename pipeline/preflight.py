@@ -12,6 +12,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from pipeline import gpu
+from pipeline.compat import vllm_cpu_env
 from pipeline.compat.versions import KNOWN, RAN_HERE, VLLM_EXTRACTION_MIN, VLLM_EXTRACTION_WHY
 from pipeline.plan import GIB, disk_verdict, human, make_plan
 from pipeline.profile import Profile
@@ -146,6 +147,8 @@ def probe_question(profile: Profile, info) -> dict:
     else:
         q.update(kv_lora_rank=info.kv_lora_rank, qk_rope_head_dim=info.qk_rope_head_dim, rope_type=info.rope_type,
                  heads=info.heads)
+        if (named := vllm_cpu_env.mla_backend(True, dtype)):  # what a CPU server names (compat/vllm_cpu_env.py)
+            q["mla_backend"] = named
     if info.int4_group_size:
         q["int4_group_size"] = info.int4_group_size
     return q

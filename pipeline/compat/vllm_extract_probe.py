@@ -36,17 +36,28 @@ def _spec(cls, **kw):
     return cls(**{k: v for k, v in kw.items() if k in names})
 
 
-def attention_backend(head_size: int, dtype, kv_cache_dtype: str = "auto", use_mla: bool = True):
+def attention_backend(head_size: int, dtype, kv_cache_dtype: str = "auto", use_mla: bool = True,
+                      named: str | None = None):
+    """The backend the platform selects (or, `named`, the one the server will ask for by name)."""
     from vllm.platforms import current_platform
     from vllm.utils.import_utils import resolve_obj_by_qualname
     from vllm.v1.attention.selector import AttentionSelectorConfig
 
     sel = _spec(AttentionSelectorConfig, head_size=head_size, dtype=dtype, kv_cache_dtype=kv_cache_dtype,
                 block_size=None, use_mla=use_mla, use_sparse=False, use_kv_connector=True)
-    backend = resolve_obj_by_qualname(current_platform.get_attn_backend_cls(None, attn_selector_config=sel))
+    selected = None
+    if named:
+        from vllm.v1.attention.backends.registry import AttentionBackendEnum
+        selected = AttentionBackendEnum[named]
+    backend = resolve_obj_by_qualname(current_platform.get_attn_backend_cls(selected, attn_selector_config=sel))
     invalid = backend.validate_configuration(device_capability=current_platform.get_device_capability(),
                                              **sel._asdict())
     return backend, [str(r) for r in invalid or []]
+
+
+def _on_cpu() -> bool:
+    from vllm.platforms import current_platform
+    return current_platform.is_cpu()
 
 
 def kv_cache_groups(backend, hidden: int, layers: int, n_aux: int, head_size: int, dtype, kv_cache_dtype: str):
@@ -94,7 +105,8 @@ def probe_mla(q: dict, dtype) -> dict:
     head = q["kv_lora_rank"] + q["qk_rope_head_dim"]
     out: dict = {"head_size": head}
     try:
-        backend, invalid = attention_backend(head, dtype, q.get("kv_cache_dtype", "auto"))
+        backend, invalid = attention_backend(head, dtype, q.get("kv_cache_dtype", "auto"),
+                                             named=q.get("mla_backend") if _on_cpu() else None)
     except (NotImplementedError, ValueError) as exc:
         # vLLM's own no: "MLA is not supported on CPU." (0.26), "No valid attention backend found … Reasons"
         return {**out, "backend": None, "refused": f"{type(exc).__name__}: {exc}"}

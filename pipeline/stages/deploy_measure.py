@@ -11,7 +11,6 @@ import json
 import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack, closing
-from dataclasses import replace
 from functools import partial
 from pathlib import Path
 
@@ -133,7 +132,7 @@ def side_by_side_ports(ctx: StageContext, count: int, stack: ExitStack) -> list:
     base = ctx.profile
     profiles = [base]
     for offset in range(1, count):
-        variant = replace(base, server=replace(base.server, port=base.server.port + offset))
+        variant = base.with_port(base.server.port + offset)
         if port_owner(variant.server.host, variant.server.port) is not None:
             ctx.log.info("port %d is in use: the measured servers start one at a time", variant.server.port)
             return [base]
