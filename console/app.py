@@ -323,8 +323,8 @@ class ConsoleApp(App):
         if mode is None:  # the start commands all name a mode
             raise ValueError("no server mode chosen")
         target_dir, mode_args = box.mode_inputs(self.profile, self.rundir, mode)
-        rec = box.start_mode(self.profile, mode, target_dir, self.rundir.log_path(f"server-{mode}"),
-                             self.rundir.cache_root, lambda m: None, force=force, **mode_args)
+        rec = box.start_mode(self.profile, mode, target_dir, log_path=self.rundir.log_path(f"server-{mode}"),
+                             cache_root=self.rundir.cache_root, say=lambda m: None, force=force, **mode_args)
         return f"{mode} server healthy, pid {rec.pid}"
 
     @on(PortHeldByRun)

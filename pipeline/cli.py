@@ -242,7 +242,7 @@ def _server_profile(args):
 def cmd_server(args) -> int:
     from pipeline import box
     from pipeline.profile import ProfileError
-    from pipeline.rundir import RunDirError
+    from pipeline.rundir import NotBuilt, RunDirError
     from pipeline.server import ServerError
     from pipeline.stages.base import StageError
 
@@ -265,13 +265,13 @@ def cmd_server(args) -> int:
             return 0
         target_dir, mode_args = box.mode_inputs(profile, run, args.mode, args.draft, args.storage)
         logs = (run.logs_dir if run else Path(profile.run.runs_dir).resolve() / ".servers")
-        rec = box.start_mode(profile, args.mode, target_dir, logs / f"server-{args.mode}.log",
-                             (run.cache_root if run else Path(profile.run.cache_dir).resolve() / ".cache"), print,
-                             force=args.force, **mode_args)
+        rec = box.start_mode(profile, args.mode, target_dir, log_path=logs / f"server-{args.mode}.log",
+                             cache_root=run.cache_root if run else Path(profile.run.cache_dir).resolve() / ".cache",
+                             say=print, force=args.force, **mode_args)
         print(f"{args.mode} server healthy: pid {rec.pid}, {rec.base_url}, log {rec.log}")
         return 0
     except (ProfileError, RunDirError, ServerError, StageError, ValueError) as exc:
-        code = _die(str(exc), EXIT_FAILED if isinstance(exc, (ServerError, StageError)) else EXIT_USAGE)
+        code = _die(str(exc), EXIT_FAILED if isinstance(exc, (ServerError, StageError, NotBuilt)) else EXIT_USAGE)
         for line in getattr(exc, "tail", []):
             print(f"  | {line}", file=sys.stderr)
         return code

@@ -21,7 +21,7 @@ class Loaded:
     bad: list[tuple[int, str]] = field(default_factory=list)  # (line number, reason)
 
 
-def _check_messages(messages) -> str | None:
+def check_messages(messages) -> str | None:
     if not isinstance(messages, list) or not messages:
         return "'messages' must be a non-empty list"
     for i, m in enumerate(messages):
@@ -70,7 +70,7 @@ def load(path: Path) -> Loaded:
                     out.bad.append((lineno, reason))
                 continue
             messages = row.get("messages", row.get("conversations"))
-            reason = _check_messages(messages) if messages is not None else "no 'messages' or 'input_ids'"
+            reason = check_messages(messages) if messages is not None else "no 'messages' or 'input_ids'"
             if reason is None:
                 out.conversations.append({"id": str(row.get("id", f"line{lineno}")), "messages": messages})
             else:

@@ -7,6 +7,7 @@ import threading
 import time
 from dataclasses import dataclass
 
+GIB = 1 << 30
 NA = None  # a field NVML does not support (or would not tell) is None: rendered "N/A"
 
 _lock = threading.Lock()

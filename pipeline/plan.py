@@ -54,6 +54,23 @@ class OnlinePlan:
 
 
 @dataclass(frozen=True)
+class Fit:
+    fits: bool
+    why: str
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """A stage's share of the run that the disk/extract/train lines do not show: what it costs and why."""
+    runs: bool
+    tokens: int  # tokens it generates (regeneration, the matrix)
+    rate: Rate
+    seconds: float | None
+    gpus: int
+    why: str
+
+
+@dataclass(frozen=True)
 class Plan:
     profile: str
     target: TargetInfo
@@ -75,6 +92,12 @@ class Plan:
     online: OnlinePlan
     mode: str  # what the run would do: offline / online (extract.mode, auto resolved against the disk)
     mode_why: str
+    regenerate: StepPlan
+    evaluate_offline: StepPlan
+    matrix: StepPlan
+    server_start: Rate  # tokens_per_s holds the seconds of one start of the target's server
+    server_starts: dict  # offline / online: how many starts of the target each way
+    totals: dict  # offline / online: wall seconds and GPU-hours of every stage together
 
     def disk_for(self, mode: str) -> int:
         states = self.disk_hidden_states if mode == "offline" else self.online.disk_states
@@ -128,6 +151,21 @@ def _extract_rate(figures: dict) -> float | None:
     return None
 
 
+def _source_rows(src, data) -> int:
+    """Conversations one source gives (its limit, the demo's count, a file's lines; 0 = unknown)."""
+    from pipeline.profile import source_kind
+
+    kind = source_kind(src.source)
+    have = data.num_conversations if kind == "demo" else 0
+    if kind == "file":
+        try:
+            with open(src.source) as fh:
+                have = sum(1 for line in fh if line.strip())
+        except OSError:
+            have = 0
+    return min(have, src.limit) if src.limit and have else (src.limit or have)
+
+
 def _sample_tokens(profile: Profile) -> tuple[int, int, str]:
     d = profile.data
     measured = None
@@ -138,14 +176,8 @@ def _sample_tokens(profile: Profile) -> tuple[int, int, str]:
             break
     if d.max_samples:
         samples = d.max_samples
-    elif d.conversations == "demo":
-        samples = d.num_conversations - d.heldout
     else:
-        try:
-            with open(d.conversations) as fh:
-                samples = sum(1 for line in fh if line.strip()) - d.heldout
-        except OSError:
-            samples = 0
+        samples = max(0, sum(_source_rows(src, d) for src in d.sources()) - d.heldout)
     mean = measured or d.mean_sample_tokens or d.seq_length // 2
     source = "measured mean tokens per row" if measured else (
         "profile data.mean_sample_tokens" if d.mean_sample_tokens else "estimate: data.seq_length / 2 per row")
@@ -178,6 +210,130 @@ def _rate(profile: Profile, stage: str, rate_of, hardware_key: str, gpus: int) -
     return Rate(None, f"unknown: no earlier run, no hardware.{hardware_key}")
 
 
+def transformers_fit(profile: Profile, info: TargetInfo) -> Fit:
+    """Whether the target loads in one transformers process on the box (regenerate's and evaluate-offline's
+    transformers path): its dense weights (INT4 experts are decompressed) plus a fifth for activations,
+    against 90 % of all GPUs' memory (device_map "auto"), or 80 % of the host's memory without GPUs."""
+    import psutil
+
+    hw = profile.hardware
+    dense = info.dense_bytes(profile.target.dtype)
+    if hw.gpus:
+        have, where = hw.gpus * hw.gpu_memory_gib * GIB * 0.9, f"{hw.gpus} × {hw.gpu_memory_gib:g} GiB of GPU memory"
+    else:
+        mem = hw.host_memory_gib * GIB or psutil.virtual_memory().total
+        have, where = mem * 0.8, f"{mem / GIB:.0f} GiB of host memory"
+    fits = dense * 1.2 <= have
+    return Fit(fits, f"{count(info.params)} parameters = {human(dense)} dense in {profile.target.dtype} "
+                     f"{'fit' if fits else 'do not fit'} {where}")
+
+
+def offline_evaluation(profile: Profile, info: TargetInfo) -> tuple[bool, str]:
+    """Whether evaluate-offline runs (evaluate.offline; auto: where the target fits one process)."""
+    mode = profile.evaluate.offline
+    if mode == "off":
+        return False, "evaluate.offline = off: τ and the lossless check from vLLM (deploy-measure)"
+    fit = transformers_fit(profile, info)
+    if mode == "on":
+        return True, f"evaluate.offline = on ({fit.why})"
+    return fit.fits, (f"auto: {fit.why}" + ("" if fit.fits else "; τ and the lossless check from vLLM"))
+
+
+def _measured_figure(profile: Profile, stages: tuple[str, ...], key: str,
+                     at_least: float = 0.0) -> tuple[float, Path] | None:
+    for run_dir, state in _earlier_runs(profile):
+        for stage in stages:
+            value = ((state.get("stages", {}).get(stage, {}).get("figures")) or {}).get(key)
+            if isinstance(value, (int, float)) and value > at_least:
+                return float(value), run_dir
+    return None
+
+
+def server_start_estimate(profile: Profile) -> Rate:
+    """Seconds of one start of the target's vLLM server: an earlier run's (a real start, not a reuse),
+    else hardware.server_start_s, else the checkpoint read at 1 GiB/s plus a minute."""
+    if (m := _measured_figure(profile, ("regenerate", "extract"), "server_start_s", at_least=5)):
+        return Rate(round(m[0], 1), f"measured: {m[1]}")
+    if profile.hardware.server_start_s:
+        return Rate(profile.hardware.server_start_s, "estimate: hardware.server_start_s")
+    if profile.target.weights_gib:
+        return Rate(profile.target.weights_gib + 60, "estimate: target.weights_gib at 1 GiB/s + 60 s")
+    return Rate(None, "unknown: no earlier run, no hardware.server_start_s or target.weights_gib")
+
+
+def decode_rate(profile: Profile, gpus: int) -> Rate:
+    """Batched decode tokens/s of the served target at data.regenerate_concurrency."""
+    if (m := _measured_figure(profile, ("regenerate",), "generated_tok_s")):
+        return Rate(round(m[0], 1), f"measured: {m[1]}")
+    per_gpu = profile.hardware.decode_tokens_per_s
+    if per_gpu:
+        return Rate(per_gpu * gpus, f"estimate: hardware.decode_tokens_per_s {per_gpu:g} × {gpus} GPU(s)")
+    return Rate(None, "unknown: no earlier regeneration, no hardware.decode_tokens_per_s")
+
+
+def regenerate_plan(profile: Profile, info: TargetInfo, samples: int, tokens: int, serve_gpus: int) -> StepPlan:
+    """Answer tokens to generate: rows × measured answer length, else tokens × data.answer_share capped at
+    data.regenerate_max_tokens per row; at the decode rate (vllm) or not at all when transformers cannot
+    hold the target."""
+    d = profile.data
+    if not d.regenerate:
+        return StepPlan(False, 0, Rate(None, ""), 0.0, 0, "data.regenerate = false")
+    measured = None
+    for _, state in _earlier_runs(profile):
+        fig = state.get("stages", {}).get("regenerate", {}).get("figures") or {}
+        if fig.get("rows") and fig.get("generated_tokens"):
+            measured = fig["generated_tokens"] / fig["rows"]
+            break
+    answers = int(samples * measured) if measured else int(min(tokens * d.answer_share,
+                                                               samples * d.regenerate_max_tokens))
+    source = "measured answer length" if measured else f"data.answer_share {d.answer_share:g}"
+    if d.regenerate_backend == "transformers":
+        fit = transformers_fit(profile, info)
+        return StepPlan(True, answers, Rate(None, "transformers: not planned"), None, 0,
+                        f"transformers in one process: {fit.why}")
+    rate = decode_rate(profile, serve_gpus)
+    seconds = answers / rate.tokens_per_s if rate.tokens_per_s else None
+    return StepPlan(True, answers, rate, seconds, serve_gpus,
+                    f"vLLM at concurrency {d.regenerate_concurrency}; answer tokens from {source}")
+
+
+def matrix_plan(profile: Profile, serve_gpus: int) -> StepPlan:
+    """The benchmark matrix: each method's server decodes num_prompts × max_new_tokens at each
+    concurrency; decode tokens/s taken linear in concurrency up to data.regenerate_concurrency (an
+    estimate: memory-bound decode)."""
+    ev = profile.evaluate
+    if not ev.online:
+        return StepPlan(False, 0, Rate(None, ""), 0.0, 0, "evaluate.online = false")
+    rate = decode_rate(profile, serve_gpus)
+    per_level = ev.num_prompts * ev.max_new_tokens
+    tokens = per_level * len(ev.concurrency) * len(ev.methods)
+    seconds = None
+    if rate.tokens_per_s:
+        full = profile.data.regenerate_concurrency
+        seconds = len(ev.methods) * sum(per_level / (rate.tokens_per_s * min(c, full) / full) for c in ev.concurrency)
+    return StepPlan(True, tokens, rate, seconds, serve_gpus,
+                    f"{len(ev.methods)} methods × concurrency {ev.concurrency} × {ev.num_prompts} prompts × "
+                    f"{ev.max_new_tokens} tokens")
+
+
+def count_server_starts(profile: Profile, mode: str) -> int:
+    """Starts of the target's server over a run: regeneration, prepare's render server (extract reuses an
+    extraction server), extraction (online: the trainer's, unless the cache extraction hands it on), one
+    per matrix method (starts side by side overlap), the handover's production."""
+    d, ex, ev = profile.data, profile.extract, profile.evaluate
+    starts = int(d.regenerate and d.regenerate_backend == "vllm")
+    rendered = d.tokenize == "render" and not d.regenerate
+    if ex.backend == "vllm":
+        starts += 1  # the extraction server (started by prepare's render when rendered, then reused)
+    elif rendered:
+        starts += 1  # prepare's baseline renderer
+    if ev.online:
+        together = max(1, min(ev.start_together, len(ev.methods)))
+        starts += -(-len(ev.methods) // together)
+    starts += int(profile.server.after_run != "stop")
+    return starts
+
+
 def make_plan(profile: Profile, run_dir: Path | None = None, free: int | None = None) -> Plan:
     """`run_dir`/`free`: the disk `auto` decides against (default: where the profile's runs go)."""
     info = target_info(profile)
@@ -200,12 +356,28 @@ def make_plan(profile: Profile, run_dir: Path | None = None, free: int | None = 
         gpu_hours = (extract_s * extract_gpus + train_s * train_gpus) / 3600
     memory = train_memory(draft, profile, info)
     online = online_plan(profile, tokens, samples, hidden / max(tokens, 1), extract, train, train_s, memory)
+    regen = regenerate_plan(profile, info, samples, tokens, extract_gpus)
+    runs_offline_eval, why = offline_evaluation(profile, info)
+    evaluate_offline = StepPlan(runs_offline_eval, 0, Rate(None, ""), None, 0, why)
+    matrix = matrix_plan(profile, extract_gpus)
+    start = server_start_estimate(profile)
+    starts = {m: count_server_starts(profile, m) for m in ("offline", "online")}
+    totals = {}
+    for m, core_s, core_gpu_h in (("offline", extract_s and train_s and extract_s + train_s, gpu_hours),
+                                  ("online", online.wall_s, online.gpu_hours)):
+        parts = [core_s, regen.seconds, matrix.seconds, start.tokens_per_s and start.tokens_per_s * starts[m]]
+        wall = sum(parts) if all(p is not None for p in parts) else None  # type: ignore[arg-type]
+        extra = sum((p or 0) for p in parts[1:]) * extract_gpus / 3600 if wall is not None else None
+        totals[m] = {"wall_s": wall, "gpu_hours": core_gpu_h + extra if core_gpu_h is not None and extra is not None
+                     else None}
     plan = Plan(profile=profile.name, target=info, draft=draft, samples=samples, tokens=tokens,
                 tokens_source=tokens_source, disk_prepared=prepared, disk_hidden_states=hidden,
                 disk_checkpoints=checkpoints, train_gpu_memory=memory,
                 train_gpus=train_gpus, extract_gpus=extract_gpus, extract=extract, train=train,
                 extract_s=extract_s, train_s=train_s, gpu_hours=gpu_hours, online=online,
-                mode=profile.extract.mode, mode_why=f"extract.mode = {profile.extract.mode}")
+                mode=profile.extract.mode, mode_why=f"extract.mode = {profile.extract.mode}", regenerate=regen,
+                evaluate_offline=evaluate_offline, matrix=matrix, server_start=start, server_starts=starts,
+                totals=totals)
     if profile.extract.mode == "auto" and profile.extract.backend != "vllm":
         plan = replace(plan, mode="offline", mode_why="auto: online needs extract.backend = \"vllm\"")
     elif profile.extract.mode == "auto":
@@ -316,6 +488,14 @@ def disk_verdict(plan: Plan, profile: Profile, run_dir: Path | None = None, free
     return free >= need, text
 
 
+def count(n: float) -> str:
+    """A parameter count as people say it: 1.1 M, 8.03 B, 1.03 T."""
+    for unit, size in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("k", 1e3)):
+        if n >= size:
+            return f"{n / size:.3g} {unit}"
+    return f"{n:.0f}"
+
+
 def human(n: float | None) -> str:
     if n is None:
         return "?"
@@ -367,13 +547,35 @@ def table(plans: list[Plan]) -> str:
         row("online: GPU-hours", lambda p: f"{p.online.gpu_hours:,.0f}" if p.online.gpu_hours is not None else "?"),
         row("online: split", lambda p: p.online.recommended.split(":")[0].split(" (")[0]),
         row("mode", lambda p: p.mode),
+        row("regeneration: answer tokens", lambda p: f"{p.regenerate.tokens / 1e6:,.1f} M" if p.regenerate.runs
+            else "–"),
+        row("regeneration rate", lambda p: _rate_text(p.regenerate) if p.regenerate.runs else "–"),
+        row("regeneration time", lambda p: duration(p.regenerate.seconds) if p.regenerate.runs else "–"),
+        row("offline evaluator", lambda p: "runs" if p.evaluate_offline.runs else "vLLM only"),
+        row("matrix time", lambda p: duration(p.matrix.seconds) if p.matrix.runs else "–"),
+        row("server starts × each",
+            lambda p: f"{p.server_starts['offline']} × {duration(p.server_start.tokens_per_s)}"),
+        row("total wall (offline)", lambda p: duration(p.totals["offline"]["wall_s"])),
+        row("total GPU-hours (offline)", lambda p: _hours(p.totals["offline"]["gpu_hours"])),
+        row("total wall (online)", lambda p: duration(p.totals["online"]["wall_s"])),
+        row("total GPU-hours (online)", lambda p: _hours(p.totals["online"]["gpu_hours"])),
     ]
     widths = [max(len(str(r[i])) for r in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(str(c).ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
     sources = [f"{p.profile}: tokens {p.tokens_source}; extraction {p.extract.source}; training {p.train.source}; "
-               f"mode: {p.mode_why}" for p in plans]
+               f"mode: {p.mode_why}; regeneration: {p.regenerate.why} ({p.regenerate.rate.source or '-'}); "
+               f"offline evaluator: {p.evaluate_offline.why}; matrix: {p.matrix.why}; server start: "
+               f"{p.server_start.source}" for p in plans]
     return "\n".join(lines + [""] + sources + [""] + [line for p in plans for line in split_lines(p)])
+
+
+def _rate_text(step: StepPlan) -> str:
+    return f"{step.rate.tokens_per_s:,.0f} tok/s" if step.rate.tokens_per_s else "?"
+
+
+def _hours(h: float | None) -> str:
+    return f"{h:,.0f}" if h is not None else "?"
 
 
 def split_lines(plan: Plan) -> list[str]:

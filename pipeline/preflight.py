@@ -271,8 +271,26 @@ def target_findings(profile: Profile) -> list[Finding]:
                              f"{draft.target_vocab}, k = {profile.evaluate.k}, "
                              f"{draft.trainable_params / 1e6:.3g} M trainable parameters"))
     found += vllm_target_findings(profile, info)
-    if profile.data.conversations != "demo" and not Path(profile.data.conversations).is_file():
-        found.append(Finding("block", "data", f"data.conversations {profile.data.conversations!r}: file not found"))
+    return found + data_findings(profile)
+
+
+def data_findings(profile: Profile) -> list[Finding]:
+    """Every conversation source readable here before any GPU work: files exist, presets read (no network
+    and not cached is one line naming the preset)."""
+    from pipeline import sources
+    from pipeline.profile import source_kind
+
+    found = []
+    for src in profile.data.sources():
+        kind = source_kind(src.source)
+        if kind == "file" and not Path(src.source).is_file():
+            found.append(Finding("block", "data", f"data.conversations {src.source!r}: file not found"))
+        elif kind == "preset":
+            why = sources.offline_problem(src)
+            found.append(Finding("block", "data", f"data.conversations: speculators preset {src.source!r} cannot "
+                                                  f"be read here: {why}") if why else
+                         Finding("ok", "data", f"speculators preset {src.source!r} reads"
+                                               + (f" (limit {src.limit:,})" if src.limit else "")))
     return found
 
 
@@ -354,10 +372,43 @@ def disk_findings(profile: Profile, run_dir: Path | None = None, free: int | Non
     return found
 
 
+def evaluation_findings(profile: Profile, snapshot: gpu.GpuSnapshot | None = None) -> list[Finding]:
+    """What loads the target in transformers must fit one process (regenerate's transformers backend,
+    evaluate-offline); something must measure the head; side-by-side servers must fit the GPUs."""
+    from pipeline import box
+    from pipeline.plan import offline_evaluation, transformers_fit
+
+    try:
+        info = target_info(profile)
+    except TargetInfoError:
+        return []  # reported by the target check
+    found = []
+    fit = transformers_fit(profile, info)
+    d, ev = profile.data, profile.evaluate
+    if d.regenerate and d.regenerate_backend == "transformers" and not fit.fits:
+        found.append(Finding("block", "regenerate", f"data.regenerate_backend = \"transformers\" loads the target "
+                                                    f"here: {fit.why}; set it to \"vllm\""))
+    runs, why = offline_evaluation(profile, info)
+    if ev.offline == "on" and not fit.fits:
+        found.append(Finding("block", "evaluate", f"evaluate.offline = \"on\" loads the target here: {fit.why}; "
+                                                  f"set it to \"auto\" (τ from vLLM)"))
+    elif not runs and not ev.online:
+        found.append(Finding("block", "evaluate", f"nothing measures the head: evaluate-offline does not run ({why}) "
+                                                  f"and evaluate.online = false; set evaluate.online = true"))
+    else:
+        found.append(Finding("ok", "evaluate", ("evaluate-offline runs" if runs else "evaluate-offline does not run")
+                             + f": {why}" + ("; the matrix through vLLM" if ev.online else "")))
+    if ev.online and ev.start_together > 1:
+        wanted = min(ev.start_together, len(ev.methods))
+        count, said = box.side_by_side(profile, wanted, snapshot)
+        found.append(Finding("ok" if count == wanted else "info", "servers", said))
+    return found
+
+
 def preflight(profile: Profile, snapshot: gpu.GpuSnapshot | None = None, run_dir: Path | None = None) -> list[Finding]:
     """Every check; `run_dir`: the run directory in use (its disk is the one that fills)."""
     return (target_findings(profile) + version_findings(profile) + gpu_findings(profile, snapshot)
-            + port_findings(profile) + disk_findings(profile, run_dir))
+            + port_findings(profile) + disk_findings(profile, run_dir) + evaluation_findings(profile, snapshot))
 
 
 def blocking(findings: list[Finding]) -> list[Finding]:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import psutil
 
-from pipeline.compat import speculators_logs
+from pipeline.compat import speculators_logs, vllm_errors
 
 
 def group_members(pgid: int) -> list[psutil.Process]:
@@ -89,17 +89,27 @@ _LOG_LEVEL = re.compile(r"\b(DEBUG|INFO|WARNING|WARN)\b[ :]")
 
 
 def error_line(text: str, tail: int = 200) -> str | None:
-    """The last error line of text (with the indented detail line after it), None when it has none."""
+    """The last error line of text (with the indented detail line after it), None when it has none.
+    A traceback's frame and code lines (indented) are not it, nor vLLM's "See root cause above" wrapper:
+    the root cause is the exception line above (compat/vllm_errors.py)."""
     lines = [line.rstrip() for line in text.splitlines()[-tail:] if line.strip()]
     for i in range(len(lines) - 1, -1, -1):
-        line = lines[i].strip()
-        if _LOG_LEVEL.search(line):  # an INFO/WARNING line that mentions an error is not the failure
-            continue
+        own = vllm_errors.without_prefix(lines[i])
+        line = own.strip()
+        if own[:1].isspace() or _LOG_LEVEL.search(line) or vllm_errors.is_wrapper(line):
+            continue  # a frame or code line; an INFO/WARNING line that mentions an error; a pointer
         if any(w in line for w in ("Error:", "Error(", "Exception:", "error:")):
-            if i + 1 < len(lines) and lines[i + 1][:1].isspace():
-                line = f"{line}: {lines[i + 1].strip()}"
-            return line[:400]
+            after = vllm_errors.without_prefix(lines[i + 1]) if i + 1 < len(lines) else ""
+            if after[:1].isspace() and not after.strip().startswith(("File ", "raise ", "^")):
+                line = f"{line}: {after.strip()}"
+            return _with_process(lines[i], line)[:400]
     return None
+
+
+def _with_process(raw: str, line: str) -> str:
+    """The error line with vLLM's process prefix kept in front (which process failed is worth saying)."""
+    prefix = vllm_errors.PROCESS_PREFIX.match(raw.strip())
+    return (prefix.group(0) if prefix else "") + line
 
 
 def last_error_text(text: str, tail: int = 200) -> str:

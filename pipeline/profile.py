@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import tomllib
+import types
 import typing
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -132,9 +133,26 @@ class DemoTargetSection(Section):
         return self
 
 
+GREEDY: dict[str, float | int | str | bool] = {"temperature": 0.0}
+
+
+class DataSource(Section):
+    """One source of conversations in a mix (data.conversations = [{source = …, limit = …}, …])."""
+    source: str
+    """"demo" (generated from offline text), a local .jsonl/.json file, or a speculators dataset preset
+    (sharegpt, ultrachat, gsm8k, magpie, nemotron, open-perfectblend, hermes-fc)."""
+    limit: NonNegative = 0
+    """Conversations taken from this source (0 = all)."""
+    split: str = ""
+    """Presets: the dataset split ("" = speculators' default for the preset)."""
+    subset: str = ""
+    """Presets: the dataset subset/config ("" = speculators' default)."""
+
+
 class DataSection(Section):
-    conversations: str = "demo"
-    """"demo" = generated from offline text; else a JSONL path."""
+    conversations: str | list[DataSource] = "demo"
+    """"demo" = generated from offline text; a JSONL path; a speculators preset name; or a list of
+    {source, limit} tables for a mix (shuffled together with data.seed, the held-out taken from the mix)."""
     num_conversations: int = 96
     """Demo generator only."""
     heldout: NonNegative = 16
@@ -144,14 +162,87 @@ class DataSection(Section):
     """local: chat template through the target's tokenizer here; render: speculators' prepare-data with
     conversations rendered by the vLLM server's /v1/chat/completions/render (the served template)."""
     regenerate: bool = False
-    """Replace assistant turns with the target's own greedy output."""
-    regenerate_max_tokens: int = 96
-    regenerate_batch_size: int = 16
+    """Replace assistant turns with the target's own output (greedy unless regenerate_sampling or
+    regenerate_temperature say otherwise)."""
+    regenerate_backend: Literal["vllm", "transformers"] = "vllm"
+    """vllm: speculators' regenerate-responses against a server of the target started on the run's port
+    (any size the box serves); transformers: the target loaded here, batch by batch (small targets only:
+    preflight blocks a target that does not fit one process)."""
+    regenerate_max_tokens: Positive = 96
+    """Tokens generated per answer at most (vllm: also where a conversation stops, as in speculators)."""
+    regenerate_batch_size: Positive = 16
+    """transformers backend: answers generated together."""
+    regenerate_concurrency: Positive = 64
+    """vllm backend: requests in flight (speculators --concurrency)."""
+    regenerate_sampling: dict[str, float | int | str | bool] = Field(default_factory=lambda: dict(GREEDY))
+    """vllm backend: merged into every request (speculators --sampling-params); greedy by default."""
+    regenerate_temperature: dict[str, float] = Field(default_factory=dict)
+    """vllm backend: a temperature mix, {"0.6" = 0.3, "1.0" = 0.7}: one drawn per conversation with
+    data.seed (speculators --temperature); weights sum to 1. {} = regenerate_sampling's."""
+    regenerate_reasoning_effort: dict[str, float] = Field(default_factory=dict)
+    """vllm backend, reasoning targets: a reasoning-effort mix, {low = 0.2, high = 0.8} (speculators
+    --reasoning-effort); {} = the template's default."""
+    regenerate_max_retries: NonNegative = 3
+    """vllm backend: retries of a failed request before its conversation counts as failed."""
+    regenerate_failure_budget: Annotated[float, Field(ge=0, le=1)] = 0.02
+    """The stage fails when more than this share of conversations failed after their retries (a resume
+    retries only those); below it they are counted and named in the stage's figures."""
     max_samples: int = 0
     """Training rows kept after preparation (0 = all); the planner's sample count."""
     mean_sample_tokens: int = 0
     """Planning estimate until a prepared dataset measures it (0 = seq_length / 2)."""
+    answer_share: Annotated[float, Field(gt=0, le=1)] = 0.5
+    """Planning estimate of the share of a row's tokens that are answers (what regeneration generates),
+    until a regeneration measures it."""
     seed: int = 0
+
+    def sources(self) -> list[DataSource]:
+        """The conversation sources, a single one included (limit 0: all of it)."""
+        if isinstance(self.conversations, str):
+            return [DataSource(source=self.conversations)]
+        return list(self.conversations)
+
+    def single_file(self) -> str | None:
+        """The one local file the conversations come from as they are (no preset, no mix), else None."""
+        c = self.conversations
+        return c if isinstance(c, str) and source_kind(c) == "file" else None
+
+    def uses_demo(self) -> bool:
+        return any(s.source == "demo" for s in self.sources())
+
+    @model_validator(mode="after")
+    def _rules(self) -> DataSection:
+        if isinstance(self.conversations, list) and not self.conversations:
+            raise rule("data.conversations", self.conversations, "must name at least one source")
+        for key in ("regenerate_temperature", "regenerate_reasoning_effort"):
+            dist = getattr(self, key)
+            if dist and abs(sum(dist.values()) - 1) > 1e-6:
+                raise rule(f"data.{key}", dist, "weights must sum to 1")
+        sampled = self.regenerate_temperature or self.regenerate_reasoning_effort or \
+            self.regenerate_sampling != GREEDY
+        if self.regenerate and self.regenerate_backend == "transformers" and sampled:
+            raise rule("data.regenerate_backend", self.regenerate_backend, "regenerates greedily: the sampling "
+                       "settings (regenerate_sampling, _temperature, _reasoning_effort) need \"vllm\"")
+        if self.regenerate_temperature and not all(_is_number(t) for t in self.regenerate_temperature):
+            raise rule("data.regenerate_temperature", self.regenerate_temperature,
+                       "keys must be temperatures, e.g. {\"0.6\" = 0.3, \"1.0\" = 0.7}")
+        return self
+
+
+def source_kind(source: str) -> Literal["demo", "preset", "file"]:
+    """What a conversation source names: the demo generator, a speculators preset, or a local file."""
+    from pipeline.compat import speculators_presets
+
+    if source == "demo":
+        return "demo"
+    return "preset" if source in speculators_presets.names() else "file"
+
+
+def _is_number(text: str) -> bool:
+    try:
+        return float(text) >= 0
+    except ValueError:
+        return False
 
 
 class ExtractSection(Section):
@@ -273,6 +364,10 @@ class EvaluateSection(Section):
     tie_logprob_gap: float = 0.1
     """An output that leaves the baseline's where the target's own top two next tokens are within this many
     nats is a numerics tie (bf16, the verify step's batch shape): reported, not a failure of the head."""
+    offline: Literal["auto", "on", "off"] = "auto"
+    """evaluate-offline (the target in transformers here, the head beside it): auto = where the target fits
+    one process on the box (the planner decides); off = τ, acceptance and the lossless check from vLLM only
+    (deploy-measure); on = always (preflight blocks a target that does not fit)."""
 
     @model_validator(mode="after")
     def _rules(self) -> EvaluateSection:
@@ -330,6 +425,14 @@ class HardwareSection(Section):
     extract_tokens_per_s: float = 0.0
     """Per-GPU planning rate (tokens/s) when no earlier run on this target measured it."""
     train_tokens_per_s: float = 0.0
+    decode_tokens_per_s: float = 0.0
+    """Per-GPU planning rate of the served target's batched decode (regeneration, the matrix), until a
+    regeneration measures it."""
+    server_start_s: float = 0.0
+    """Planning estimate of one start of the target's vLLM server, until a run measures one (0 = from
+    target.weights_gib at 1 GiB/s plus a minute)."""
+    host_memory_gib: float = 0.0
+    """CPU memory of the box (0 = this machine's): where a transformers target must fit without GPUs."""
     min_free_disk_gib: float = 50.0
     """Headroom kept free beyond the plan."""
     disk_gib: float = 0.0
@@ -417,35 +520,67 @@ def _type_name(tp: Any) -> str:
         return f"a list of {_type_name(typing.get_args(tp)[0])}"
     if origin is dict:
         return "a table"
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(_type_name(a) for a in typing.get_args(tp))
     if isinstance(tp, type) and issubclass(tp, BaseModel):
-        return "a table"
+        return "{" + ", ".join(tp.model_fields) + "} tables" if tp is DataSource else "a table"
     return getattr(tp, "__name__", str(tp))
 
 
-def _field_at(loc: tuple) -> tuple[str, Any]:
-    """The dotted key of an error location (up to the first list index or union member) and the declared
-    type of that field."""
-    model: Any = Profile
-    parts: list[str] = []
+def _field_at(loc: tuple) -> tuple[str, Any, list]:
+    """The dotted key of an error location (list items as [i], union member tags skipped), the declared
+    type there, and the path to its value in the raw data."""
     tp: Any = Profile
-    for part in loc:
-        if not isinstance(part, str) or not (isinstance(model, type) and issubclass(model, BaseModel)):
+    key, path = "", []
+    for n, part in enumerate(loc):
+        if isinstance(part, int):
+            if typing.get_origin(tp) is not list:
+                break
+            key, tp = f"{key}[{part}]", typing.get_args(tp)[0]
+            path.append(part)
+            continue
+        if typing.get_origin(tp) in (typing.Union, types.UnionType):
+            members = {_tag(a): a for a in typing.get_args(tp)}
+            if part in members:
+                if n == len(loc) - 1:  # the value fits no member: name the union
+                    break
+                tp = members[part]
+                continue
+        if not (isinstance(tp, type) and issubclass(tp, BaseModel)):
             break
-        field = model.model_fields.get(part)
+        key = f"{key}.{part}" if key else part
+        path.append(part)
+        field = tp.model_fields.get(part)
         if field is None:
-            parts.append(part)
             break
-        parts.append(part)
         tp = field.annotation
-        model = tp
-    return ".".join(parts), tp
+    return key, tp, path
 
 
-def _value_at(data: dict, dotted: str) -> Any:
+def _tag(tp: Any) -> str:
+    """pydantic's name of a union member in an error location (str, list[DataSource], …)."""
+    if typing.get_origin(tp) is list:
+        return f"list[{_tag(typing.get_args(tp)[0])}]"
+    return getattr(tp, "__name__", str(tp))
+
+
+def _value_at(data: dict, path: list) -> Any:
     node: Any = data
-    for part in dotted.split("."):
-        node = node.get(part) if isinstance(node, dict) else None
+    for part in path:
+        if isinstance(part, int):
+            node = node[part] if isinstance(node, list) and part < len(node) else None
+        else:
+            node = node.get(part) if isinstance(node, dict) else None
     return node
+
+
+def _first(errors: list[dict]) -> dict:
+    """The error to show: the first, unless a union field also failed deeper inside one of its members
+    (an unknown key in a source table says more than "expected a string")."""
+    first = errors[0]
+    deeper = [e for e in errors if len(e["loc"]) > len(first["loc"]) and e["loc"][:2] == first["loc"][:2]]
+    deeper.sort(key=lambda e: e["type"] != "extra_forbidden")
+    return deeper[0] if deeper else first
 
 
 def _one_line(err: dict, data: dict, source: Path) -> str:
@@ -455,8 +590,8 @@ def _one_line(err: dict, data: dict, source: Path) -> str:
         return f"{source}: key '{ctx['key']}': {ctx['why']}, got {ctx['value']!r}"
     if kind == "profile_missing":
         return f"{source}: missing required key '{ctx['key']}' ({ctx['because']})"
-    dotted, tp = _field_at(err["loc"])
-    value = _value_at(data, dotted)
+    dotted, tp, path = _field_at(err["loc"])
+    value = _value_at(data, path)
     if kind == "extra_forbidden":
         return f"{source}: unknown key '{dotted}' (value {err['input']!r})"
     if kind == "missing":
@@ -486,11 +621,21 @@ def _resolve_inputs(p: Profile, source: Path, check: bool = True) -> Profile:
         if check and not (model / "config.json").is_file():
             raise ProfileError(f"{source}: key 'target.model_path': no model (config.json) at {str(model)!r}")
         target = target.model_copy(update={"model_path": str(model), "config": str(config) if config else ""})
-    if data.conversations != "demo":
-        conv = (base / data.conversations).resolve()
-        if check and not conv.is_file():
-            raise ProfileError(f"{source}: key 'data.conversations': file not found {str(conv)!r}")
-        data = data.model_copy(update={"conversations": str(conv)})
+    resolved = []
+    for i, src in enumerate(data.sources()):
+        if source_kind(src.source) == "file":
+            conv = (base / src.source).resolve()
+            where = "data.conversations" + (f"[{i}].source" if isinstance(data.conversations, list) else "")
+            if check and not conv.is_file():
+                from pipeline.compat import speculators_presets
+                hint = ("" if Path(src.source).suffix else
+                        f" (nor a speculators preset: {', '.join(speculators_presets.names())})")
+                raise ProfileError(f"{source}: key '{where}': file not found {str(conv)!r}{hint}")
+            src = src.model_copy(update={"source": str(conv)})
+        resolved.append(src)
+    conversations: str | list[DataSource] = (resolved[0].source if isinstance(data.conversations, str)
+                                             else resolved)
+    data = data.model_copy(update={"conversations": conversations})
     # Where runs go is where the operator stands (the working directory), made absolute once, here: the
     # run's profile.toml then names the same runs/, server registry and locks for the detached job, the
     # console and `server stop`, wherever they are started from.
@@ -520,7 +665,7 @@ def load_profile(path: str | Path, overrides: dict | None = None, check_inputs: 
     try:
         profile = Profile.model_validate(data)
     except ValidationError as exc:
-        raise ProfileError(_one_line(dict(exc.errors()[0]), data, path)) from None
+        raise ProfileError(_one_line(_first([dict(e) for e in exc.errors()]), data, path)) from None
     return _resolve_inputs(profile, path, check_inputs)
 
 

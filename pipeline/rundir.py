@@ -16,6 +16,10 @@ class RunDirError(ValueError):
     pass
 
 
+class NotBuilt(RunDirError):
+    """The run has not reached the stage that makes what was asked for (e.g. the demo target)."""
+
+
 def package_versions() -> dict[str, str]:
     import platform
     from importlib import metadata
@@ -77,7 +81,13 @@ class RunDir:
     @property
     def demo_conversations(self) -> Path: return self.data_dir / "demo_conversations.jsonl"
     @property
+    def gathered_conversations(self) -> Path: return self.data_dir / "conversations.jsonl"  # a preset or a mix
+    @property
+    def gathered_record(self) -> Path: return self.data_dir / "conversations.sources.json"
+    @property
     def regenerated_conversations(self) -> Path: return self.data_dir / "conversations.regenerated.jsonl"
+    @property
+    def regenerate_dir(self) -> Path: return self.data_dir / "regenerate"  # speculators' rows as they arrive
     @property
     def train_conversations(self) -> Path: return self.data_dir / "train_conversations.jsonl"
     @property
@@ -131,6 +141,15 @@ class RunDir:
         if not (root / PROFILE_FILE).is_file():
             raise RunDirError(f"{root}: not a run directory (no {PROFILE_FILE})")
         return cls(root)
+
+    def target_dir(self, profile: Profile) -> Path:
+        """The served target: the profile's model path, or the demo target build-target recorded."""
+        if profile.target.source == "path":
+            return Path(profile.target.model_path)
+        recorded = self.stage_state("build-target").get("figures", {}).get("target_dir")
+        if not recorded:
+            raise NotBuilt("build-target has not run: no demo target recorded in state.json")
+        return Path(recorded)
 
     def profile(self) -> Profile:
         try:

@@ -7,6 +7,7 @@ import hashlib
 import logging
 import os
 import signal
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -14,11 +15,11 @@ from pathlib import Path
 
 import psutil
 
-from pipeline import gpu, notes, portlock
+from pipeline import box, gpu, notes, portlock, procs, server
 from pipeline.compat import speculators_logs
-from pipeline.rundir import RunDir, now_iso
+from pipeline.rundir import RunDir, RunDirError, now_iso
 from pipeline.stages import STAGES, stage_names
-from pipeline.stages.base import Stage, StageContext, StageError
+from pipeline.stages.base import Stage, StageContext, StageError, stop_orphan_child
 
 
 class RunnerError(ValueError):
@@ -140,8 +141,21 @@ class Interrupted(BaseException):
     its children stopped, and resumable."""
 
 
-def _raise_interrupted(signum, _frame):
-    raise Interrupted(f"stopped by {signal.Signals(signum).name}")
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)
+
+
+def _stop_signal(signum, _frame):
+    """The first stop signal interrupts the run (SIGINT as KeyboardInterrupt); later ones while it
+    cleans up (stops its servers) are noted, not raised, so that the cleanup finishes."""
+    name = signal.Signals(signum).name
+    if server.STOPPING.is_set():
+        print(f"eagle3-console: {name} again: already stopping (servers and children are being stopped)",
+              file=sys.stderr, flush=True)
+        return
+    server.STOPPING.set()
+    if signum == signal.SIGINT:
+        raise KeyboardInterrupt
+    raise Interrupted(f"stopped by {name}")
 
 
 def recorded_status(run: RunDir, stage: Stage, profile) -> str:
@@ -167,13 +181,60 @@ def run_stages(run: RunDir, start: str | None = None, until: str | None = None,
     me = psutil.Process()
     run.update_state(runner={"pid": me.pid, "since": me.create_time()})
     in_main = threading.current_thread() is threading.main_thread()
-    previous = signal.signal(signal.SIGTERM, _raise_interrupted) if in_main else None
+    previous = {sig: signal.signal(sig, _stop_signal) for sig in STOP_SIGNALS} if in_main else {}
+    server.STOPPING.clear()
     try:
-        return _run_stages(run, profile, stages, on_event)
+        stop_orphans(run, profile, stages)
+        summary = _run_stages(run, profile, stages, on_event)
+    except BaseException:
+        server.STOPPING.set()  # server starts in flight (other threads) give up
+        stop_servers(run, profile, "the run stopped")
+        raise
+    else:
+        stop_servers(run, profile, "the run ended")
+        return summary
     finally:
-        if in_main:
-            signal.signal(signal.SIGTERM, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        server.STOPPING.clear()
         lock.close()
+
+
+def stop_servers(run: RunDir, profile, why: str) -> None:
+    """Every server this run owns on any port is stopped when the run ends, fails or is interrupted
+    (production after a handover belongs to the operator, not the run). Each one stopped is noted."""
+    def say(text: str) -> None:
+        notes.add(run, f"{why}: {text}", source="auto")
+
+    try:
+        box.stop_run_servers(profile, run.root, say)
+    except server.ServerError as exc:
+        notes.add(run, f"{why}: a server could not be stopped: {exc}", source="auto")
+
+
+def stop_orphans(run: RunDir, profile, stages: list[Stage]) -> None:
+    """Before anything starts: the servers an earlier attempt of this run left (its process was killed)
+    are stopped, on every port the run used — except the one on the serving port that the first stage to
+    run asks for exactly (it is reused, as after a handed-on server)."""
+    first = next((s for s in stages if not is_done(run, s)), None)
+    wanted = None
+    if first is not None:
+        ctx = StageContext(run=run, profile=profile, log=logging.getLogger("eagle3.resume"), stage=first.name)
+        try:
+            wanted = first.server_argv(ctx)
+        except (StageError, ValueError, OSError, RunDirError):
+            wanted = None
+
+    def reusable(rec) -> bool:
+        keep = (wanted is not None and rec.port == profile.server.port and rec.argv == procs.redact_argv(wanted)
+                and box.controller(profile).status().get("healthy", False))
+        if keep and first is not None:
+            notes.add(run, f"resume: reusing {rec.describe()} that an earlier attempt left, for {first.name}",
+                      source="auto")
+        return keep
+
+    for rec in box.stop_run_servers(profile, run.root, lambda text: None, keep=reusable):
+        notes.add(run, f"resume: stopped {rec.describe()}, which an earlier attempt left", source="auto")
 
 
 def attempt_seconds(run: RunDir, stage: str) -> list[float]:
@@ -207,7 +268,7 @@ def _run_stages(run: RunDir, profile, stages: list[Stage], on_event: Callable[[d
             summary[stage.name] = "skipped"
             continue
         log, handler = _stage_logger(run, stage.name)
-        ctx = StageContext(run=run, profile=profile, log=log, on_event=on_event)
+        ctx = StageContext(run=run, profile=profile, log=log, on_event=on_event, stage=stage.name)
         attempt = run.stage_state(stage.name).get("attempts", 0) + 1
         earlier = sum(attempt_seconds(run, stage.name))
         # The event first: a kill between the two leaves a start event, never a "running" without one.
@@ -219,6 +280,7 @@ def _run_stages(run: RunDir, profile, stages: list[Stage], on_event: Callable[[d
         monitor = gpu.StageMonitor(timeline=run.gpu_timeline)
         try:
             with monitor, speculators_logs.into(log):
+                stop_orphan_child(run, stage.name, log)  # first: a killed attempt's child would still be writing
                 require_inputs(stage, ctx)
                 figures = stage.run(ctx) or {}
             recorded = manifest(run, stage.outputs(ctx))

@@ -6,18 +6,26 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
+import threading
 import time
 import urllib.error
 import urllib.request
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import psutil
 
 from pipeline import atomicio, procs
 from pipeline.procs import last_error_line
+
+# Set by the runner when the run is told to stop: a server start waiting for health gives up at once
+# (its server is stopped), so that an interrupted run never waits minutes for a server it will not use.
+STOPPING = threading.Event()
+# The servers this process started, by pid: their exit status (a signal, an exit code) once they die.
+_CHILDREN: dict[int, subprocess.Popen] = {}
 
 
 class ServerError(RuntimeError):
@@ -49,6 +57,20 @@ class ServerRecord:
     started: float
     adopted: bool = False
     log_offset: int = 0  # where this instance's part of the (shared, appended) log begins
+    run: str = ""  # the run that owns it (its stages start and stop it); "" = the operator's
+    owner_pid: int = 0  # the process that started it, with its start time (a dead owner leaves an orphan)
+    owner_since: float = 0.0
+
+    def owner_alive(self) -> bool:
+        try:
+            return psutil.Process(self.owner_pid).create_time() == self.owner_since
+        except (psutil.Error, ValueError):
+            return False
+
+    def describe(self) -> str:
+        """The server in a message: mode, pid, port and who owns it."""
+        whose = f", run {self.run}" if self.run else ""
+        return f"the {self.mode} vLLM server (pid {self.pid}, port {self.port}{whose})"
 
     @property
     def base_url(self) -> str:
@@ -63,14 +85,56 @@ class ServerRecord:
         return log_tail(Path(self.log), since=self.log_offset) if self.log else []
 
 
-def explain_failure(rec: ServerRecord, client: str) -> str:
-    """A client's failure against a server we run, told from the server's side when it has something
-    to say: it died (and its own reason), or it logged an error since it started. Else the client's."""
+def exit_status(pid: int) -> str | None:
+    """How a server this process started ended ("killed by SIGKILL", "exited with 1"); None while it
+    runs or when another process started it (its status is not ours to read)."""
+    proc = _CHILDREN.get(pid)
+    code = proc.poll() if proc is not None else None
+    if code is None:
+        return None
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exited with {code}"
+
+
+def _api_server_gone(rec: ServerRecord) -> bool:
+    if exit_status(rec.pid) is not None:
+        return True
+    try:
+        return psutil.Process(rec.pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return True
+
+
+def death(rec: ServerRecord, wait: float = 5.0) -> str | None:
+    """If the server is dead (its API server gone: vLLM's engine core can outlive it, docs/reference.md
+    §2.3), what it died of — the signal or exit code, and its own last error line; None while it serves.
+    A client sees a reset connection a moment before the process is gone: allow `wait` seconds."""
+    deadline = time.monotonic() + wait
+    while not _api_server_gone(rec):
+        code, _ = http_get(f"{rec.base_url}/health", timeout=1)
+        if code == 200 or time.monotonic() > deadline:
+            return None
+        time.sleep(0.2)
     text = procs.read_log(Path(rec.log), rec.log_offset) if rec.log else None
     said = procs.error_line(text) if text else None
+    how = exit_status(rec.pid)
+    how = (f"was {how}" if how.startswith("killed") else how) if how else \
+        "is gone (not started by this process: its exit status is unknown)"
+    return how + (f"; its last error: {said}" if said else "; no error in its log")
+
+
+def explain_failure(rec: ServerRecord, client: str) -> str:
+    """A client's failure against a server we run, told from the server's side when it has something
+    to say: it died (how, and its own last error), or it logged an error since it started. Else the client's."""
     where = f" (log: {rec.log})" if rec.log else ""
-    if not procs.group_members(rec.pgid):
-        return f"the {rec.mode} vLLM server (pid {rec.pid}) died: {said or 'no error in its log'}{where}"
+    if (died := death(rec)) is not None:
+        return f"{rec.describe()} {died}{where}"
+    text = procs.read_log(Path(rec.log), rec.log_offset) if rec.log else None
+    said = procs.error_line(text) if text else None
     return f"{client}; vLLM ({rec.mode}) logged: {said}{where}" if said else client
 
 
@@ -134,7 +198,7 @@ class ServerController:
 
     # ---- start
     def start(self, argv: list[str], *, host: str, port: int, mode: str, log: Path, env: dict | None = None,
-              health_timeout: float = 600.0, on_wait=lambda seconds: None) -> ServerRecord:
+              health_timeout: float = 600.0, on_wait=lambda seconds: None, run: str = "") -> ServerRecord:
         current = self.record()
         if current and procs.group_members(current.pgid):
             raise ServerError(f"a {current.mode} server is already running (pid {current.pid}, port "
@@ -152,8 +216,11 @@ class ServerController:
             fh.flush()
             proc = subprocess.Popen(argv, stdout=fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                     start_new_session=True, env={**os.environ, **(env or {})})
+        _CHILDREN[proc.pid] = proc
+        me = psutil.Process()
         rec = ServerRecord(pid=proc.pid, pgid=proc.pid, host=host, port=port, mode=mode,
-                           argv=procs.redact_argv(argv), log=str(log), started=time.time(), log_offset=offset)
+                           argv=procs.redact_argv(argv), log=str(log), started=time.time(), log_offset=offset,
+                           run=run, owner_pid=me.pid, owner_since=me.create_time())
         self._save(rec)
         try:
             self.wait_healthy(rec, proc, health_timeout, on_wait)
@@ -173,8 +240,11 @@ class ServerController:
                     return
             exited = proc.poll() if proc is not None else (None if procs.group_members(rec.pgid) else -1)
             if exited is not None:
-                raise ServerError(f"vLLM ({rec.mode}) exited with {exited} before becoming healthy: "
+                how = exit_status(rec.pid) or f"exited with {exited}"
+                raise ServerError(f"vLLM ({rec.mode}) {how} before becoming healthy: "
                                   f"{rec.reason()} (log: {rec.log})", rec.tail())
+            if STOPPING.is_set():
+                raise ServerError(f"vLLM ({rec.mode}) start abandoned: the run is stopping")
             waited = time.monotonic() - t0
             if waited > timeout:
                 raise ServerError(f"vLLM ({rec.mode}) not healthy after {timeout:.0f}s: "
@@ -215,6 +285,16 @@ class ServerController:
                 return left
             time.sleep(0.5)
 
+    def claim(self, run: str) -> ServerRecord:
+        """A running server taken over by `run` (reused as it is; the run now stops it when done)."""
+        rec = self.record()
+        if rec is None:
+            raise ServerError(f"no server recorded in {self.record_path}")
+        me = psutil.Process()
+        rec = replace(rec, run=run, owner_pid=me.pid, owner_since=me.create_time())
+        self._save(rec)
+        return rec
+
     # ---- status / adopt
     def status(self) -> dict:
         rec = self.record()
@@ -225,7 +305,7 @@ class ServerController:
         return {"state": "running" if alive else "dead", "healthy": code == 200, "mode": rec.mode,
                 "pid": rec.pid, "pgid": rec.pgid, "port": rec.port, "host": rec.host,
                 "pids": [p.pid for p in alive], "uptime_s": round(time.time() - rec.started, 1) if alive else 0,
-                "adopted": rec.adopted, "log": rec.log}
+                "adopted": rec.adopted, "log": rec.log, "run": rec.run}
 
     def adopt(self, host: str, port: int, mode: str = "adopted") -> ServerRecord:
         """Take over a vLLM server found listening on `port` (checked to be vLLM)."""

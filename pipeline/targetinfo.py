@@ -34,7 +34,41 @@ class TargetInfo:
     int4_group_size: int = 0  # compressed-tensors W4A16 weights (Kimi's routed experts): their group size
     experts_per_token: int = 0
     quantization: str = ""
+    params: int = 0  # every weight, as transformers holds them dense (INT4 experts decompressed): what loads here
     notes: list[str] = field(default_factory=list)
+
+    def dense_bytes(self, dtype: str) -> int:
+        """The target loaded in transformers in `dtype` (compressed-tensors INT4 weights become dense)."""
+        return self.params * (4 if dtype == "float32" else 2)
+
+
+def param_count(t: dict) -> int:
+    """Parameters of a decoder-only text config (Llama/Qwen, DeepSeek-V3/Kimi with MLA and MoE): embeddings
+    and lm_head, attention (MLA's low-rank q and kv with the decoupled rope part), the dense MLPs of the
+    first layers and the routed + shared experts with their router; norms are negligible."""
+    h, layers, vocab = int(t["hidden_size"]), int(t["num_hidden_layers"]), int(t["vocab_size"])
+    heads = int(t.get("num_attention_heads") or max(1, h // 128))
+    kv_heads = int(t.get("num_key_value_heads") or heads)
+    if t.get("kv_lora_rank"):
+        rope, nope = int(t.get("qk_rope_head_dim") or 0), int(t.get("qk_nope_head_dim") or 0)
+        v, kv_lora, q_lora = int(t.get("v_head_dim") or nope), int(t["kv_lora_rank"]), int(t.get("q_lora_rank") or 0)
+        q = (h * q_lora + q_lora * heads * (nope + rope)) if q_lora else h * heads * (nope + rope)
+        attn = q + h * (kv_lora + rope) + kv_lora * heads * (nope + v) + heads * v * h
+    else:
+        head_dim = int(t.get("head_dim") or h // heads)
+        attn = 2 * h * heads * head_dim + 2 * h * kv_heads * head_dim
+    dense_mlp = 3 * h * int(t.get("intermediate_size") or 4 * h)
+    experts = int(t.get("n_routed_experts") or t.get("num_local_experts") or 0)
+    if experts:
+        moe_inter = int(t.get("moe_intermediate_size") or t.get("intermediate_size") or 4 * h)
+        shared = int(t.get("n_shared_experts") or 0)
+        moe = (experts + shared) * 3 * h * moe_inter + h * experts
+        dense_layers = int(t.get("first_k_dense_replace") or 0)
+        mlps = dense_layers * dense_mlp + (layers - dense_layers) * moe
+    else:
+        mlps = layers * dense_mlp
+    embeddings = vocab * h * (1 if t.get("tie_word_embeddings") else 2)
+    return embeddings + layers * attn + mlps
 
 
 class TargetInfoError(ValueError):
@@ -92,7 +126,8 @@ def from_config(path: Path) -> TargetInfo:
                       rope_type=str((text.get("rope_parameters") or text.get("rope_scaling") or {}).get("rope_type")
                                     or (text.get("rope_scaling") or {}).get("type") or "default"),
                       int4_group_size=(group if (bits, act_bits) == (4, 0)
-                                       and quant.get("quant_method") == "compressed-tensors" else 0))
+                                       and quant.get("quant_method") == "compressed-tensors" else 0),
+                      params=param_count(text))
 
 
 def quant_weights(quant: dict) -> tuple[int, int, int]:
@@ -106,8 +141,18 @@ def quant_weights(quant: dict) -> tuple[int, int, int]:
 
 def demo_info(profile: Profile) -> TargetInfo:
     d = profile.demo_target
+    mla = d.architecture != "llama"
+    config = {"hidden_size": d.hidden_size, "num_hidden_layers": d.num_layers, "vocab_size": d.vocab_size,
+              "num_attention_heads": d.num_heads, "num_key_value_heads": d.num_heads if mla else d.num_kv_heads,
+              "intermediate_size": d.intermediate_size}
+    if mla:
+        config.update(kv_lora_rank=d.kv_lora_rank, q_lora_rank=d.q_lora_rank, qk_rope_head_dim=d.qk_rope_head_dim,
+                      qk_nope_head_dim=d.qk_nope_head_dim, v_head_dim=d.v_head_dim, n_routed_experts=d.n_routed_experts,
+                      n_shared_experts=d.n_shared_experts, moe_intermediate_size=d.moe_intermediate_size,
+                      first_k_dense_replace=d.first_k_dense_replace)
     common: dict[str, Any] = dict(source="profile [demo_target]", hidden=d.hidden_size, layers=d.num_layers,
-                                  vocab=d.vocab_size, heads=d.num_heads, intermediate=d.intermediate_size)
+                                  vocab=d.vocab_size, heads=d.num_heads, intermediate=d.intermediate_size,
+                                  params=param_count(config))
     if d.architecture in ("deepseek_v3", "kimi_k25"):
         int4 = d.quantization == "w4a16"
         arch, model_type = (("KimiK25ForConditionalGeneration", "kimi_k25") if d.architecture == "kimi_k25"

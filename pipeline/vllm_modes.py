@@ -1,6 +1,7 @@
 """The vLLM command line for each server mode, built as an argv list from the profile (never a shell
 string). Modes: production (the operator's own flags), extraction (hidden states to files),
-baseline (target alone), speculative (target + the trained EAGLE-3 head)."""
+baseline (target alone), regenerate (the baseline that speculators' regenerate-responses asks),
+speculative (target + the trained EAGLE-3 head), ngram (prompt lookup)."""
 from __future__ import annotations
 
 import json
@@ -12,7 +13,7 @@ from pipeline.compat import vllm_cpu_env, vllm_flags
 from pipeline.procs import repo_on_path
 from pipeline.profile import Profile
 
-MODES = ("production", "extraction", "baseline", "speculative", "ngram")
+MODES = ("production", "extraction", "baseline", "regenerate", "speculative", "ngram")
 INTERNAL_HOST = "127.0.0.1"  # the internal modes are keyless: never on an interface others reach
 
 
@@ -95,6 +96,9 @@ def server_argv(profile: Profile, mode: str, target_dir: Path, *, layer_ids: lis
         argv += vllm_flags.render_endpoint_flags(profile.data.tokenize)
     elif mode == "baseline":
         argv += vllm_flags.render_endpoint_flags(profile.data.tokenize)
+    elif mode == "regenerate":  # the baseline that speculators' regenerate-responses asks by the target's path
+        at = argv.index("--served-model-name")
+        argv[at + 1: at + 2] = vllm_flags.regenerate_served_names(profile.server.served_model_name, target_dir)
     elif mode == "ngram":
         ev = profile.evaluate
         argv += ["--speculative-config", json.dumps({"method": "ngram", "num_speculative_tokens": ev.k,

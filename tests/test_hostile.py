@@ -193,7 +193,8 @@ def test_a_dead_server_is_blamed_with_its_own_reason(tmp_path):
     rec = ServerRecord(pid=gone.pid, pgid=gone.pid, host="127.0.0.1", port=1, mode="extraction", argv=[],
                        log=str(log), started=0, log_offset=offset)
     said = explain_failure(rec, "openai.APIConnectionError: Connection error.")
-    assert said == (f"the extraction vLLM server (pid {gone.pid}) died: RuntimeError: Unsupported CPU attention "
+    assert said == (f"the extraction vLLM server (pid {gone.pid}, port 1) is gone (not started by this process: its "
+                    f"exit status is unknown); its last error: RuntimeError: Unsupported CPU attention "
                     f"configuration (log: {log})")
     assert rec.reason() == "RuntimeError: Unsupported CPU attention configuration"  # not the earlier instance's
 
@@ -211,7 +212,7 @@ def test_deploy_decision_shows_the_comparison_rounding_would_hide():
 
 
 def test_raw_states_left_by_a_killed_extraction_are_cleared(tmp_path):
-    from pipeline.stages.extract import clear_raw_states
+    from pipeline.stages.base import clear_raw_states
     raw = tmp_path / "hs_raw"
     (raw / "req-1").mkdir(parents=True)
     for name in ("req-1/hs.safetensors", "req-1/hs.safetensors.lock", "req-2.safetensors"):

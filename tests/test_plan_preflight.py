@@ -15,7 +15,7 @@ KIMI = ("kimi-k2.5-rtx6000x8-lowered", "kimi-k2.5-b300x8-full")
 NUMBERS_AND_HARDWARE = {"name", "description", "hardware", "data.max_samples", "data.seq_length",
                         "data.mean_sample_tokens", "train.epochs", "train.total_seq_len", "train.nproc_per_node",
                         "evaluate.concurrency", "evaluate.num_prompts", "server.max_model_len", "extract.concurrency",
-                        "extract.cache_gib"}
+                        "extract.cache_gib", "data.regenerate_concurrency", "data.regenerate_max_tokens"}
 
 
 def flat(d, prefix=""):

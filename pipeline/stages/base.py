@@ -2,13 +2,16 @@
 from __future__ import annotations
 
 import logging
+import shutil
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from pipeline.profile import Profile
-from pipeline.rundir import RunDir
+from pipeline.rundir import RunDir, RunDirError
+from pipeline.server import ServerError, ServerRecord
 
 
 class StageError(RuntimeError):
@@ -21,13 +24,59 @@ class StageError(RuntimeError):
 
 
 def target_dir(run: RunDir, profile: Profile) -> Path:
-    """The served target: the profile's model path, or the demo target build-target recorded."""
-    if profile.target.source == "path":
-        return Path(profile.target.model_path)
-    recorded = run.stage_state("build-target").get("figures", {}).get("target_dir")
-    if not recorded:
-        raise StageError("build-target has not run: no demo target recorded in state.json")
-    return Path(recorded)
+    """The served target (RunDir.target_dir), a stage's failure when the demo target is not built yet."""
+    try:
+        return run.target_dir(profile)
+    except RunDirError as exc:
+        raise StageError(str(exc)) from None
+
+
+def clear_raw_states(raw: Path) -> int:
+    """Empty the extraction connector's storage: each file there is a state in flight, or one a killed
+    attempt left with its lock; generate-offline-data moves every finished one out. Returns the files cleared."""
+    if not raw.is_dir():
+        return 0
+    cleared = sum(1 for p in raw.rglob("*") if p.is_file())
+    shutil.rmtree(raw)
+    raw.mkdir(parents=True)
+    return cleared
+
+
+@dataclass
+class Lease:
+    """One server a stage uses: started (or reused) when the lease is taken, stopped when it ends — the
+    stage finished, failed or was interrupted — unless the stage hands it on to the next one, visibly
+    (the log, the notes and the stage's record say so)."""
+    ctx: StageContext
+    profile: Profile
+    rec: ServerRecord
+    start_s: float
+    handed_on_to: str | None = None
+
+    @property
+    def base_url(self) -> str:
+        return self.rec.base_url
+
+    def hand_on(self, stage: str) -> None:
+        """Keep the server for `stage`, which asks for exactly this server next (and reuses it)."""
+        self.handed_on_to = stage
+
+    def release(self, failed: bool = False) -> None:
+        from pipeline import box, notes
+
+        if self.handed_on_to and not failed:
+            text = f"{self.rec.describe()} kept for {self.handed_on_to}"
+            self.ctx.log.info(text)
+            notes.add(self.ctx.run, text, source="auto", stage=self.ctx.stage)
+            self.ctx.run.update_stage(self.ctx.stage, server_handed_on={
+                "mode": self.rec.mode, "pid": self.rec.pid, "port": self.rec.port, "to": self.handed_on_to})
+            return
+        try:
+            box.free_port(self.profile, self.ctx.log.info)
+        except ServerError as exc:
+            if not failed:
+                raise StageError(f"stopping {self.rec.describe()}: {exc}") from None
+            self.ctx.log.error("stopping %s: %s", self.rec.describe(), exc)  # the stage's own failure goes on
 
 
 @dataclass
@@ -36,7 +85,55 @@ class StageContext:
     profile: Profile
     log: logging.Logger
     on_event: Callable[[dict], None] = lambda record: None
+    stage: str = ""
     _last_progress: float = field(default=0.0, repr=False)
+
+    def lease(self, mode: str, *, profile: Profile | None = None, name: str | None = None,
+              on_wait: Callable[[float], None] = lambda s: None, **mode_args) -> Lease:
+        """Start (or reuse) the server of `mode` on the profile's port (or `profile`'s: a side-by-side
+        port), owned by this run; `name`: its log's name (server-NAME.log). Use it in a `with` block,
+        or call release() yourself."""
+        from pipeline import box
+
+        p = profile or self.profile
+        if mode == "extraction" and (left := clear_raw_states(mode_args["storage"])):
+            self.log.info("cleared %d raw state files a killed attempt left in %s", left, mode_args["storage"])
+        t0 = time.perf_counter()
+        rec = box.start_mode(p, mode, self.target_dir(), log_path=self.run.log_path(f"server-{name or mode}"),
+                             cache_root=self.run.cache_root, say=self.log.info, on_wait=on_wait,
+                             owner=str(self.run.root), **mode_args)
+        start_s = round(time.perf_counter() - t0, 1)
+        self.emit("server", self.stage, mode=mode, method=name or mode, pid=rec.pid, port=rec.port, start_s=start_s)
+        return Lease(self, p, rec, start_s)
+
+    def run_child(self, cmd: list[str], *, env: dict | None = None, on_line: Callable[[str], None] = lambda line: None,
+                  on_start: Callable = lambda proc: None) -> int:
+        """Run a child of the stage (a speculators command) in its own session, its output into the stage's
+        log. Its process group is recorded in the stage's state, so that a resume after this process was
+        SIGKILLed stops the orphan first (stop_orphan_child): two clients would write the same outputs."""
+        from pipeline import procs
+
+        def started(proc) -> None:
+            self.run.update_stage(self.stage, child_pgid=proc.pid, child_cmd=cmd[:4])
+            on_start(proc)
+
+        return procs.run_logged(cmd, self.run.log_path(self.stage), env=env or procs.child_env(self.run.cache_root),
+                                cwd=self.run.root, on_line=on_line, on_start=started)
+
+    @contextmanager
+    def server(self, mode: str, **kwargs) -> Iterator[Lease]:
+        """`with ctx.server("baseline") as srv:` — the server for the block, stopped when it ends
+        (extraction: the connector's storage emptied before and after)."""
+        lease = self.lease(mode, **kwargs)
+        try:
+            yield lease
+        except BaseException:
+            lease.release(failed=True)
+            raise
+        finally:
+            if mode == "extraction":
+                clear_raw_states(kwargs["storage"])
+        lease.release()
 
     def emit(self, kind: str, stage: str, **data) -> None:
         self.on_event(self.run.emit(stage, kind, **data))
@@ -55,8 +152,26 @@ class StageContext:
         return target_dir(self.run, self.profile)
 
     def source_conversations(self) -> Path:
-        spec = self.profile.data.conversations
-        return self.run.demo_conversations if spec == "demo" else Path(spec)
+        """Where the conversations are read: the one local file, the demo's, or the run's gathered mix
+        (gather_sources writes it)."""
+        data = self.profile.data
+        if (single := data.single_file()) is not None:
+            return Path(single)
+        return self.run.demo_conversations if data.conversations == "demo" else self.run.gathered_conversations
+
+    def gather_sources(self) -> dict:
+        """Gather a preset or a mix into the run (once per spec); {} for one file or the demo alone."""
+        from pipeline import sources
+
+        if not sources.gathered(self.profile.data):
+            return {}
+        try:
+            counts = sources.gather(self.profile.data, self.run.demo_conversations, self.run.gathered_conversations,
+                                    self.run.gathered_record)
+        except sources.SourceError as exc:
+            raise StageError(str(exc)) from None
+        self.log.info("conversations gathered: %s", counts)
+        return {"sources": counts}
 
     def training_conversations(self) -> Path:
         if self.profile.data.regenerate:
@@ -109,6 +224,43 @@ class Stage:
 
     def run(self, ctx: StageContext) -> dict:
         raise NotImplementedError
+
+    def server_argv(self, ctx: StageContext) -> list[str] | None:
+        """The argv of the server this stage asks for first on the run's serving port (None: none): a
+        resume keeps such a server an earlier attempt left instead of starting it again."""
+        return None
+
+
+def stop_orphan_child(run: RunDir, stage: str, log: logging.Logger) -> bool:
+    """A child a killed attempt of the stage left running (a trainer writing checkpoints, a client asking a
+    server and writing rows) is stopped — SIGTERM (speculators' trainer saves `interrupted/`), then SIGKILL
+    — before the stage starts again. Checked by its recorded command, so a reused pid is left alone."""
+    import psutil
+
+    from pipeline import procs
+
+    entry = run.stage_state(stage)
+    pgid = entry.get("child_pgid")
+    if not pgid or not procs.group_members(pgid):
+        return False
+    try:
+        leader_cmd = psutil.Process(pgid).cmdline()[:4]
+    except psutil.Error:
+        leader_cmd = None
+    if leader_cmd is not None and leader_cmd != entry.get("child_cmd"):
+        return False  # the pid was reused by something else
+    log.warning("stopping %s's child process group %d (%s) left by an earlier attempt", stage, pgid,
+                " ".join(entry.get("child_cmd") or []))
+    procs.stop_group(pgid)
+    return True
+
+
+def argv_for(ctx: StageContext, mode: str) -> list[str]:
+    """The argv of `mode`'s server for this run, as a lease would start it (Stage.server_argv)."""
+    from pipeline import box, vllm_modes
+
+    target, mode_args = box.mode_inputs(ctx.profile, ctx.run, mode)
+    return vllm_modes.server_argv(ctx.profile, mode, target, **mode_args)
 
 
 def first_difference(a: list[int], b: list[int]) -> int:

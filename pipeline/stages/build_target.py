@@ -27,6 +27,18 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}<|assistant|>{% endif %}"
 )
 BUILD_VERSION = 1  # bump when the builder changes what it produces
+# Kimi-K2.5's template opens a thinking block at every answer and renders earlier answers with an empty one
+# (their reasoning stripped, up to "</think>"). The Kimi-class demo target carries the same shape, with
+# <think> and </think> as plain added tokens (decoded as text, so the history can be stripped), so that
+# regeneration keeps the thinking the target generates at serving time (docs/reference.md §9).
+THINK_TOKENS = ["<think>", "</think>"]
+THINKING_CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}{% if m['role'] == 'assistant' %}"
+    "<|assistant|><think></think>{{ m['content'].split('</think>')[-1] }}<|end|>"
+    "{% else %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|><think>{% endif %}"
+)
+TEMPLATE_VERSIONS = {"kimi_k25": 1}  # part of the cache key of the architectures whose template changed
 
 
 LLAMA_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
@@ -42,7 +54,8 @@ def cache_key(spec: DemoTargetSection) -> str:
                                                                  for f in LLAMA_FIELDS + CORPUS_FIELDS}
     if not spec.corpus_conversations:  # random weights: the corpus fields do not change what is built
         fields = {k: v for k, v in fields.items() if k not in CORPUS_FIELDS}
-    blob = json.dumps({"v": BUILD_VERSION, **fields}, sort_keys=True).encode()
+    versions = {"template": TEMPLATE_VERSIONS[spec.architecture]} if spec.architecture in TEMPLATE_VERSIONS else {}
+    blob = json.dumps({"v": BUILD_VERSION, **versions, **fields}, sort_keys=True).encode()
     return hashlib.sha256(blob).hexdigest()[:12]
 
 
@@ -58,14 +71,17 @@ def build_tokenizer(spec: DemoTargetSection):
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    specials = SPECIAL_TOKENS + (MEDIA_TOKENS if spec.architecture == "kimi_k25" else [])
-    trainer = trainers.BpeTrainer(vocab_size=spec.vocab_size, special_tokens=specials,
+    kimi = spec.architecture == "kimi_k25"
+    specials = SPECIAL_TOKENS + (MEDIA_TOKENS if kimi else [])
+    added = THINK_TOKENS if kimi else []
+    trainer = trainers.BpeTrainer(vocab_size=spec.vocab_size - len(added), special_tokens=specials,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     files = [str(p) for p in demo_data.stdlib_sources(spec.tokenizer_source_files)]
     tok.train(files, trainer)
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|bos|>", eos_token="<|eos|>",
                                    pad_token="<|pad|>", additional_special_tokens=specials[3:])
-    fast.chat_template = CHAT_TEMPLATE
+    fast.add_tokens(added)  # plain added tokens: atomic, and kept when answers are decoded
+    fast.chat_template = THINKING_CHAT_TEMPLATE if kimi else CHAT_TEMPLATE
     return fast
 
 
@@ -237,14 +253,14 @@ class BuildTarget(Stage):
     name = "build-target"
 
     def applies(self, profile: Profile) -> bool:
-        return profile.target.source == "demo" or profile.data.conversations == "demo"
+        return profile.target.source == "demo" or profile.data.uses_demo()
 
     def outputs(self, ctx: StageContext) -> list[Path]:
         out = []
         if ctx.profile.target.source == "demo":
             out.append(ctx.target_dir())
-        if ctx.profile.data.conversations == "demo":
-            out.append(ctx.source_conversations())
+        if ctx.profile.data.uses_demo():
+            out.append(ctx.run.demo_conversations)
         return out
 
     def run(self, ctx: StageContext) -> dict:
@@ -266,14 +282,14 @@ class BuildTarget(Stage):
                            architecture=spec.architecture)
             if (target / PRETRAIN_RECORD).is_file():
                 figures.update(json.loads((target / PRETRAIN_RECORD).read_text()))
-        if ctx.profile.data.conversations == "demo":
+        if ctx.profile.data.uses_demo():
             try:
                 convs = demo_data.conversations(ctx.profile.data.num_conversations, ctx.profile.data.seed)
             except demo_data.TooFewFunctions as exc:
                 raise StageError(f"data.num_conversations = {ctx.profile.data.num_conversations}: {exc}",
                                  resumable=False) from None
             text = "".join(json.dumps(c) + "\n" for c in convs)
-            atomicio.atomic_write_text(ctx.source_conversations(), text)
+            atomicio.atomic_write_text(ctx.run.demo_conversations, text)
             figures["conversations"] = len(convs)
         return figures
 

@@ -14,10 +14,10 @@ from contextlib import ExitStack, closing
 from functools import partial
 from pathlib import Path
 
-from pipeline import atomicio, box, conversations, online, portlock, target, vllm_modes
+from pipeline import atomicio, box, conversations, notes, online, portlock, procs, target, vllm_modes
 from pipeline.deploy import publish_draft
 from pipeline.server import ServerError, explain_failure, port_owner
-from pipeline.stages.base import Stage, StageContext, StageError, first_difference
+from pipeline.stages.base import Stage, StageContext, StageError, argv_for, first_difference
 
 MODE = {"baseline": "baseline", "ngram": "ngram", "existing": "speculative", "eagle3": "speculative"}
 
@@ -35,8 +35,7 @@ def send_all(base_url: str, model: str, prompts: list[list[int]], max_tokens: in
         return out
 
     t0 = time.perf_counter()
-    with ThreadPoolExecutor(max_workers=concurrency) as pool:
-        results = list(pool.map(one, prompts))
+    results = in_threads(one, prompts, concurrency)
     seconds = time.perf_counter() - t0
     tokens = sum(r["completion_tokens"] for r in results)
     per_token = [r["seconds"] / r["completion_tokens"] for r in results if r["completion_tokens"]]
@@ -45,16 +44,26 @@ def send_all(base_url: str, model: str, prompts: list[list[int]], max_tokens: in
             "tpot_ms": round(1000 * sum(per_token) / len(per_token), 3) if per_token else None}
 
 
-def start_method(ctx: StageContext, profile, method: str, **mode_args):
-    """Serve `method` on `profile`'s port: (record, seconds) or (None, why)."""
-    t0 = time.perf_counter()
+def in_threads(fn, items: list, workers: int) -> list:
+    """fn over items in `workers` threads, results in order. Interrupted (SIGTERM) or failed, it returns at
+    once without waiting for the calls in flight: their server is stopped next, which ends them."""
+    pool = ThreadPoolExecutor(max_workers=max(1, workers))
     try:
-        rec = box.start_mode(profile, MODE[method], ctx.target_dir(), ctx.run.log_path(f"server-{method}"),
-                             ctx.run.cache_root, ctx.log.info, **mode_args)
+        return list(pool.map(fn, items))
+    except BaseException:
+        pool.shutdown(wait=False, cancel_futures=True)
+        raise
+    finally:
+        pool.shutdown(wait=False)
+
+
+def start_method(ctx: StageContext, profile, method: str, **mode_args):
+    """Serve `method` on `profile`'s port: (lease, None) or (None, why)."""
+    try:
+        return ctx.lease(MODE[method], profile=profile, name=method, **mode_args), None
     except ServerError as exc:
         box.free_port(profile, ctx.log.info)
         return None, str(exc)
-    return rec, round(time.perf_counter() - t0, 1)
 
 
 def measure_served(ctx: StageContext, stage: str, method: str, rec, start_s: float,
@@ -63,7 +72,6 @@ def measure_served(ctx: StageContext, stage: str, method: str, rec, start_s: flo
     concurrency is located and the target's own margin there asked of this server (`divergences`)."""
     p = ctx.profile
     row: dict = {"method": method, "server_start_s": start_s, "levels": {}}
-    ctx.emit("server", stage, mode=MODE[method], method=method, pid=rec.pid, port=rec.port, start_s=start_s)
     try:
         online.complete(rec.base_url, p.server.served_model_name, prompts[0], 4, {})  # warm-up
         for c in sorted(p.evaluate.concurrency):
@@ -127,29 +135,46 @@ def tokens_per_step(level: dict, requests: int, accepted: int) -> float:
 
 def side_by_side_ports(ctx: StageContext, count: int, stack: ExitStack) -> list:
     """`count` profiles on server.port, server.port + 1, …: the run holds the first port; the others are
-    taken here (their locks held until the stage ends) when free and not serving anything, else the
-    methods fall back to one server at a time on the run's own port."""
+    taken here (their locks held until the stage ends). A port that a dead run's server still holds is
+    named and freed; anything else there (or another run's lock), and the methods fall back to one server
+    at a time on the run's own port — said in the notes."""
     base = ctx.profile
     profiles = [base]
     for offset in range(1, count):
         variant = base.with_port(base.server.port + offset)
-        if port_owner(variant.server.host, variant.server.port) is not None:
-            ctx.log.info("port %d is in use: the measured servers start one at a time", variant.server.port)
-            return [base]
         try:
             stack.enter_context(closing(portlock.hold(variant, ctx.run.root)))
         except portlock.PortTaken as exc:
-            ctx.log.info("%s: the measured servers start one at a time", exc)
-            return [base]
+            return _one_at_a_time(ctx, f"{exc}")
+        if (owner := port_owner(variant.server.host, variant.server.port)) is not None:
+            rec = box.controller(variant).record()
+            if rec is None or rec.pid != owner.pid or not rec.run or rec.owner_alive():
+                return _one_at_a_time(ctx, f"port {variant.server.port} is in use by pid {owner.pid} "
+                                           f"({procs.shown_cmdline(owner, 80)})")
+            notes.add(ctx.run, f"port {variant.server.port}: {box.orphan_text(rec)}: stopped", source="auto",
+                      stage=ctx.stage)
+            box.free_port(variant, ctx.log.info)
         profiles.append(variant)
     return profiles
 
 
+def _one_at_a_time(ctx: StageContext, why: str) -> list:
+    text = f"{why}: the measured servers start one at a time on port {ctx.profile.server.port}"
+    ctx.log.info(text)
+    notes.add(ctx.run, text, source="auto", stage=ctx.stage)
+    return [ctx.profile]
+
+
 def measure_all(ctx: StageContext, stage: str, methods: list[str], prompts: list[list[int]], args: dict) -> dict:
-    """The matrix: servers started `evaluate.start_together` at a time (side by side on consecutive
-    ports, so their starts overlap), then measured one at a time while the others idle, then stopped."""
+    """The matrix: servers started side by side on consecutive ports (as many as evaluate.start_together
+    asks and the GPUs' memory allows), so their starts overlap; then measured one at a time while the
+    others idle; then stopped."""
+    count, why = box.side_by_side(ctx.profile, min(ctx.profile.evaluate.start_together, len(methods)))
+    ctx.log.info("servers: %s", why)
+    if count < min(ctx.profile.evaluate.start_together, len(methods)):
+        notes.add(ctx.run, why, source="auto", stage=stage)
     with ExitStack() as stack:
-        profiles = side_by_side_ports(ctx, min(ctx.profile.evaluate.start_together, len(methods)), stack)
+        profiles = side_by_side_ports(ctx, count, stack)
         return _measure_groups(ctx, stage, methods, prompts, args, profiles)
 
 
@@ -159,14 +184,13 @@ def _measure_groups(ctx: StageContext, stage: str, methods: list[str], prompts: 
     low = min(ctx.profile.evaluate.concurrency)
     for first in range(0, len(methods), len(profiles)):
         group = list(zip(methods[first: first + len(profiles)], profiles, strict=False))
-        with ThreadPoolExecutor(max_workers=len(group)) as pool:
-            started = list(pool.map(lambda mp: start_method(ctx, mp[1], mp[0], **args.get(mp[0], {})), group))
+        started = in_threads(lambda mp: start_method(ctx, mp[1], mp[0], **args.get(mp[0], {})), group, len(group))
         try:
-            for (method, _), (rec, start) in zip(group, started, strict=True):
+            for (method, _), (lease, why) in zip(group, started, strict=True):
                 reference = (None if method == "baseline" else
                              matrix.get("baseline", {}).get("levels", {}).get(low, {}).get("outputs"))
-                matrix[method] = ({"method": method, "error": start} if rec is None
-                                  else measure_served(ctx, stage, method, rec, start, prompts, reference))
+                matrix[method] = ({"method": method, "error": why} if lease is None
+                                  else measure_served(ctx, stage, method, lease.rec, lease.start_s, prompts, reference))
         finally:
             for _, profile in group:
                 box.free_port(profile, ctx.log.info)
@@ -195,6 +219,9 @@ class DeployMeasure(Stage):
 
     def outputs(self, ctx: StageContext) -> list[Path]:
         return [ctx.run.online_result, ctx.run.draft_dir / "config.json"]
+
+    def server_argv(self, ctx: StageContext) -> list[str] | None:
+        return argv_for(ctx, "baseline")  # the matrix starts with the baseline on the serving port
 
     def run(self, ctx: StageContext) -> dict:
         ev = ctx.profile.evaluate

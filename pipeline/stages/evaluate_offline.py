@@ -19,6 +19,17 @@ def eos_ids(model) -> set[int]:
 class EvaluateOffline(Stage):
     name = "evaluate-offline"
 
+    def applies(self, profile) -> bool:
+        """evaluate.offline: off never, on always, auto where the target fits one process (the planner's
+        call; a target too large is measured through vLLM only, in deploy-measure)."""
+        from pipeline.plan import offline_evaluation
+        from pipeline.targetinfo import TargetInfoError, target_info
+
+        try:
+            return offline_evaluation(profile, target_info(profile))[0]
+        except TargetInfoError:
+            return profile.evaluate.offline != "off"  # preflight reports the missing config
+
     def inputs(self, ctx: StageContext) -> list[Path]:
         return [ctx.run.heldout_prompts]
 

@@ -11,7 +11,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 from pipeline import target
-from pipeline.stages.base import Stage, StageContext, StageError
+from pipeline.stages.base import Stage, StageContext, StageError, argv_for
 
 
 def hs_path(hs_dir: Path, index: int) -> Path:
@@ -146,6 +146,9 @@ class Extract(Stage):
             return [ctx.run.online_cache_record]
         return [ctx.run.hidden_states_dir]
 
+    def server_argv(self, ctx: StageContext) -> list[str] | None:
+        return argv_for(ctx, "extraction") if ctx.profile.extract.backend == "vllm" else None
+
     def run(self, ctx: StageContext) -> dict:
         if ctx.extract_mode() == "online":
             return extract_cache(ctx, self.name)
@@ -166,19 +169,6 @@ class Extract(Stage):
         figures["shard"] = f"{ex.rank}/{ex.world_size}"
         ctx.log.info("extracted %s", figures)
         return figures
-
-
-def clear_raw_states(raw: Path) -> int:
-    """Empty the connector's storage: each file there is a state in flight, or one a killed attempt
-    left with its lock; generate-offline-data moves every finished one out. Returns the files cleared."""
-    import shutil
-
-    if not raw.is_dir():
-        return 0
-    cleared = sum(1 for p in raw.rglob("*") if p.is_file())
-    shutil.rmtree(raw)
-    raw.mkdir(parents=True)
-    return cleared
 
 
 def extract_cache(ctx: StageContext, stage: str) -> dict:
@@ -217,7 +207,7 @@ def state_bytes_per_token(ctx: StageContext) -> int:
 def extract_with_vllm(ctx: StageContext, stage: str, world_size: int, rank: int, keep_server: bool = False) -> dict:
     """Through a vLLM extraction server and speculators' own `generate-offline-data` (resumable: it
     skips the hs files that exist; each is renamed into place once complete). Rows: slice `rank` of
-    `world_size` (its own split). keep_server: leave it up for online training, which asks it next."""
+    `world_size` (its own split). keep_server: hand the server on to online training, which asks it next."""
     import sys
 
     from datasets import load_from_disk
@@ -235,42 +225,28 @@ def extract_with_vllm(ctx: StageContext, stage: str, world_size: int, rank: int,
         return sum(hs_path(ctx.run.hidden_states_dir, i).exists() for i in rows)
 
     _, mode_args = box.mode_inputs(ctx.profile, ctx.run, "extraction")
-    layer_ids, raw = mode_args["layer_ids"], mode_args["storage"]
-    if (left := clear_raw_states(raw)):
-        ctx.log.info("cleared %d raw state files a killed attempt left in %s", left, raw)
-    t0 = time.perf_counter()
-    rec = box.start_mode(ctx.profile, "extraction", ctx.target_dir(), ctx.run.log_path("server-extraction"),
-                         ctx.run.cache_root, ctx.log.info,
-                         on_wait=lambda s: ctx.progress(stage, 0, total, "samples", server_wait_s=round(s)),
-                         **mode_args)
-    server_start = time.perf_counter() - t0
-    ctx.emit("server", stage, mode="extraction", pid=rec.pid, port=rec.port, start_s=round(server_start, 1))
-    before = have_files()
-    cmd = [sys.executable, "-m", "speculators", "generate-offline-data", "--endpoint", f"{rec.base_url}/v1",
-           "--preprocessed-data", str(prepared), "--concurrency", str(ctx.profile.extract.concurrency),
-           "--validate-outputs", "--fail-on-error"]
-    if world_size > 1:
-        cmd += ["--world-size", str(world_size), "--rank", str(rank)]
-    ctx.log.info("command: %s", " ".join(cmd))
-    t1 = time.perf_counter()
-    succeeded = False  # stays False when the client is interrupted or crashes
-    try:
-        rc = procs.run_logged(cmd, ctx.run.log_path(stage), env=procs.child_env(ctx.run.cache_root), cwd=ctx.run.root)
-        failure = None if rc == 0 else explain_failure(rec, f"speculators generate-offline-data exited with {rc}: "
-                                                            f"{procs.last_error_line(ctx.run.log_path(stage))}")
-        succeeded = failure is None
-    finally:
-        if not (succeeded and keep_server):  # online training asks this server next
-            box.free_port(ctx.profile, ctx.log.info)
-        clear_raw_states(raw)
-    seconds = time.perf_counter() - t1
-    if failure:
-        raise StageError(failure)
-    have = have_files()
-    if have != total:
-        raise StageError(f"generate-offline-data finished with {have}/{total} hidden-state files of shard "
-                         f"{rank}/{world_size}")
+    with ctx.server("extraction", on_wait=lambda s: ctx.progress(stage, 0, total, "samples", server_wait_s=round(s)),
+                    **mode_args) as srv:
+        before = have_files()
+        cmd = [sys.executable, "-m", "speculators", "generate-offline-data", "--endpoint", f"{srv.base_url}/v1",
+               "--preprocessed-data", str(prepared), "--concurrency", str(ctx.profile.extract.concurrency),
+               "--validate-outputs", "--fail-on-error"]
+        if world_size > 1:
+            cmd += ["--world-size", str(world_size), "--rank", str(rank)]
+        ctx.log.info("command: %s", " ".join(cmd))
+        t1 = time.perf_counter()
+        rc = ctx.run_child(cmd)
+        seconds = time.perf_counter() - t1
+        if rc != 0:
+            raise StageError(explain_failure(srv.rec, f"speculators generate-offline-data exited with {rc}: "
+                                                      f"{procs.last_error_line(ctx.run.log_path(stage))}"))
+        have = have_files()
+        if have != total:
+            raise StageError(f"generate-offline-data finished with {have}/{total} hidden-state files of shard "
+                             f"{rank}/{world_size}")
+        if keep_server:
+            srv.hand_on("train")  # online training asks this server next
     return {"backend": "vllm", "samples": total, "extracted": total - before, "resumed_from": before,
-            "tokens": tokens, "server_start_s": round(server_start, 1), "seconds": round(seconds, 3),
-            "samples_per_s": round((total - before) / seconds, 2) if seconds else 0.0, "layer_ids": layer_ids,
-            "shard": f"{rank}/{world_size}"}
+            "tokens": tokens, "server_start_s": srv.start_s, "seconds": round(seconds, 3),
+            "samples_per_s": round((total - before) / seconds, 2) if seconds else 0.0,
+            "layer_ids": mode_args["layer_ids"], "shard": f"{rank}/{world_size}"}

@@ -33,7 +33,7 @@ class Handover(Stage):
         after = ctx.profile.server.after_run
         if after == "stop":
             stopped = box.free_port(ctx.profile, ctx.log.info)
-            figures = {"after_run": after, "server": "stopped" if stopped else "none running"}
+            figures: dict = {"after_run": after, "server": "stopped" if stopped else "none running"}
         else:
             draft, why = None, ""
             if after == "production-with-draft":
@@ -43,8 +43,11 @@ class Handover(Stage):
                     draft = publish_draft(ctx.draft_checkpoint(), ctx.run.draft_dir, ctx.target_dir())
                 else:
                     ctx.log.warning("production restarts without the new head: %s", why)
-            rec = box.start_mode(ctx.profile, "production", ctx.target_dir(), ctx.run.log_path("server-production"),
-                                 ctx.run.cache_root, ctx.log.info, draft_dir=draft)
+            # owner "": production is the operator's server once handed over (a later cleanup of this
+            # run never stops it)
+            rec = box.start_mode(ctx.profile, "production", ctx.target_dir(),
+                                 log_path=ctx.run.log_path("server-production"), cache_root=ctx.run.cache_root,
+                                 say=ctx.log.info, owner="", draft_dir=draft)
             figures = {"after_run": after, "server": "production" + (" with draft" if draft else ""),
                        "pid": rec.pid, "port": rec.port, **({"draft": why} if why else {})}
         atomicio.atomic_write_json(ctx.run.handover_record, {**figures, "at": now_iso()})

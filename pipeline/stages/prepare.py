@@ -8,7 +8,7 @@ import shutil
 from pathlib import Path
 
 from pipeline import atomicio, conversations, target
-from pipeline.stages.base import Stage, StageContext, StageError
+from pipeline.stages.base import Stage, StageContext, StageError, argv_for
 
 
 def dataset_features():
@@ -23,16 +23,26 @@ class Prepare(Stage):
     name = "prepare"
 
     def inputs(self, ctx: StageContext) -> list[Path]:
-        return list(dict.fromkeys([ctx.source_conversations(), ctx.training_conversations()]))
+        from pipeline import sources
+        needed = [ctx.training_conversations()] if ctx.profile.data.regenerate else []
+        if not sources.gathered(ctx.profile.data):  # a preset or a mix is gathered here when absent
+            needed.insert(0, ctx.source_conversations())
+        return list(dict.fromkeys(needed))
 
     def outputs(self, ctx: StageContext) -> list[Path]:
         return [ctx.run.prepared_dir / "dataset_info.json", ctx.run.prepared_dir / "state.json",
                 ctx.run.token_freq, ctx.run.heldout_prompts]
 
+    def server_argv(self, ctx: StageContext) -> list[str] | None:
+        if ctx.profile.data.tokenize != "render" or ctx.profile.data.regenerate:
+            return None
+        return argv_for(ctx, "extraction" if ctx.profile.extract.backend == "vllm" else "baseline")
+
     def run(self, ctx: StageContext) -> dict:
         from datasets import Dataset
 
         data = ctx.profile.data
+        gathered = ctx.gather_sources()
         source = ctx.source_conversations()
         try:
             loaded = conversations.load(source)
@@ -46,7 +56,7 @@ class Prepare(Stage):
         except ValueError as exc:
             raise StageError(f"{source}: {exc}") from None
         if data.tokenize == "render":
-            return self._with_speculators(ctx, loaded, train, heldout)
+            return {**self._with_speculators(ctx, loaded, train, heldout), **gathered}
         tok = target.load_tokenizer(ctx.target_dir())
         if data.regenerate:
             regenerated = conversations.load(ctx.training_conversations())
@@ -85,7 +95,7 @@ class Prepare(Stage):
         _write_token_freq(ds, ctx.run.token_freq)
         prompts = _write_heldout(ctx, heldout)
         n_tokens = sum(columns["seq_len"])
-        return {"rows": len(columns["seq_len"]), "tokens": n_tokens,
+        return {**gathered, "rows": len(columns["seq_len"]), "tokens": n_tokens,
                 "loss_tokens": sum(sum(m) for m in columns["loss_mask"]),
                 "skipped_malformed": len(loaded.bad), "skipped_unsupervised": unsupervised,
                 "truncated": truncated, "heldout_prompts": len(prompts)}
@@ -102,41 +112,42 @@ class Prepare(Stage):
         from pipeline.server import explain_failure
 
         data = ctx.profile.data
-        if data.regenerate:
-            source, rec = ctx.training_conversations(), None  # token rows: no server needed
+        out = ctx.run.prepared_dir
+        tmp = out.with_name(out.name + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        cmd = [sys.executable, "-m", "speculators", "prepare-data", "--model", str(ctx.target_dir()),
+               "--output", str(tmp), "--seq-length", str(data.seq_length),
+               "--seed", str(data.seed), "--no-skip-token-freq", "--token-freq-path", str(tmp / "token_freq.pt")]
+
+        def prepare_data(extra: list[str]) -> int:
+            ctx.log.info("command: %s", " ".join(cmd + extra))
+            return ctx.run_child(cmd + extra)
+
+        exited = "speculators prepare-data exited with {rc}: {why}"
+        rendered = not data.regenerate
+        if not rendered:  # token rows: no server needed
+            rc = prepare_data(["--data", str(ctx.training_conversations())])
+            if rc != 0:
+                raise StageError(exited.format(rc=rc, why=procs.last_error_line(ctx.run.log_path(self.name))))
         else:
             source = ctx.run.train_conversations
             atomicio.atomic_write_text(source, "".join(json.dumps({"conversations": c["messages"]}) + "\n"
                                                        for c in train))
             mode = "extraction" if ctx.profile.extract.backend == "vllm" else "baseline"
             _, mode_args = box.mode_inputs(ctx.profile, ctx.run, mode)
-            rec = box.start_mode(ctx.profile, mode, ctx.target_dir(), ctx.run.log_path(f"server-{mode}"),
-                                 ctx.run.cache_root, ctx.log.info, **mode_args)
-        out = ctx.run.prepared_dir
-        tmp = out.with_name(out.name + ".tmp")
-        shutil.rmtree(tmp, ignore_errors=True)
-        cmd = [sys.executable, "-m", "speculators", "prepare-data", "--model", str(ctx.target_dir()),
-               "--data", str(source), "--output", str(tmp), "--seq-length", str(data.seq_length),
-               "--seed", str(data.seed), "--no-skip-token-freq", "--token-freq-path", str(tmp / "token_freq.pt")]
-        if rec:
-            cmd += ["--render-endpoint", rec.base_url]
-        ctx.log.info("command: %s", " ".join(cmd))
-        try:
-            rc = procs.run_logged(cmd, ctx.run.log_path(self.name), env=procs.child_env(ctx.run.cache_root),
-                                  cwd=ctx.run.root)
-            exited = f"speculators prepare-data exited with {rc}: {procs.last_error_line(ctx.run.log_path(self.name))}"
-            failure = None if rc == 0 else explain_failure(rec, exited) if rec else exited
-        finally:
-            if rec and ctx.profile.extract.backend != "vllm":
-                box.free_port(ctx.profile, ctx.log.info)  # nothing after prepare needs it
-        if failure:
-            raise StageError(failure)
+            with ctx.server(mode, **mode_args) as srv:
+                rc = prepare_data(["--data", str(source), "--render-endpoint", srv.base_url])
+                if rc != 0:
+                    raise StageError(explain_failure(srv.rec, exited.format(
+                        rc=rc, why=procs.last_error_line(ctx.run.log_path(self.name)))))
+                if mode == "extraction":  # the next stage that serves asks for exactly this server
+                    srv.hand_on("extract" if ctx.extract_mode() == "offline" else "train")
         shutil.rmtree(out, ignore_errors=True)
         tmp.rename(out)
         atomicio.fsync_dir(out.parent)
         ds = load_from_disk(str(out)).with_format(None)
         prompts = _write_heldout(ctx, heldout)
-        return {"tokenize": "render" if rec else "pass-through", "rows": len(ds),
+        return {"tokenize": "render" if rendered else "pass-through", "rows": len(ds),
                 "tokens": int(sum(ds["seq_len"])), "loss_tokens": int(sum(sum(m) for m in ds["loss_mask"])),
                 "skipped_malformed": len(loaded.bad), "heldout_prompts": len(prompts)}
 

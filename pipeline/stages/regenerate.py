@@ -1,13 +1,25 @@
-"""regenerate (optional): replace the assistant turns with the target's own greedy output, so the
-draft learns the distribution it will be asked to predict (speculators' regenerate-responses, here
-with transformers). Output: pre-tokenized rows (input_ids + loss_mask), one per assistant turn."""
+"""regenerate (optional): replace the assistant turns with the target's own answers, so the draft learns
+the distribution it will be asked to predict. Output: pre-tokenized rows (input_ids + loss_mask), one
+per assistant turn, in the conversations' order.
+
+- vllm (data.regenerate_backend, any size): speculators' own `regenerate-responses` against a server of
+  the target started on the run's port (the regenerate mode: the baseline, answering to the target's path
+  too). Greedy unless the profile samples; a reasoning target's generated thinking is in the rows as the
+  server generated it. Resumable: speculators appends each finished conversation and skips those on
+  resume; failed requests are retried, then counted and named. Progress from the rows as they arrive.
+- transformers: the target loaded here, batch by batch — the small targets' path (the CPU demo: no
+  server start); preflight blocks it for a target that does not fit one process.
+"""
 from __future__ import annotations
 
 import json
+import sys
+import threading
+import time
 from pathlib import Path
 
-from pipeline import atomicio, conversations, target
-from pipeline.stages.base import Stage, StageContext, StageError
+from pipeline import atomicio, conversations, procs, target
+from pipeline.stages.base import Stage, StageContext, StageError, argv_for
 
 
 class Regenerate(Stage):
@@ -17,13 +29,18 @@ class Regenerate(Stage):
         return profile.data.regenerate
 
     def inputs(self, ctx: StageContext) -> list[Path]:
-        return [ctx.source_conversations()]
+        from pipeline import sources
+        return [] if sources.gathered(ctx.profile.data) else [ctx.source_conversations()]
 
     def outputs(self, ctx: StageContext) -> list[Path]:
         return [ctx.training_conversations()]
 
+    def server_argv(self, ctx: StageContext) -> list[str] | None:
+        return argv_for(ctx, "regenerate") if ctx.profile.data.regenerate_backend == "vllm" else None
+
     def run(self, ctx: StageContext) -> dict:
         data = ctx.profile.data
+        gathered = ctx.gather_sources()
         loaded = conversations.load(ctx.source_conversations())
         for lineno, reason in loaded.bad:
             ctx.log.warning("%s:%d: skipped: %s", ctx.source_conversations(), lineno, reason)
@@ -31,35 +48,255 @@ class Regenerate(Stage):
             train, _ = conversations.split_heldout(loaded.conversations, data.heldout)
         except ValueError as exc:
             raise StageError(f"{ctx.source_conversations()}: {exc}") from None
-        tok = target.load_tokenizer(ctx.target_dir())
-        model = target.load_model(ctx.target_dir(), ctx.profile.target.dtype)
-        tok.padding_side = "left"
-        histories = [[m for m in c["messages"]] for c in train]
-        rows: list[dict] = []
-        max_turns = max(sum(m["role"] == "assistant" for m in h) for h in histories)
-        total = sum(sum(m["role"] == "assistant" for m in h) for h in histories)
-        generated_tokens = 0
-        for turn in range(max_turns):
-            # Conversations that still have an assistant turn number `turn` to regenerate.
-            work = []
-            for h_idx, history in enumerate(histories):
-                a_positions = [i for i, m in enumerate(history) if m["role"] == "assistant"]
-                if turn < len(a_positions):
-                    work.append((h_idx, a_positions[turn]))
-            for start in range(0, len(work), data.regenerate_batch_size):
-                batch = work[start:start + data.regenerate_batch_size]
-                prompts = [conversations.render_ids(tok, histories[h][:pos], True) for h, pos in batch]
-                completions = _greedy(model, tok, prompts, data.regenerate_max_tokens)
-                for (h, pos), prompt, completion in zip(batch, prompts, completions, strict=True):
-                    rows.append({"input_ids": prompt + completion,
-                                 "loss_mask": [0] * len(prompt) + [1] * len(completion)})
-                    text = tok.decode([t for t in completion if t not in tok.all_special_ids])
-                    histories[h][pos] = {"role": "assistant", "content": text}
-                    generated_tokens += len(completion)
-                ctx.progress(self.name, len(rows), total, "turns")
+        if loaded.token_rows:
+            ctx.log.info("%d pre-tokenized rows pass through unregenerated", len(loaded.token_rows))
+        if data.regenerate_backend == "vllm":
+            rows, figures = with_vllm(ctx, self.name, train)
+        else:
+            rows, figures = with_transformers(ctx, self.name, train)
+        rows += loaded.token_rows
         atomicio.atomic_write_text(ctx.training_conversations(), "".join(json.dumps(r) + "\n" for r in rows))
-        return {"rows": len(rows), "generated_tokens": generated_tokens, "skipped_rows": len(loaded.bad),
-                **answer_variety(rows)}
+        return {"backend": data.regenerate_backend, "rows": len(rows), "skipped_rows": len(loaded.bad),
+                **figures, **gathered, **answer_variety(rows)}
+
+
+# ---------------------------------------------------------------------------------------------- vllm
+
+def unique_ids(train: list[dict]) -> list[dict]:
+    """The conversations as speculators reads them ({"id", "messages"}), ids made unique (its resume keys
+    on them: a repeated id would be taken for done)."""
+    seen: dict[str, int] = {}
+    out = []
+    for conv in train:
+        n = seen.get(conv["id"], 0)
+        seen[conv["id"]] = n + 1
+        out.append({"id": conv["id"] if n == 0 else f"{conv['id']}#{n + 1}", "messages": conv["messages"]})
+    return out
+
+
+def repair_tail(path: Path) -> int:
+    """A kill while speculators appended a row leaves a last line without its newline; the next append
+    would glue a row to it. Cut it off (that conversation is not done: it is regenerated). Returns bytes cut."""
+    if not path.is_file() or path.stat().st_size == 0:
+        return 0
+    with open(path, "rb+") as fh:
+        data = fh.read()
+        if data.endswith(b"\n"):
+            return 0
+        keep = data.rfind(b"\n") + 1
+        fh.truncate(keep)
+        return len(data) - keep
+
+
+class RowsWatch:
+    """Follows speculators' output file as rows arrive: conversations done, tokens generated (from each
+    row's usage), tokens/s; and whether the server is still alive."""
+
+    def __init__(self, path: Path):
+        self.path, self.offset = path, 0
+        self.done: set[str] = set()
+        self.tokens = 0
+
+    def poll(self) -> None:
+        try:
+            with open(self.path, "rb") as fh:
+                fh.seek(self.offset)
+                chunk = fh.read()
+        except FileNotFoundError:
+            return
+        end = chunk.rfind(b"\n") + 1  # only whole lines
+        for line in chunk[:end].splitlines():
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            self.done.add(str(row.get("primary_id")))
+            self.tokens += int((row.get("metadata") or {}).get("usage", {}).get("completion_tokens") or 0)
+        self.offset += end
+
+
+def read_rows(path: Path) -> dict[str, list[dict]]:
+    """speculators' rows by conversation, each conversation's generations in order."""
+    by_conv: dict[str, list[dict]] = {}
+    if not path.is_file():
+        return by_conv
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(row, dict) and row.get("input_ids") and row.get("primary_id") is not None:
+            by_conv.setdefault(str(row["primary_id"]), []).append(row)
+    for rows in by_conv.values():
+        rows.sort(key=lambda r: int(str(r.get("id", "")).rsplit("_gen", 1)[-1] or 0))
+    return by_conv
+
+
+def read_errors(path: Path) -> dict[str, str]:
+    errors: dict[str, str] = {}
+    if path.is_file():
+        for line in path.read_text(encoding="utf-8").splitlines():
+            try:
+                row = json.loads(line)
+                errors[str(row["id"])] = str((row.get("metadata") or {}).get("error", ""))[:200]
+            except (json.JSONDecodeError, KeyError, TypeError):
+                continue
+    return errors
+
+
+def requests_seen(base_url: str) -> bool:
+    """Whether the server has been asked anything yet (its request counter on /metrics)."""
+    from pipeline import online
+    from pipeline.server import http_get
+
+    code, text = http_get(f"{base_url}/metrics", timeout=2)
+    return code == 200 and online.counter_total(text, "vllm:prompt_tokens_total") > 0
+
+
+def regenerate_command(ctx: StageContext, endpoint: str, dataset: Path, outfile: Path) -> list[str]:
+    """speculators regenerate-responses with the profile's settings; --model is the target's path, which
+    the regenerate server answers to and speculators loads its tokenizer from (compat/vllm_flags.py)."""
+    from pipeline.compat import vllm_flags
+
+    d = ctx.profile.data
+    context, sampling = vllm_flags.regenerate_limits(d.seq_length, d.regenerate_max_tokens, d.regenerate_sampling)
+    cmd = [sys.executable, "-m", "speculators", "regenerate-responses", "--endpoint", f"{endpoint}/v1/chat/completions",
+           "--model", str(ctx.target_dir()), "--dataset", str(dataset), "--outfile", str(outfile), "--resume",
+           "--concurrency", str(d.regenerate_concurrency), "--max-tokens", str(context),
+           "--max-retries", str(d.regenerate_max_retries), "--sampling-params", json.dumps(sampling),
+           "--seed", str(d.seed)]
+    if d.regenerate_temperature:
+        cmd += ["--temperature", json.dumps(d.regenerate_temperature)]
+    if d.regenerate_reasoning_effort:
+        cmd += ["--reasoning-effort", json.dumps(d.regenerate_reasoning_effort)]
+    return cmd
+
+
+def with_vllm(ctx: StageContext, stage: str, train: list[dict]) -> tuple[list[dict], dict]:
+    from pipeline.server import death, explain_failure
+
+    d = ctx.profile.data
+    work = ctx.run.regenerate_dir
+    work.mkdir(parents=True, exist_ok=True)
+    dataset, outfile, errfile = work / "input.jsonl", work / "responses.jsonl", work / "responses.errors.jsonl"
+    convs = unique_ids(train)
+    atomicio.atomic_write_text(dataset, "".join(json.dumps(c, ensure_ascii=False) + "\n" for c in convs))
+    if (cut := repair_tail(outfile)):
+        ctx.log.warning("cut %d bytes of a half-written row a killed attempt left in %s", cut, outfile)
+    watch = RowsWatch(outfile)
+    watch.poll()
+    before, tokens_before = len(watch.done), watch.tokens
+    total = len(convs)
+    if before:
+        ctx.log.info("%d of %d conversations already regenerated: only the rest is asked", before, total)
+    with ctx.server("regenerate", on_wait=lambda s: ctx.progress(stage, before, total, "conversations",
+                                                                 server_wait_s=round(s))) as srv:
+        cmd = regenerate_command(ctx, srv.base_url, dataset, outfile)
+        ctx.log.info("command: %s", " ".join(cmd))
+        client: dict = {}
+        stop = threading.Event()
+        died: list[str] = []
+        t0 = time.perf_counter()
+
+        first_request: list[float] = []  # when the server saw the client's first request (its start before)
+
+        def follow() -> None:
+            while not stop.wait(1.0):
+                watch.poll()
+                if not first_request and requests_seen(srv.base_url):
+                    first_request.append(time.perf_counter())
+                seconds = time.perf_counter() - (first_request[0] if first_request else t0)
+                made = watch.tokens - tokens_before
+                ctx.progress(stage, len(watch.done), total, "conversations", tokens=made,
+                             tok_s=round(made / seconds, 1) if seconds and first_request else None)
+                if (why := death(srv.rec, wait=0)) is not None:  # no point retrying against a dead server
+                    died.append(why)
+                    if (proc := client.get("proc")) is not None:
+                        procs.stop_group(proc.pid, grace=5)
+                    return
+
+        follower = threading.Thread(target=follow, name="regenerate-progress", daemon=True)
+        follower.start()
+        try:
+            rc = ctx.run_child(cmd, on_start=lambda proc: client.update(proc=proc))
+        finally:
+            stop.set()
+            follower.join()
+        seconds = time.perf_counter() - t0
+        client_start = (first_request[0] - t0) if first_request else None
+        if died or rc != 0:
+            client_says = (f"speculators regenerate-responses exited with {rc}: "
+                           f"{procs.last_error_line(ctx.run.log_path(stage))}")
+            raise StageError(explain_failure(srv.rec, client_says))
+    by_conv, errors = read_rows(outfile), read_errors(errfile)
+    failed = {c["id"]: errors.get(c["id"], "no row and no error recorded") for c in convs if c["id"] not in by_conv}
+    made = sum(int((r.get("metadata") or {}).get("usage", {}).get("completion_tokens") or 0)
+               for rows in by_conv.values() for r in rows) - tokens_before
+    figures = {"conversations": total, "regenerated_conversations": total - len(failed),
+               "resumed_conversations": before, "failed_conversations": len(failed),
+               "truncated_rows": sum(1 for rows in by_conv.values() for r in rows
+                                     if (r.get("metadata") or {}).get("finish_reason") == "length"),
+               "generated_tokens": sum(sum(r["loss_mask"]) for rows in by_conv.values() for r in rows),
+               "generate_seconds": round(seconds, 1), "server_start_s": srv.start_s,
+               "client_start_s": round(client_start, 1) if client_start is not None else None,
+               # the planner's decode rate: from the client's first request on (its start is not decoding)
+               "generated_tok_s": round(made / (seconds - (client_start or 0)), 1)
+               if made > 0 and seconds > (client_start or 0) else None,
+               "generated_tok_s_with_client_start": round(made / seconds, 1) if seconds and made > 0 else None}
+    if failed:
+        first = next(iter(failed))
+        figures["failed"] = sorted(failed)[:10]
+        figures["first_failure"] = f"{first}: {failed[first]}"
+        ctx.log.warning("%d conversation(s) failed after %d retries, e.g. %s", len(failed), d.regenerate_max_retries,
+                        figures["first_failure"])
+        if len(failed) > d.regenerate_failure_budget * total:
+            raise StageError(f"{len(failed)}/{total} conversations failed to regenerate (more than "
+                             f"data.regenerate_failure_budget = {d.regenerate_failure_budget:g}), e.g. "
+                             f"{figures['first_failure']}; errors in {errfile}; a resume asks only those again")
+    rows = [{"input_ids": r["input_ids"], "loss_mask": r["loss_mask"]}
+            for c in convs for r in by_conv.get(c["id"], [])]
+    return rows, figures
+
+
+# --------------------------------------------------------------------------------------- transformers
+
+def with_transformers(ctx: StageContext, stage: str, train: list[dict]) -> tuple[list[dict], dict]:
+    data = ctx.profile.data
+    tok = target.load_tokenizer(ctx.target_dir())
+    model = target.load_model(ctx.target_dir(), ctx.profile.target.dtype)
+    tok.padding_side = "left"
+    pad = tok.pad_token_id if tok.pad_token_id is not None else _eos(model)
+    if pad is None:
+        raise StageError(f"{ctx.target_dir()}: the tokenizer has no pad token and the model no eos token to pad "
+                         f"batches with; use data.regenerate_backend = \"vllm\"", resumable=False)
+    histories = [[m for m in c["messages"]] for c in train]
+    rows: list[tuple[int, int, dict]] = []  # (conversation, turn, row): written in conversation order
+    max_turns = max(sum(m["role"] == "assistant" for m in h) for h in histories)
+    total = sum(sum(m["role"] == "assistant" for m in h) for h in histories)
+    generated_tokens = 0
+    t0 = time.perf_counter()
+    for turn in range(max_turns):
+        # Conversations that still have an assistant turn number `turn` to regenerate.
+        work = []
+        for h_idx, history in enumerate(histories):
+            a_positions = [i for i, m in enumerate(history) if m["role"] == "assistant"]
+            if turn < len(a_positions):
+                work.append((h_idx, a_positions[turn]))
+        for start in range(0, len(work), data.regenerate_batch_size):
+            batch = work[start:start + data.regenerate_batch_size]
+            prompts = [conversations.render_ids(tok, histories[h][:pos], True) for h, pos in batch]
+            completions = _greedy(model, prompts, data.regenerate_max_tokens, pad)
+            for (h, pos), prompt, completion in zip(batch, prompts, completions, strict=True):
+                rows.append((h, turn, {"input_ids": prompt + completion,
+                                       "loss_mask": [0] * len(prompt) + [1] * len(completion)}))
+                text = tok.decode([t for t in completion if t not in tok.all_special_ids])
+                histories[h][pos] = {"role": "assistant", "content": text}
+                generated_tokens += len(completion)
+            ctx.progress(stage, len(rows), total, "turns")
+    seconds = time.perf_counter() - t0
+    return [row for _, _, row in sorted(rows, key=lambda r: r[:2])], {
+        "generated_tokens": generated_tokens, "generate_seconds": round(seconds, 1),
+                  "generated_tok_s": round(generated_tokens / seconds, 1) if seconds else None}
 
 
 def answer_variety(rows: list[dict]) -> dict:
@@ -82,11 +319,15 @@ def answer_variety(rows: list[dict]) -> dict:
             "answer_repeated_trigram_share": round(repeated / total, 3) if total else 0.0}
 
 
-def _greedy(model, tok, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+def _eos(model) -> int | None:
+    eos = model.generation_config.eos_token_id
+    return (eos[0] if eos else None) if isinstance(eos, list) else eos
+
+
+def _greedy(model, prompts: list[list[int]], max_new_tokens: int, pad: int) -> list[list[int]]:
     import torch
 
     width = max(len(p) for p in prompts)
-    pad = tok.pad_token_id
     ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=model.device)
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=model.device)
     with torch.no_grad():

@@ -10,11 +10,9 @@ import sys
 import time
 from pathlib import Path
 
-import psutil
-
 from pipeline import online_training, procs
 from pipeline.server import explain_failure
-from pipeline.stages.base import Stage, StageContext, StageError
+from pipeline.stages.base import Stage, StageContext, StageError, argv_for
 from pipeline.target import resolve_layer_ids
 from pipeline.targetinfo import from_config
 
@@ -130,31 +128,22 @@ class Train(Stage):
         ckpt = final_checkpoint(ctx.run.checkpoints_dir)
         return [ckpt] if ckpt else [ctx.run.checkpoints_dir / "missing-final-epoch"]
 
+    def server_argv(self, ctx: StageContext) -> list[str] | None:
+        return argv_for(ctx, "extraction") if ctx.extract_mode() == "online" else None
+
     def run(self, ctx: StageContext) -> dict:
-        _stop_orphan(ctx)  # first: an orphaned trainer would still be asking the server and reading states
         if ctx.extract_mode() != "online":
             return self.train(ctx)
         from pipeline import box
-        from pipeline.stages.extract import clear_raw_states
 
         _, mode_args = box.mode_inputs(ctx.profile, ctx.run, "extraction")
-        raw = mode_args["storage"]
-        if (left := clear_raw_states(raw)):  # states a killed attempt had in flight
-            ctx.log.info("cleared %d state files a killed attempt left in %s", left, raw)
-        t0 = time.monotonic()
-        rec = box.start_mode(ctx.profile, "extraction", ctx.target_dir(), ctx.run.log_path("server-extraction"),
-                             ctx.run.cache_root, ctx.log.info,
-                             on_wait=lambda w: ctx.progress(self.name, 0, ctx.profile.train.epochs, "epochs",
-                                                            server_wait_s=round(w)), **mode_args)
-        ctx.emit("server", self.name, mode="extraction", pid=rec.pid, port=rec.port,
-                 start_s=round(time.monotonic() - t0, 1))
-        watch = online_training.StatesWatch(raw, rec.base_url, lambda **f: ctx.emit("metric", self.name, **f))
-        try:
+        epochs = ctx.profile.train.epochs
+        with ctx.server("extraction", on_wait=lambda w: ctx.progress(self.name, 0, epochs, "epochs",
+                                                                     server_wait_s=round(w)), **mode_args) as srv:
+            watch = online_training.StatesWatch(mode_args["storage"], srv.base_url,
+                                                lambda **f: ctx.emit("metric", self.name, **f))
             with watch:
-                figures = self.train(ctx, endpoint=f"{rec.base_url}/v1", server=rec)
-        finally:
-            box.free_port(ctx.profile, ctx.log.info)
-            clear_raw_states(raw)
+                figures = self.train(ctx, endpoint=f"{srv.base_url}/v1", server=srv.rec)
         seconds = ctx.run.stage_state(self.name).get("train_seconds") or 0
         figures.update(mode="online", states_disk_peak_bytes=watch.peak_bytes, states_peak_files=watch.peak_files,
                        generated_tokens=int(watch.generated_tokens),
@@ -196,9 +185,7 @@ class Train(Stage):
         if ctx.profile.train.cuda_visible_devices:  # training on some GPUs, serving on the others
             env["CUDA_VISIBLE_DEVICES"] = ctx.profile.train.cuda_visible_devices
         t0 = time.monotonic()
-        rc = procs.run_logged(cmd, ctx.run.log_path(self.name), env=env, cwd=ctx.run.root, on_line=on_line,
-                              on_start=lambda proc: ctx.run.update_stage(self.name, child_pgid=proc.pid,
-                                                                         child_cmd=cmd[:4]))
+        rc = ctx.run_child(cmd, env=env, on_line=on_line)
         ctx.run.update_stage(self.name, train_seconds=round(time.monotonic() - t0, 2))
         if rc != 0:
             failure = (f"speculators train exited with {rc}; see {ctx.run.log_path(self.name)}: "
@@ -224,23 +211,3 @@ def steady_tokens_per_s(step_ms: list[float], profile) -> float | None:
         return None
     t = profile.train
     return round(t.total_seq_len * t.nproc_per_node * t.nnodes / (statistics.median(steady) / 1000), 1)
-
-
-def _stop_orphan(ctx: StageContext) -> None:
-    """A trainer left running by a killed pipeline process is stopped (SIGTERM: speculators saves
-    `interrupted/`; then SIGKILL) before a new one starts on the same save path."""
-    entry = ctx.run.stage_state("train")
-    pgid = entry.get("child_pgid")
-    if not pgid:
-        return
-    members = procs.group_members(pgid)
-    if not members:
-        return
-    try:
-        leader_cmd = psutil.Process(pgid).cmdline()[:4]
-    except psutil.Error:
-        leader_cmd = None
-    if leader_cmd is not None and leader_cmd != entry.get("child_cmd"):
-        return  # the pid was reused by something else
-    ctx.log.warning("stopping trainer process group %d left by an earlier attempt", pgid)
-    procs.stop_group(pgid)
