@@ -127,10 +127,22 @@ def to_markdown(run: RunDir, out_path: Path | None = None) -> str:
                   f"{acc}, lossless = {offline['lossless']}.", ""]
         if line := ngram_comparison(offline, measured):
             lines += [f"{line}.", ""]
+    elif measured and measured.get("mean_acceptance_length") is not None:
+        acc = " / ".join(f"{a:.2f}" for a in measured["acceptance_per_position"])
+        ties = (online or {}).get("matrix", {}).get("eagle3", {}).get("numeric_ties", 0)
+        lines += ["## Evaluation through vLLM (the offline evaluator did not run)", "",
+                  f"τ from vLLM = {measured['mean_acceptance_length']:.3f} over {online and online.get('prompts')} "
+                  f"held-out prompts (k = {profile.evaluate.k}), per-position acceptance {acc}; outputs identical "
+                  f"to the baseline's: {'yes' if measured.get('identical_outputs') else 'no'}"
+                  + (f" ({ties} numeric tie(s) of the target's own)" if ties else "")
+                  + f". Why not offline: {offline_why(profile)}.", ""]
+        if line := ngram_comparison(None, measured):
+            lines += [f"{line}.", ""]
     if online:
+        offline_tau = (f"offline τ of the same head: {_fmt(online.get('offline_tau'))}" if online.get("offline_tau")
+                       is not None else "no offline τ (the offline evaluator did not run)")
         lines += ["## Benchmark matrix (vLLM, greedy, held-out prompts)", ""] + _matrix_lines(online) + [
-            "", f"TPOT = request latency / output tokens (prefill included). Offline τ of the same head: "
-                f"{_fmt(online.get('offline_tau'))}.", ""]
+            "", f"TPOT = request latency / output tokens (prefill included); {offline_tau}.", ""]
     try:
         made = plots.all_plots(run, run.report_dir)
     except OSError as exc:  # a read-only or full run: the report goes out without its plots
@@ -146,6 +158,16 @@ def to_markdown(run: RunDir, out_path: Path | None = None) -> str:
         tail = f" ({', '.join(f'{k}={_fmt(v)}' for k, v in note_figures.items())})" if note_figures else ""
         lines.append(f"- `{note['ts']}` **{who}**: {note['text']}{tail}")
     return "\n".join(lines) + "\n"
+
+
+def offline_why(profile) -> str:
+    """Why evaluate-offline did not run for this profile (the planner's reason)."""
+    from pipeline.plan import offline_evaluation
+    from pipeline.targetinfo import TargetInfoError, target_info
+    try:
+        return offline_evaluation(profile, target_info(profile))[1]
+    except TargetInfoError as exc:
+        return str(exc)
 
 
 def check_destination(path: Path) -> None:

@@ -20,8 +20,7 @@ from pipeline.profile import load_profile
 from pipeline.rundir import RunDir
 from pipeline.runner import RunnerError, manifest, outputs_intact, select
 from pipeline.stages import stage_names
-from pipeline.stages.base import StageError
-from pipeline.stages.base import stop_orphan_child
+from pipeline.stages.base import StageError, stop_orphan_child
 from pipeline.stages.train import epoch_complete, epoch_dirs, final_checkpoint, quarantine_incomplete
 from tests.conftest import TINY
 

