@@ -22,16 +22,17 @@ export PYTHONPATH="$PWD:/tmp/site:/tmp/site2" HF_HUB_OFFLINE=1 VLLM_LOGGING_LEVE
 PY=python3
 W=/tmp/serving; mkdir -p "$W"
 C=(--set "run.runs_dir=\"$W/runs\"" --set "run.cache_dir=\"$W/cache\"")
+M=(--set 'server.dtype="bfloat16"')  # the MLA demo in bf16 on the GPU: vLLM 0.26.0 has no float32 MLA backend
 gpu_procs() { nvidia-smi --query-compute-apps=pid,used_memory --format=csv,noheader 2>/dev/null; }
 
 lifetimes() {
   echo "$(el) 1. preflight demo-mla (start_together 3, gpu_memory_utilization 0.5)"
-  $PY -m pipeline preflight demo-mla "${C[@]}" --set server.gpu_memory_utilization=0.5 2>&1 \
+  $PY -m pipeline preflight demo-mla "${C[@]}" "${M[@]}" --set server.gpu_memory_utilization=0.5 2>&1 \
     | tee "$OUT/preflight-demo-mla.txt" | grep -E "servers|evaluate|gpus|BLOCK"
   echo "$(el) 2. two servers that cannot share the GPU: the second's failure line"
   for r in a b; do
-    [ -f "$W/$r/state.json" ] || $PY -m pipeline run demo-mla --no-tui --until build-target --run-dir "$W/$r" "${C[@]}" \
-      --set "server.port=$([ $r = a ] && echo 8881 || echo 8882)" --set server.gpu_memory_utilization=0.6 >/dev/null 2>&1
+    grep -qs target_dir "$W/$r/state.json" || { rm -rf "$W/$r"; true; } && grep -qs target_dir "$W/$r/state.json" || $PY -m pipeline run demo-mla --no-tui --until build-target --run-dir "$W/$r" "${C[@]}" "${M[@]}" \
+      --set "server.port=$([ $r = a ] && echo 8881 || echo 8882)" --set server.gpu_memory_utilization=0.6 > "$W/build-$r.out" 2>&1 || tail -3 "$W/build-$r.out"
   done
   timeout 400 $PY -m pipeline server start --run-dir "$W/a" --mode baseline 2>&1 | tail -1
   timeout 400 $PY -m pipeline server start --run-dir "$W/b" --mode baseline > "$OUT/second-server.txt" 2>&1
@@ -41,7 +42,7 @@ lifetimes() {
   echo "$(el) GPU processes now: $(gpu_procs | wc -l)"
   echo "$(el) 3. demo-mla end to end (start_together 3, gpu_memory_utilization 0.5)"
   if [ -f "$W/mla/profile.toml" ]; then timeout 420 $PY -m pipeline run --resume "$W/mla" --no-tui > "$W/mla.out" 2>&1
-  else timeout 420 $PY -m pipeline run demo-mla --no-tui --run-dir "$W/mla" "${C[@]}" --set server.gpu_memory_utilization=0.5 \
+  else timeout 420 $PY -m pipeline run demo-mla --no-tui --run-dir "$W/mla" "${C[@]}" "${M[@]}" --set server.gpu_memory_utilization=0.5 \
          --set server.port=8883 > "$W/mla.out" 2>&1; fi
   echo "$(el) demo-mla exit $?"; grep -vE '^\[[a-z-]+\] [0-9]' "$W/mla.out" | tail -25 | tee "$OUT/demo-mla.txt"
   grep -h "one at a time\|side by side\|stopped\|resume" "$W/mla/notes.jsonl" | cut -c1-300 | tee -a "$OUT/demo-mla.txt"
