@@ -166,14 +166,18 @@ def _source_rows(src, data) -> int:
     return min(have, src.limit) if src.limit and have else (src.limit or have)
 
 
+def _per_row(profile: Profile, stage: str, key: str) -> float | None:
+    """An earlier run's `key` per row of `stage` (the newest that recorded both)."""
+    for _, state in _earlier_runs(profile):
+        fig = state.get("stages", {}).get(stage, {}).get("figures") or {}
+        if fig.get("rows") and fig.get(key):
+            return fig[key] / fig["rows"]
+    return None
+
+
 def _sample_tokens(profile: Profile) -> tuple[int, int, str]:
     d = profile.data
-    measured = None
-    for _, state in _earlier_runs(profile):
-        fig = state.get("stages", {}).get("prepare", {}).get("figures") or {}
-        if fig.get("rows") and fig.get("tokens"):
-            measured = fig["tokens"] / fig["rows"]
-            break
+    measured = _per_row(profile, "prepare", "tokens")
     if d.max_samples:
         samples = d.max_samples
     else:
@@ -278,12 +282,7 @@ def regenerate_plan(profile: Profile, info: TargetInfo, samples: int, tokens: in
     d = profile.data
     if not d.regenerate:
         return StepPlan(False, 0, Rate(None, ""), 0.0, 0, "data.regenerate = false")
-    measured = None
-    for _, state in _earlier_runs(profile):
-        fig = state.get("stages", {}).get("regenerate", {}).get("figures") or {}
-        if fig.get("rows") and fig.get("generated_tokens"):
-            measured = fig["generated_tokens"] / fig["rows"]
-            break
+    measured = _per_row(profile, "regenerate", "generated_tokens")
     answers = int(samples * measured) if measured else int(min(tokens * d.answer_share,
                                                                samples * d.regenerate_max_tokens))
     source = "measured answer length" if measured else f"data.answer_share {d.answer_share:g}"

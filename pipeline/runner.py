@@ -216,7 +216,7 @@ def stop_orphans(run: RunDir, profile, stages: list[Stage]) -> None:
     """Before anything starts: the servers an earlier attempt of this run left (its process was killed)
     are stopped, on every port the run used — except the one on the serving port that the first stage to
     run asks for exactly (it is reused, as after a handed-on server)."""
-    first = next((s for s in stages if not is_done(run, s)), None)
+    first = next((s for s in stages if not s.always_run and not is_done(run, s)), None)
     wanted = None
     if first is not None:
         ctx = StageContext(run=run, profile=profile, log=logging.getLogger("eagle3.resume"), stage=first.name)

@@ -241,8 +241,11 @@ class ServerController:
             exited = proc.poll() if proc is not None else (None if procs.group_members(rec.pgid) else -1)
             if exited is not None:
                 how = exit_status(rec.pid) or f"exited with {exited}"
+                text = procs.read_log(Path(rec.log), rec.log_offset) if rec.log else None
+                # killed from outside, its last line says nothing: only an error line of its own is a reason
+                said = (procs.error_line(text) if text else None) if how.startswith("killed") else rec.reason()
                 raise ServerError(f"vLLM ({rec.mode}) {how} before becoming healthy: "
-                                  f"{rec.reason()} (log: {rec.log})", rec.tail())
+                                  f"{said or 'no error in its log'} (log: {rec.log})", rec.tail())
             if STOPPING.is_set():
                 raise ServerError(f"vLLM ({rec.mode}) start abandoned: the run is stopping")
             waited = time.monotonic() - t0

@@ -145,8 +145,10 @@ def test_sigkill_leaves_servers_that_the_resume_reuses_or_stops(trained, tmp_pat
 def test_a_server_killed_in_the_middle_of_the_matrix_is_reported_from_its_side(trained, tmp_path):
     run_dir, port = copy_of(trained, tmp_path), trained[1]
     proc = resume(run_dir, tmp_path / "job.log")
-    recs = wait_for(lambda: [r for r in records_of(run_dir, port, healthy=True) if r.port == port + 1], 300,
-                    "the new head's server healthy")
+    events = RunDir.open(run_dir).events
+    wait_for(lambda: any(e.get("kind") == "server" and e.get("method") == "eagle3" for e in events()), 300,
+             "the new head's server up for the matrix")
+    recs = [r for r in records_of(run_dir, port) if r.port == port + 1]
     os.killpg(recs[0].pgid, signal.SIGKILL)
     assert proc.wait(timeout=300) == 1
     said = (tmp_path / "job.log").read_text()

@@ -284,3 +284,33 @@ def test_one_run_at_a_time_per_serving_port(tmp_path):
         holder.kill()
         holder.wait()
     assert portlock.holder(profile) is None  # the kernel dropped the dead holder's lock
+
+
+def test_the_kimi_plans_count_regeneration_evaluation_and_every_server_start():
+    low, full = (plan.make_plan(load_profile(n, check_inputs=False)) for n in KIMI)
+    for p, concurrency in ((low, 64), (full, 256)):
+        assert p.regenerate.runs and p.regenerate.tokens == p.tokens // 2  # data.answer_share 0.5
+        assert p.regenerate.rate.source.startswith("estimate: hardware.decode_tokens_per_s")
+        assert f"concurrency {concurrency}" in p.regenerate.why
+        assert p.regenerate.seconds == p.regenerate.tokens / p.regenerate.rate.tokens_per_s
+        assert not p.evaluate_offline.runs and "do not fit" in p.evaluate_offline.why  # 2.1 TB dense
+        assert p.matrix.runs and p.matrix.seconds and p.server_starts["offline"] == 6  # regen, extract, 3, handover
+        offline, online = p.totals["offline"], p.totals["online"]
+        assert offline["wall_s"] == pytest.approx(p.extract_s + p.train_s + p.regenerate.seconds + p.matrix.seconds
+                                                  + 6 * p.server_start.tokens_per_s)
+        assert online["wall_s"] > p.online.wall_s and online["gpu_hours"] > p.online.gpu_hours
+    table = plan.table([low, full])
+    for line in ("regeneration time", "server starts × each", "total wall (online)", "offline evaluator"):
+        assert line in table
+
+
+@pytest.mark.parametrize("sets,check,says", [
+    ({"data.regenerate_backend": "transformers"}, "regenerate", "data.regenerate_backend = \"transformers\""),
+    ({"evaluate.offline": "on"}, "evaluate", "evaluate.offline = \"on\""),
+    ({"evaluate.offline": "off", "evaluate.online": False}, "evaluate", "nothing measures the head"),
+], ids=["transformers-regeneration", "offline-forced-on", "nothing-evaluates"])
+def test_preflight_blocks_what_would_load_the_1t_target_in_transformers(sets, check, says):
+    from pipeline.preflight import evaluation_findings
+    found = [f for f in evaluation_findings(load_profile(KIMI[0], sets, check_inputs=False)) if f.check == check]
+    assert found and found[0].severity == "block" and says in found[0].message, found
+    assert "\n" not in found[0].message and ("do not fit" in found[0].message or "nothing" in says)

@@ -70,7 +70,7 @@ class Prepare(Stage):
                     raise StageError(f"{source}: conversation {conv['id']}: {exc}") from None
         columns: dict[str, list] = {"input_ids": [], "loss_mask": [], "seq_len": []}
         truncated = unsupervised = 0
-        for row in rows:
+        for row in rows[: data.max_samples or None]:  # the rows the plan counted
             ids, mask = row["input_ids"][: data.seq_length], row["loss_mask"][: data.seq_length]
             truncated += len(ids) < len(row["input_ids"])
             if sum(mask) == 0:
@@ -118,6 +118,8 @@ class Prepare(Stage):
         cmd = [sys.executable, "-m", "speculators", "prepare-data", "--model", str(ctx.target_dir()),
                "--output", str(tmp), "--seq-length", str(data.seq_length),
                "--seed", str(data.seed), "--no-skip-token-freq", "--token-freq-path", str(tmp / "token_freq.pt")]
+        if data.max_samples:
+            cmd += ["--max-samples", str(data.max_samples)]
 
         def prepare_data(extra: list[str]) -> int:
             ctx.log.info("command: %s", " ".join(cmd + extra))

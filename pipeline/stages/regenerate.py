@@ -50,6 +50,7 @@ class Regenerate(Stage):
             raise StageError(f"{ctx.source_conversations()}: {exc}") from None
         if loaded.token_rows:
             ctx.log.info("%d pre-tokenized rows pass through unregenerated", len(loaded.token_rows))
+        train = enough_for(train, data.max_samples)
         if data.regenerate_backend == "vllm":
             rows, figures = with_vllm(ctx, self.name, train)
         else:
@@ -58,6 +59,20 @@ class Regenerate(Stage):
         atomicio.atomic_write_text(ctx.training_conversations(), "".join(json.dumps(r) + "\n" for r in rows))
         return {"backend": data.regenerate_backend, "rows": len(rows), "skipped_rows": len(loaded.bad),
                 **figures, **gathered, **answer_variety(rows)}
+
+
+def enough_for(train: list[dict], rows: int) -> list[dict]:
+    """The leading conversations whose assistant turns give `rows` training rows (data.max_samples; 0 = all):
+    regenerating more would be answers prepare drops."""
+    if not rows:
+        return train
+    kept, turns = [], 0
+    for conv in train:
+        if turns >= rows:
+            break
+        kept.append(conv)
+        turns += sum(m["role"] == "assistant" for m in conv["messages"])
+    return kept
 
 
 # ---------------------------------------------------------------------------------------------- vllm
