@@ -549,7 +549,8 @@ def table(plans: list[Plan]) -> str:
         row("regeneration: answer tokens", lambda p: f"{p.regenerate.tokens / 1e6:,.1f} M" if p.regenerate.runs
             else "–"),
         row("regeneration rate", lambda p: _rate_text(p.regenerate) if p.regenerate.runs else "–"),
-        row("regeneration time", lambda p: duration(p.regenerate.seconds) if p.regenerate.runs else "–"),
+        row("regeneration time", lambda p: f"{duration(p.regenerate.seconds)} "
+            f"({_hours(_step_gpu_hours(p.regenerate))} GPU-h)" if p.regenerate.runs else "–"),
         row("offline evaluator", lambda p: "runs" if p.evaluate_offline.runs else "vLLM only"),
         row("matrix time", lambda p: duration(p.matrix.seconds) if p.matrix.runs else "–"),
         row("server starts × each",
@@ -567,6 +568,24 @@ def table(plans: list[Plan]) -> str:
                f"offline evaluator: {p.evaluate_offline.why}; matrix: {p.matrix.why}; server start: "
                f"{p.server_start.source}" for p in plans]
     return "\n".join(lines + [""] + sources + [""] + [line for p in plans for line in split_lines(p)])
+
+
+def _step_gpu_hours(step: StepPlan) -> float | None:
+    return step.seconds * step.gpus / 3600 if step.seconds is not None else None
+
+
+def time_summary(plan: Plan) -> str:
+    """Every stage that costs time, in one line (preflight's): the mode's total, then its parts."""
+    t = plan.totals[plan.mode]
+    parts = [f"regeneration {duration(plan.regenerate.seconds)}" if plan.regenerate.runs else None,
+             f"extraction {duration(plan.extract_s)}" if plan.mode == "offline" else
+             f"online generation {duration(plan.online.generate_s)}",
+             f"training {duration(plan.train_s)}",
+             "evaluate-offline" if plan.evaluate_offline.runs else None,
+             f"matrix {duration(plan.matrix.seconds)}" if plan.matrix.runs else None,
+             f"{plan.server_starts[plan.mode]} server starts × {duration(plan.server_start.tokens_per_s)}"]
+    return (f"{plan.mode}: {duration(t['wall_s'])}, {_hours(t['gpu_hours'])} GPU-hours in all ("
+            + ", ".join(p for p in parts if p) + ")")
 
 
 def _rate_text(step: StepPlan) -> str:

@@ -356,6 +356,8 @@ def disk_findings(profile: Profile, run_dir: Path | None = None, free: int | Non
     except TargetInfoError:
         return []  # reported by the target check
     fits, text = disk_verdict(plan, profile, run_dir, free)
+    from pipeline.plan import time_summary
+    timing = Finding("info", "time", time_summary(plan))
     other = "online" if plan.mode == "offline" else "offline"
     side = f"; {other} would need {human(plan.disk_for(other))}" if profile.extract.backend == "vllm" else ""
     found = [Finding("ok" if fits else "block", "disk", text + side + ("" if fits else
@@ -369,7 +371,7 @@ def disk_findings(profile: Profile, run_dir: Path | None = None, free: int | Non
                              + (f"; online keeps {human(o.disk_cache)} of states ({o.cached_rows:,} rows) and "
                                 f"generates {o.generate_tokens / 1e6:,.1f} M tokens over the epochs"
                                 if plan.mode == "online" else "")))
-    return found
+    return found + [timing]
 
 
 def evaluation_findings(profile: Profile, snapshot: gpu.GpuSnapshot | None = None) -> list[Finding]:

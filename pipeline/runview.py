@@ -14,7 +14,8 @@ from pipeline.rundir import RunDir
 _ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]|\r")
 ENDED = ("done", "failed", "interrupted")
 KEY_FIGURES = ("loss", "train/loss", "val/loss_epoch", "tau", "mean_acceptance_length", "samples_per_s",
-               "tokens_per_s", "profile/tokens_per_s", "generate_tok_s", "speedup", "step")
+               "tokens_per_s", "profile/tokens_per_s", "generate_tok_s", "tok_s", "generated_tok_s", "speedup",
+               "step")
 
 
 @dataclass(frozen=True)
