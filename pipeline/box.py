@@ -72,6 +72,19 @@ def free_port(profile: Profile, say: Say, force: bool = False) -> dict | None:
     return ctl.stop(grace=profile.server.shutdown_grace)
 
 
+def free_ports(profiles: list[Profile], say: Say) -> None:
+    """free_port on each; one that cannot be stopped does not keep the others running (the first error
+    is raised once all were tried)."""
+    errors = []
+    for p in profiles:
+        try:
+            free_port(p, say)
+        except ServerError as exc:
+            errors.append(exc)
+    if errors:
+        raise errors[0]
+
+
 def start_mode(profile: Profile, mode: str, target_dir: Path, *, log_path: Path, cache_root: Path, say: Say,
                on_wait=lambda s: None, force: bool = False, owner: str = "", **mode_args) -> ServerRecord:
     """Serve `mode` on the port: reuse the running server if it is exactly this command and healthy,
@@ -82,7 +95,7 @@ def start_mode(profile: Profile, mode: str, target_dir: Path, *, log_path: Path,
     rec, status = ctl.record(), ctl.status()
     if rec is not None and rec.argv == procs.redact_argv(argv) and status.get("healthy"):
         say(f"reusing the running {mode} server pid {rec.pid}")
-        return ctl.claim(owner) if rec.run != owner else rec
+        return ctl.claim(owner) if owner else rec  # this process owns it now (an orphan's owner was dead)
     free_port(profile, say, force)
     say(f"starting {mode} server: {' '.join(procs.redact_argv(argv))}")
     return ctl.start(argv, host=vllm_modes.bind_host(profile, mode), port=profile.server.port, mode=mode,
@@ -111,15 +124,21 @@ def run_servers(profile: Profile, run_root: Path) -> list[tuple[Profile, ServerR
 def stop_run_servers(profile: Profile, run_root: Path, say: Say,
                      keep: Callable[[ServerRecord], bool] = lambda rec: False) -> list[ServerRecord]:
     """Stop every server the run owns (by process group), except those `keep` names. Returns the stopped."""
-    stopped = []
+    stopped, errors = [], []
     for port_profile, rec in run_servers(profile, run_root):
         if keep(rec):
             continue
         ctl = controller(port_profile)
         if procs.group_members(rec.pgid):
             say(f"stopping {rec.describe()}")
-        ctl.stop(grace=profile.server.shutdown_grace)
+        try:
+            ctl.stop(grace=profile.server.shutdown_grace)
+        except ServerError as exc:  # the others are still stopped; this one is said
+            errors.append(exc)
+            continue
         stopped.append(rec)
+    if errors:
+        raise ServerError("; ".join(str(e) for e in errors))
     return stopped
 
 

@@ -266,9 +266,12 @@ def server_start_estimate(profile: Profile) -> Rate:
 
 
 def decode_rate(profile: Profile, gpus: int) -> Rate:
-    """Batched decode tokens/s of the served target at data.regenerate_concurrency."""
-    if (m := _measured_figure(profile, ("regenerate",), "generated_tok_s")):
-        return Rate(round(m[0], 1), f"measured: {m[1]}")
+    """Batched decode tokens/s of the served target at data.regenerate_concurrency (an earlier regeneration
+    through vLLM; the transformers backend's rate says nothing about a server)."""
+    for run_dir, state in _earlier_runs(profile):
+        fig = state.get("stages", {}).get("regenerate", {}).get("figures") or {}
+        if fig.get("backend") == "vllm" and fig.get("generated_tok_s"):
+            return Rate(round(float(fig["generated_tok_s"]), 1), f"measured: {run_dir}")
     per_gpu = profile.hardware.decode_tokens_per_s
     if per_gpu:
         return Rate(per_gpu * gpus, f"estimate: hardware.decode_tokens_per_s {per_gpu:g} × {gpus} GPU(s)")
@@ -315,10 +318,11 @@ def matrix_plan(profile: Profile, serve_gpus: int) -> StepPlan:
                     f"{ev.max_new_tokens} tokens")
 
 
-def count_server_starts(profile: Profile, mode: str) -> int:
-    """Starts of the target's server over a run: regeneration, prepare's render server (extract reuses an
-    extraction server), extraction (online: the trainer's, unless the cache extraction hands it on), one
-    per matrix method (starts side by side overlap), the handover's production."""
+def count_server_starts(profile: Profile) -> int:
+    """Starts of the target's server over a run, offline and online alike: regeneration, prepare's render
+    server (extract reuses an extraction server), extraction (online: one server, handed from prepare or
+    the cache extraction to the trainer, or started by it), one per matrix method (starts side by side
+    overlap), the handover's production."""
     d, ex, ev = profile.data, profile.extract, profile.evaluate
     starts = int(d.regenerate and d.regenerate_backend == "vllm")
     rendered = d.tokenize == "render" and not d.regenerate
@@ -360,11 +364,12 @@ def make_plan(profile: Profile, run_dir: Path | None = None, free: int | None = 
     evaluate_offline = StepPlan(runs_offline_eval, 0, Rate(None, ""), None, 0, why)
     matrix = matrix_plan(profile, extract_gpus)
     start = server_start_estimate(profile)
-    starts = {m: count_server_starts(profile, m) for m in ("offline", "online")}
+    starts = dict.fromkeys(("offline", "online"), count_server_starts(profile))
     totals = {}
     for m, core_s, core_gpu_h in (("offline", extract_s and train_s and extract_s + train_s, gpu_hours),
                                   ("online", online.wall_s, online.gpu_hours)):
-        parts = [core_s, regen.seconds, matrix.seconds, start.tokens_per_s and start.tokens_per_s * starts[m]]
+        parts = [core_s, regen.seconds, matrix.seconds,
+                 0.0 if not starts[m] else start.tokens_per_s * starts[m] if start.tokens_per_s else None]
         wall = sum(parts) if all(p is not None for p in parts) else None  # type: ignore[arg-type]
         extra = sum((p or 0) for p in parts[1:]) * extract_gpus / 3600 if wall is not None else None
         totals[m] = {"wall_s": wall, "gpu_hours": core_gpu_h + extra if core_gpu_h is not None and extra is not None

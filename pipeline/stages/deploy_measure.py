@@ -16,7 +16,7 @@ from pathlib import Path
 
 from pipeline import atomicio, box, conversations, notes, online, portlock, procs, target, vllm_modes
 from pipeline.deploy import publish_draft
-from pipeline.server import ServerError, explain_failure, port_owner
+from pipeline.server import ServerError, explain_failure, port_in_use, port_owner
 from pipeline.stages.base import Stage, StageContext, StageError, argv_for, first_difference
 
 MODE = {"baseline": "baseline", "ngram": "ngram", "existing": "speculative", "eagle3": "speculative"}
@@ -44,14 +44,16 @@ def send_all(base_url: str, model: str, prompts: list[list[int]], max_tokens: in
             "tpot_ms": round(1000 * sum(per_token) / len(per_token), 3) if per_token else None}
 
 
-def in_threads(fn, items: list, workers: int) -> list:
+def in_threads(fn, items: list, workers: int, wait_on_error: bool = False) -> list:
     """fn over items in `workers` threads, results in order. Interrupted (SIGTERM) or failed, it returns at
-    once without waiting for the calls in flight: their server is stopped next, which ends them."""
+    once without waiting for the calls in flight (requests: their server is stopped next, which ends them) —
+    or, `wait_on_error`, once they have ended (server starts: a stopping run makes them give up within a
+    second, and only then is every server they recorded known)."""
     pool = ThreadPoolExecutor(max_workers=max(1, workers))
     try:
         return list(pool.map(fn, items))
     except BaseException:
-        pool.shutdown(wait=False, cancel_futures=True)
+        pool.shutdown(wait=wait_on_error, cancel_futures=True)
         raise
     finally:
         pool.shutdown(wait=False)
@@ -154,6 +156,8 @@ def side_by_side_ports(ctx: StageContext, count: int, stack: ExitStack) -> list:
             notes.add(ctx.run, f"port {variant.server.port}: {box.orphan_text(rec)}: stopped", source="auto",
                       stage=ctx.stage)
             box.free_port(variant, ctx.log.info)
+        elif port_in_use(variant.server.host, variant.server.port):  # a listener this user cannot see
+            return _one_at_a_time(ctx, f"port {variant.server.port} is in use by a process this user cannot see")
         profiles.append(variant)
     return profiles
 
@@ -184,16 +188,16 @@ def _measure_groups(ctx: StageContext, stage: str, methods: list[str], prompts: 
     low = min(ctx.profile.evaluate.concurrency)
     for first in range(0, len(methods), len(profiles)):
         group = list(zip(methods[first: first + len(profiles)], profiles, strict=False))
-        started = in_threads(lambda mp: start_method(ctx, mp[1], mp[0], **args.get(mp[0], {})), group, len(group))
         try:
+            started = in_threads(lambda mp: start_method(ctx, mp[1], mp[0], **args.get(mp[0], {})), group,
+                                 len(group), wait_on_error=True)
             for (method, _), (lease, why) in zip(group, started, strict=True):
                 reference = (None if method == "baseline" else
                              matrix.get("baseline", {}).get("levels", {}).get(low, {}).get("outputs"))
                 matrix[method] = ({"method": method, "error": why} if lease is None
                                   else measure_served(ctx, stage, method, lease.rec, lease.start_s, prompts, reference))
         finally:
-            for _, profile in group:
-                box.free_port(profile, ctx.log.info)
+            box.free_ports([p for _, p in group], ctx.log.info)
     return matrix
 
 

@@ -78,27 +78,51 @@ def enough_for(train: list[dict], rows: int) -> list[dict]:
 # ---------------------------------------------------------------------------------------------- vllm
 
 def unique_ids(train: list[dict]) -> list[dict]:
-    """The conversations as speculators reads them ({"id", "messages"}), ids made unique (its resume keys
-    on them: a repeated id would be taken for done)."""
-    seen: dict[str, int] = {}
+    """The conversations as speculators reads them ({"id", "messages"}), ids made unique and never empty
+    (its resume keys on them: a repeated id would be taken for done, an empty one replaced by a hash)."""
+    used: set[str] = set()
     out = []
-    for conv in train:
-        n = seen.get(conv["id"], 0)
-        seen[conv["id"]] = n + 1
-        out.append({"id": conv["id"] if n == 0 else f"{conv['id']}#{n + 1}", "messages": conv["messages"]})
+    for i, conv in enumerate(train):
+        base = str(conv["id"]) or f"conversation{i}"
+        cid, n = base, 1
+        while cid in used:
+            n += 1
+            cid = f"{base}#{n}"
+        used.add(cid)
+        out.append({"id": cid, "messages": conv["messages"]})
     return out
 
 
+def askable(conv: dict) -> bool:
+    """speculators regenerates from the user turns; a conversation without a non-empty one it skips
+    without a word (it would count as failed on every attempt)."""
+    return any(m["role"] == "user" and m["content"].strip() for m in conv["messages"])
+
+
 def repair_tail(path: Path) -> int:
-    """A kill while speculators appended a row leaves a last line without its newline; the next append
-    would glue a row to it. Cut it off (that conversation is not done: it is regenerated). Returns bytes cut."""
+    """speculators appends a finished conversation's rows one after another; a kill can leave the last line
+    torn (the next append would glue a row to it) or only a conversation's first rows written (its resume
+    takes one row for done). Cut the torn line, then the file's last conversation whole — regenerated
+    again, which costs at most two conversations. Returns bytes cut."""
     if not path.is_file() or path.stat().st_size == 0:
         return 0
+
+    def pid(line: bytes):
+        try:
+            return json.loads(line).get("primary_id")
+        except (json.JSONDecodeError, AttributeError):
+            return None
+
     with open(path, "rb+") as fh:
         data = fh.read()
-        if data.endswith(b"\n"):
-            return 0
-        keep = data.rfind(b"\n") + 1
+        keep = data.rfind(b"\n") + 1  # whole lines only
+        last = None
+        while keep > 0:
+            start = data.rfind(b"\n", 0, keep - 1) + 1
+            this = pid(data[start:keep])
+            if last is not None and this != last:
+                break
+            last, keep = this, start
         fh.truncate(keep)
         return len(data) - keep
 
@@ -161,23 +185,35 @@ def read_errors(path: Path) -> dict[str, str]:
     return errors
 
 
-def prompt_tokens(base_url: str) -> float | None:
-    """The server's prompt-token counter on /metrics (None when it cannot be read): it moves when the
-    client's first request arrives."""
+def _counter(base_url: str, name: str) -> float | None:
     from pipeline import online
     from pipeline.server import http_get
 
     code, text = http_get(f"{base_url}/metrics", timeout=2)
-    return online.counter_total(text, "vllm:prompt_tokens_total") if code == 200 else None
+    return online.counter_total(text, name) if code == 200 else None
+
+
+def prompt_tokens(base_url: str) -> float | None:
+    """The server's prompt-token counter on /metrics (None when it cannot be read): it moves when the
+    client's first request arrives."""
+    return _counter(base_url, "vllm:prompt_tokens_total")
+
+
+def generation_tokens(base_url: str) -> float | None:
+    """The server's generated-token counter: a server that answers /health but never moves it is stuck."""
+    return _counter(base_url, "vllm:generation_tokens_total")
 
 
 def regenerate_command(ctx: StageContext, endpoint: str, dataset: Path, outfile: Path) -> list[str]:
     """speculators regenerate-responses with the profile's settings; --model is the target's path, which
     the regenerate server answers to and speculators loads its tokenizer from (compat/vllm_flags.py)."""
     from pipeline.compat import vllm_flags
+    from pipeline.profile import GREEDY
 
     d = ctx.profile.data
-    context, sampling = vllm_flags.regenerate_limits(d.seq_length, d.regenerate_max_tokens, d.regenerate_sampling)
+    # greedy unless the profile says otherwise: {top_p = 0.9} alone keeps temperature 0
+    context, sampling = vllm_flags.regenerate_limits(d.seq_length, d.regenerate_max_tokens,
+                                                     {**GREEDY, **d.regenerate_sampling})
     cmd = [sys.executable, "-m", "speculators", "regenerate-responses", "--endpoint", f"{endpoint}/v1/chat/completions",
            "--model", str(ctx.target_dir()), "--dataset", str(dataset), "--outfile", str(outfile), "--resume",
            "--concurrency", str(d.regenerate_concurrency), "--max-tokens", str(context),
@@ -197,7 +233,9 @@ def with_vllm(ctx: StageContext, stage: str, train: list[dict]) -> tuple[list[di
     work = ctx.run.regenerate_dir
     work.mkdir(parents=True, exist_ok=True)
     dataset, outfile, errfile = work / "input.jsonl", work / "responses.jsonl", work / "responses.errors.jsonl"
-    convs = unique_ids(train)
+    convs = unique_ids([c for c in train if askable(c)])
+    if (mute := len(train) - len(convs)):
+        ctx.log.warning("%d conversation(s) have no user turn to regenerate from: left out", mute)
     atomicio.atomic_write_text(dataset, "".join(json.dumps(c, ensure_ascii=False) + "\n" for c in convs))
     if (cut := repair_tail(outfile)):
         ctx.log.warning("cut %d bytes of a half-written row a killed attempt left in %s", cut, outfile)
@@ -219,21 +257,36 @@ def with_vllm(ctx: StageContext, stage: str, train: list[dict]) -> tuple[list[di
         first_request: list[float] = []  # when the server saw the client's first request (its start before)
         asked_before = prompt_tokens(srv.base_url)  # a reused server has answered others already
 
+        stall_s = ctx.profile.data.regenerate_stall_s
+        moved = [time.perf_counter(), -1.0]  # when the server last made progress, its generated tokens then
+
+        def stop_client() -> None:
+            if (proc := client.get("proc")) is not None:
+                procs.stop_group(proc.pid, grace=5)
+
         def follow() -> None:
             while not stop.wait(0.5):
-                watch.poll()
-                if not first_request and (asked := prompt_tokens(srv.base_url)) is not None \
-                        and asked > (asked_before or 0):
-                    first_request.append(time.perf_counter())
-                seconds = time.perf_counter() - (first_request[0] if first_request else t0)
-                made = watch.tokens - tokens_before
-                ctx.progress(stage, len(watch.done), total, "conversations", tokens=made,
-                             tok_s=round(made / seconds, 1) if seconds and first_request else None)
-                if (why := death(srv.rec, wait=0)) is not None:  # no point retrying against a dead server
-                    died.append(why)
-                    if (proc := client.get("proc")) is not None:
-                        procs.stop_group(proc.pid, grace=5)
-                    return
+                try:
+                    watch.poll()
+                    if not first_request and (asked := prompt_tokens(srv.base_url)) is not None \
+                            and asked > (asked_before or 0):
+                        first_request.append(time.perf_counter())
+                    seconds = time.perf_counter() - (first_request[0] if first_request else t0)
+                    made = watch.tokens - tokens_before
+                    ctx.progress(stage, len(watch.done), total, "conversations", tokens=made,
+                                 tok_s=round(made / seconds, 1) if seconds and first_request else None)
+                    if (why := death(srv.rec, wait=0)) is not None:  # no point retrying against a dead server
+                        died.append(why)
+                        return stop_client()
+                    generated = generation_tokens(srv.base_url)
+                    if generated is not None and generated != moved[1]:
+                        moved[:] = [time.perf_counter(), generated]
+                    elif time.perf_counter() - moved[0] > stall_s:  # alive but generating nothing
+                        died.append(f"generated nothing for {stall_s:g} s (data.regenerate_stall_s) while "
+                                    f"{total - len(watch.done)} conversation(s) wait")
+                        return stop_client()
+                except Exception as exc:  # noqa: BLE001 - the watcher must not die silently
+                    ctx.log.warning("regeneration watcher: %s: %s", type(exc).__name__, exc)
 
         follower = threading.Thread(target=follow, name="regenerate-progress", daemon=True)
         follower.start()
@@ -249,6 +302,8 @@ def with_vllm(ctx: StageContext, stage: str, train: list[dict]) -> tuple[list[di
         # generating: from the client's first request to its last row (seen within half a second)
         generating = ((seen_before or watch.last_row_at or time.perf_counter()) - first_request[0]
                       if first_request else None)
+        if died and not died[0].startswith(("was ", "exited", "is gone")):  # a stall: the server lives
+            raise StageError(f"{srv.rec.describe()} {died[0]}; the client was stopped (a resume goes on)")
         if died or rc != 0:
             client_says = (f"speculators regenerate-responses exited with {rc}: "
                            f"{procs.last_error_line(ctx.run.log_path(stage))}")
