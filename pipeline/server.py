@@ -85,6 +85,21 @@ class ServerRecord:
         return log_tail(Path(self.log), since=self.log_offset) if self.log else []
 
 
+BORN_WITHIN_S = 3600.0  # a server's processes (API server, engine cores, workers) start within this of it
+
+
+def _started_with(rec: ServerRecord, group: list[psutil.Process]) -> bool:
+    """Whether the process group is still the recorded server's: one of its processes was born when the
+    server started (a group id reused after a reboot names processes born much later)."""
+    for p in group:
+        try:
+            if rec.started - 5 <= p.create_time() <= rec.started + BORN_WITHIN_S:
+                return True
+        except psutil.Error:
+            continue
+    return False
+
+
 def exit_status(pid: int) -> str | None:
     """How a server this process started ended ("killed by SIGKILL", "exited with 1"); None while it
     runs or when another process started it (its status is not ours to read)."""
@@ -263,12 +278,12 @@ class ServerController:
         if rec is None:
             return {"stopped": False, "reason": "no server recorded"}
         group = procs.group_members(rec.pgid)
-        if group and not any(is_vllm(p) for p in group):
+        if group and not _started_with(rec, group):
             # The record outlived its server (a reboot, a container restart) and the group id now names
-            # something else: never signal it, only forget the record.
+            # processes born long after it: never signal them, only forget the record.
             self._save(None)
-            return {"stopped": False, "reason": f"process group {rec.pgid} is no longer a vLLM server: record dropped",
-                    "mode": rec.mode}
+            return {"stopped": False, "mode": rec.mode,
+                    "reason": f"process group {rec.pgid} is no longer the recorded server: record dropped"}
         members = [p.pid for p in group]
         killed = procs.stop_group(rec.pgid, grace) if members else False
         left = [p.pid for p in procs.group_members(rec.pgid)]

@@ -169,10 +169,10 @@ def test_a_server_killed_in_the_middle_of_the_matrix_is_reported_from_its_side(t
 # ---- the registry's view: a dead run's server on a side port; vLLM's own reason for a failed start
 
 
-def test_a_record_whose_group_is_no_longer_vllm_is_dropped_and_a_strangers_port_is_left_alone(tmp_path):
-    """A server record can outlive its server (a reboot): its process group id then names something else,
-    which is never signalled. A side port held by a process that is not ours is named, and the matrix falls
-    back to one server at a time."""
+def test_a_stale_record_is_dropped_unsignalled_and_a_strangers_port_is_left_alone(tmp_path):
+    """A server record can outlive its server (a reboot): its process group id then names processes born
+    long after it, which are never signalled. A side port held by a process that is not ours is named, and
+    the matrix falls back to one server at a time."""
     import logging
 
     from pipeline.server import ServerRecord
@@ -187,8 +187,9 @@ def test_a_record_whose_group_is_no_longer_vllm_is_dropped_and_a_strangers_port_
                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     try:
         wait_for(lambda: port_in_use("127.0.0.1", port + 1), 30, "the listener")
+        day_ago = time.time() - 86400  # a record from before a reboot: its group id now names the listener
         rec = ServerRecord(pid=listener.pid, pgid=listener.pid, host="127.0.0.1", port=port + 1, mode="speculative",
-                           argv=["vllm"], log="", started=time.time(), run=str(run.root), owner_pid=1, owner_since=1.0)
+                           argv=["vllm"], log="", started=day_ago, run=str(run.root), owner_pid=1, owner_since=1.0)
         side = box.controller(profile.with_port(port + 1))
         side._save(rec)
         assert [r.pid for r in box.stop_run_servers(profile, run.root, lambda text: None)] == [listener.pid]

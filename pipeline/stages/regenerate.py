@@ -226,8 +226,86 @@ def regenerate_command(ctx: StageContext, endpoint: str, dataset: Path, outfile:
     return cmd
 
 
+class Follower(threading.Thread):
+    """Follows one regenerate-responses client and its server every half second: progress from the rows
+    as they arrive (tokens/s from the client's first request, seen on the server's prompt counter), the
+    server's death and a stall (alive, generating nothing for data.regenerate_stall_s) — either stops the
+    client at once, since its requests have no timeout and retrying a dead server is no use."""
+
+    def __init__(self, ctx: StageContext, stage: str, rec, watch: RowsWatch, total: int):
+        super().__init__(name="regenerate-progress", daemon=True)
+        self.ctx, self.stage, self.rec, self.watch, self.total = ctx, stage, rec, watch, total
+        self.tokens_before = watch.tokens
+        self.asked_before = prompt_tokens(rec.base_url)  # a reused server has answered others already
+        self.t0 = self.moved_at = time.perf_counter()
+        self.generated: float | None = None
+        self.first_request: float | None = None
+        self.died: str | None = None
+        self.stalled: str | None = None
+        self.client = None
+        self.ended = threading.Event()
+        self.end: float | None = None
+
+    def watch_client(self, proc) -> None:
+        self.client = proc
+
+    def stop(self) -> None:
+        self.end = time.perf_counter()
+        self.ended.set()
+        self.join()
+
+    def _stop_client(self) -> None:
+        if self.client is not None:
+            procs.stop_group(self.client.pid, grace=5)
+
+    def run(self) -> None:
+        from pipeline.server import death
+
+        while not self.ended.wait(0.5):
+            try:
+                if self._tick(death) is not None:
+                    return self._stop_client()
+            except Exception as exc:  # noqa: BLE001 - the watcher must not die silently
+                self.ctx.log.warning("regeneration watcher: %s: %s", type(exc).__name__, exc)
+
+    def _tick(self, death) -> str | None:
+        now, w = time.perf_counter(), self.watch
+        w.poll()
+        if self.first_request is None and (asked := prompt_tokens(self.rec.base_url)) is not None \
+                and asked > (self.asked_before or 0):
+            self.first_request = now
+        made = w.tokens - self.tokens_before
+        since = now - (self.first_request or now)
+        self.ctx.progress(self.stage, len(w.done), self.total, "conversations", tokens=made,
+                          tok_s=round(made / since, 1) if since > 0 else None)
+        self.died = death(self.rec, wait=0)
+        if self.died is not None:
+            return self.died
+        generated = generation_tokens(self.rec.base_url)
+        if generated is not None and generated != self.generated:
+            self.generated, self.moved_at = generated, now
+        elif now - self.moved_at > (stall := self.ctx.profile.data.regenerate_stall_s):
+            self.stalled = (f"generated nothing for {stall:g} s (data.regenerate_stall_s) while "
+                            f"{self.total - len(w.done)} conversation(s) wait")
+        return self.stalled
+
+    def timing(self, made: int) -> dict:
+        """The client's wall time, its start (imports, tokenizer: not decoding) and the decode rate from its
+        first request to its last row (seen within half a second) — the planner's measured rate."""
+        end = self.end or time.perf_counter()
+        last_row = self.watch.last_row_at
+        self.watch.poll()  # the last rows, and when the last one came
+        last_row = last_row or self.watch.last_row_at or end
+        wall = end - self.t0
+        start = self.first_request - self.t0 if self.first_request else None
+        generating = last_row - self.first_request if self.first_request else None
+        return {"generate_seconds": round(wall, 1), "client_start_s": round(start, 1) if start is not None else None,
+                "generated_tok_s": round(made / generating, 1) if made > 0 and generating else None,
+                "generated_tok_s_with_client_start": round(made / wall, 1) if wall and made > 0 else None}
+
+
 def with_vllm(ctx: StageContext, stage: str, train: list[dict]) -> tuple[list[dict], dict]:
-    from pipeline.server import death, explain_failure
+    from pipeline.server import explain_failure
 
     d = ctx.profile.data
     work = ctx.run.regenerate_dir
@@ -249,62 +327,15 @@ def with_vllm(ctx: StageContext, stage: str, train: list[dict]) -> tuple[list[di
                                                                  server_wait_s=round(s))) as srv:
         cmd = regenerate_command(ctx, srv.base_url, dataset, outfile)
         ctx.log.info("command: %s", " ".join(cmd))
-        client: dict = {}
-        stop = threading.Event()
-        died: list[str] = []
-        t0 = time.perf_counter()
-
-        first_request: list[float] = []  # when the server saw the client's first request (its start before)
-        asked_before = prompt_tokens(srv.base_url)  # a reused server has answered others already
-
-        stall_s = ctx.profile.data.regenerate_stall_s
-        moved = [time.perf_counter(), -1.0]  # when the server last made progress, its generated tokens then
-
-        def stop_client() -> None:
-            if (proc := client.get("proc")) is not None:
-                procs.stop_group(proc.pid, grace=5)
-
-        def follow() -> None:
-            while not stop.wait(0.5):
-                try:
-                    watch.poll()
-                    if not first_request and (asked := prompt_tokens(srv.base_url)) is not None \
-                            and asked > (asked_before or 0):
-                        first_request.append(time.perf_counter())
-                    seconds = time.perf_counter() - (first_request[0] if first_request else t0)
-                    made = watch.tokens - tokens_before
-                    ctx.progress(stage, len(watch.done), total, "conversations", tokens=made,
-                                 tok_s=round(made / seconds, 1) if seconds and first_request else None)
-                    if (why := death(srv.rec, wait=0)) is not None:  # no point retrying against a dead server
-                        died.append(why)
-                        return stop_client()
-                    generated = generation_tokens(srv.base_url)
-                    if generated is not None and generated != moved[1]:
-                        moved[:] = [time.perf_counter(), generated]
-                    elif time.perf_counter() - moved[0] > stall_s:  # alive but generating nothing
-                        died.append(f"generated nothing for {stall_s:g} s (data.regenerate_stall_s) while "
-                                    f"{total - len(watch.done)} conversation(s) wait")
-                        return stop_client()
-                except Exception as exc:  # noqa: BLE001 - the watcher must not die silently
-                    ctx.log.warning("regeneration watcher: %s: %s", type(exc).__name__, exc)
-
-        follower = threading.Thread(target=follow, name="regenerate-progress", daemon=True)
+        follower = Follower(ctx, stage, srv.rec, watch, total)
         follower.start()
         try:
-            rc = ctx.run_child(cmd, on_start=lambda proc: client.update(proc=proc))
+            rc = ctx.run_child(cmd, on_start=follower.watch_client)
         finally:
-            stop.set()
-            follower.join()
-        seconds = time.perf_counter() - t0
-        seen_before = watch.last_row_at
-        watch.poll()  # the last rows, and when the last one came
-        client_start = (first_request[0] - t0) if first_request else None
-        # generating: from the client's first request to its last row (seen within half a second)
-        generating = ((seen_before or watch.last_row_at or time.perf_counter()) - first_request[0]
-                      if first_request else None)
-        if died and not died[0].startswith(("was ", "exited", "is gone")):  # a stall: the server lives
-            raise StageError(f"{srv.rec.describe()} {died[0]}; the client was stopped (a resume goes on)")
-        if died or rc != 0:
+            follower.stop()
+        if follower.stalled:  # the server lives but generates nothing
+            raise StageError(f"{srv.rec.describe()} {follower.stalled}; the client was stopped (a resume goes on)")
+        if follower.died or rc != 0:
             client_says = (f"speculators regenerate-responses exited with {rc}: "
                            f"{procs.last_error_line(ctx.run.log_path(stage))}")
             raise StageError(explain_failure(srv.rec, client_says))
@@ -317,12 +348,7 @@ def with_vllm(ctx: StageContext, stage: str, train: list[dict]) -> tuple[list[di
                "truncated_rows": sum(1 for rows in by_conv.values() for r in rows
                                      if (r.get("metadata") or {}).get("finish_reason") == "length"),
                "generated_tokens": sum(sum(r["loss_mask"]) for rows in by_conv.values() for r in rows),
-               "generate_seconds": round(seconds, 1), "server_start_s": srv.start_s,
-               "client_start_s": round(client_start, 1) if client_start is not None else None,
-               # the planner's decode rate: the client's first request to its last row (its start and exit
-               # are not decoding)
-               "generated_tok_s": round(made / generating, 1) if made > 0 and generating else None,
-               "generated_tok_s_with_client_start": round(made / seconds, 1) if seconds and made > 0 else None}
+               "server_start_s": srv.start_s, **follower.timing(made)}
     if failed:
         first = next(iter(failed))
         figures["failed"] = sorted(failed)[:10]
