@@ -52,6 +52,7 @@ class Widgets:
     notes_log: Log
     note_input: Input
     loss_curve: Static
+    checkpoints: Static
     matrix: DiffTable
 
 
@@ -114,6 +115,7 @@ class ConsoleApp(App):
                 yield Input(placeholder="write a note, Enter to append", id="note-input")
             with TabPane("5 Eval", id="eval"):
                 yield Static(id="loss-curve")
+                yield Static(id="checkpoints", markup=False)
                 yield DiffTable(id="matrix")
         yield Footer(compact=True)
 
@@ -125,7 +127,7 @@ class ConsoleApp(App):
                          log=q("#log", Log), gpus=q("#gpus", Grid), gpu_procs=q("#gpu-procs", DiffTable),
                          server_info=q("#server-info", Static), notes_log=q("#notes-log", Log),
                          note_input=q("#note-input", Input), loss_curve=q("#loss-curve", Static),
-                         matrix=q("#matrix", DiffTable))
+                         checkpoints=q("#checkpoints", Static), matrix=q("#matrix", DiffTable))
         self.tabs = self.query_one(TabbedContent)
         self.w.gpu_procs.add_columns(*PROCESS_COLUMNS)
         self.w.matrix.add_columns(*MATRIX_COLUMNS)
@@ -229,6 +231,8 @@ class ConsoleApp(App):
     def _show_eval(self, view: RunView) -> None:
         if view.train_loss:
             self._set(self.w.loss_curve, views.loss_curve(view.train_loss))
+        if view.checkpoints:
+            self._set(self.w.checkpoints, views.checkpoints_text(view.checkpoints))
         if view.evaluation:
             self.w.matrix.fill(views.matrix_rows(view.evaluation))
 

@@ -52,6 +52,28 @@ def loss_curve(losses: tuple[float, ...]) -> str:
     return f"training loss over {n} logged steps (first {losses[0]:.3g}, now {losses[-1]:.3g})\n{curve}"
 
 
+def checkpoints_text(picked: dict) -> str:
+    """pick-checkpoint's measurements: τ per checkpoint as a sparkline, then one line each beside its epoch's
+    losses; * the deployed one, ! training and serving disagree by far."""
+    entries = picked.get("checkpoints") or []
+    if not entries:
+        return ""
+    taus = [e["tau"] for e in entries]
+    lo, hi = min(taus), max(taus)
+    line = "".join(BLOCKS[min(7, int((t - lo) / (hi - lo) * 7.999)) if hi > lo else 3] for t in taus)
+    chosen = (picked.get("chosen") or {}).get("label")
+    head = (f"τ per checkpoint ({picked.get('backend')}, {picked.get('prompts')} prompts): {line}  "
+            f"{lo:.2f}–{hi:.2f}" + (f"  deployed: {chosen}" if chosen else "  (measuring…)"))
+    rows = [f"{'':2}{'ckpt':<12}{'train':>8}{'val':>8}{'val acc':>22}{'τ':>8}  acceptance"]
+    for e in entries:
+        mark = "*" if e["label"] == chosen else ("!" if e.get("disagrees") else " ")
+        val_acc = " ".join(f"{a:.2f}" for a in e.get("val_acc") or []) or "N/A"
+        losses = f"{na(e.get('train_loss'), '{:.3f}'):>8}{na(e.get('val_loss'), '{:.3f}'):>8}"
+        rows.append(f"{mark:<2}{e['label']:<12}{losses}{val_acc:>22}{e['tau']:>8.3f}  "
+                    + " ".join(f"{a:.2f}" for a in e["acceptance_per_position"]))
+    return "\n".join([head, *rows])
+
+
 def matrix_level_row(method: str, row: dict, concurrency, level: dict) -> tuple:
     acc = level.get("acceptance_per_position") or []
     bars = " ".join(f"{BLOCKS[min(7, int(a * 7.999))]}{a:.2f}" for a in acc)

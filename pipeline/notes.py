@@ -82,7 +82,7 @@ def economics(online: dict | None) -> str | None:
         return None
     text = (f"a decode step with the head costs {online['step_ms']:.1f} ms here against "
             f"{online['baseline_step_ms']:.1f} ms without it, so the head pays from tau {online['break_even_tau']:.2f} "
-            f"(it reached {online['tokens_per_step']:.2f})")
+            f"(it reached {online['tokens_per_step']:.2f}; deploy threshold x{online.get('deploy_speedup', 1.1):g})")
     if not online.get("gpu"):
         text += ("; on a CPU the head's draft forwards and the wider verification cost about as much as the small "
                  "target's own step, on a GPU the target's forward dominates a step and the head pays from a far "
@@ -119,7 +119,14 @@ def to_markdown(run: RunDir, out_path: Path | None = None) -> str:
             secs = entry.get("seconds")
             lines.append(f"| {name} | {entry.get('status', '?')} | {_fmt(secs) if secs is not None else ''} | {figs} |")
         lines.append("")
+    picked = _read_json(run.checkpoints_result)
+    if picked and picked.get("chosen"):
+        lines += checkpoint_lines(picked)
     offline = stages.get("evaluate-offline", {}).get("figures")
+    gaps = [(name, f) for name, f in ((n, (e.get("figures") or {})) for n, e in stages.items())
+            if f.get("acceptance_gap")]
+    for name, f in gaps:
+        lines += [f"**Warning ({name}): {f['acceptance_gap']}.** Likely: {'; '.join(f.get('likely_causes', []))}.", ""]
     if offline:
         acc = " / ".join(f"{a:.2f}" for a in offline["acceptance_per_position"])
         lines += ["## Offline evaluation (transformers target + new head)", "",
@@ -158,6 +165,32 @@ def to_markdown(run: RunDir, out_path: Path | None = None) -> str:
         tail = f" ({', '.join(f'{k}={_fmt(v)}' for k, v in note_figures.items())})" if note_figures else ""
         lines.append(f"- `{note['ts']}` **{who}**: {note['text']}{tail}")
     return "\n".join(lines) + "\n"
+
+
+def _read_json(path: Path) -> dict | None:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def checkpoint_lines(picked: dict) -> list[str]:
+    """pick-checkpoint's table: τ per checkpoint beside the training figures of its epoch."""
+    chosen = picked["chosen"]
+    lines = [f"## Choosing the checkpoint ({picked['backend']}, {picked['prompts']} held-out prompts, "
+             f"k = {picked['k']})", "", f"Deployed: {chosen['why']}.", "",
+             "| checkpoint | train loss | val loss | val accuracy per position | τ | acceptance per position | |",
+             "|---|---|---|---|---|---|---|"]
+    for e in picked["checkpoints"]:
+        mark = "**deployed**" if e["label"] == chosen["label"] else ("⚠ disagrees" if e.get("disagrees") else "")
+        val = " / ".join(f"{a:.2f}" for a in e.get("val_acc") or [])
+        acc = " / ".join(f"{a:.2f}" for a in e["acceptance_per_position"])
+        lines.append(f"| {e['label']} | {_fmt(e.get('train_loss')) if e.get('train_loss') is not None else ''} | "
+                     f"{_fmt(e.get('val_loss')) if e.get('val_loss') is not None else ''} | {val} | "
+                     f"{e['tau']:.3f} | {acc} | {mark} |")
+    return lines + ["", "Validation accuracy: speculators' full accuracy per draft position on its validation split "
+                        "(teacher-forced); τ and acceptance: measured on the held-out prompts. ⚠: they disagree by "
+                        "far (pipeline/diagnose.py).", ""]
 
 
 def offline_why(profile) -> str:

@@ -6,6 +6,7 @@ import json
 import re
 import time
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from pipeline.server import http_get
@@ -103,3 +104,40 @@ def counter_total(text: str, name: str) -> float:
         if m and m.group(1) == name:
             total += float(m.group(3))
     return total
+
+
+def send_all(base_url: str, model: str, prompts: list[list[int]], max_tokens: int, concurrency: int,
+             on_done=lambda n: None) -> dict:
+    """All prompts at `concurrency` requests in flight; outputs in prompt order."""
+    headers: dict = {}  # the measured servers are internal, loopback and keyless (vllm_modes.server_env)
+    done = [0]
+
+    def one(ids):
+        out = complete(base_url, model, ids, max_tokens, headers)
+        done[0] += 1
+        on_done(done[0])
+        return out
+
+    t0 = time.perf_counter()
+    results = in_threads(one, prompts, concurrency)
+    seconds = time.perf_counter() - t0
+    tokens = sum(r["completion_tokens"] for r in results)
+    per_token = [r["seconds"] / r["completion_tokens"] for r in results if r["completion_tokens"]]
+    return {"outputs": [r["token_ids"] for r in results], "output_tokens": tokens, "seconds": round(seconds, 3),
+            "output_tok_s": round(tokens / seconds, 2) if seconds else 0.0,
+            "tpot_ms": round(1000 * sum(per_token) / len(per_token), 3) if per_token else None}
+
+
+def in_threads(fn, items: list, workers: int, wait_on_error: bool = False) -> list:
+    """fn over items in `workers` threads, results in order. Interrupted (SIGTERM) or failed, it returns at
+    once without waiting for the calls in flight (requests: their server is stopped next, which ends them) —
+    or, `wait_on_error`, once they have ended (server starts: a stopping run makes them give up within a
+    second, and only then is every server they recorded known)."""
+    pool = ThreadPoolExecutor(max_workers=max(1, workers))
+    try:
+        return list(pool.map(fn, items))
+    except BaseException:
+        pool.shutdown(wait=wait_on_error, cancel_futures=True)
+        raise
+    finally:
+        pool.shutdown(wait=False)

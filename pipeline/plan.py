@@ -95,6 +95,7 @@ class Plan:
     regenerate: StepPlan
     evaluate_offline: StepPlan
     matrix: StepPlan
+    checkpoints: StepPlan  # pick-checkpoint: τ of every checkpoint (tokens: decoded through vLLM)
     server_start: Rate  # tokens_per_s holds the seconds of one start of the target's server
     server_starts: dict  # offline / online: how many starts of the target each way
     totals: dict  # offline / online: wall seconds and GPU-hours of every stage together
@@ -318,6 +319,36 @@ def matrix_plan(profile: Profile, serve_gpus: int) -> StepPlan:
                     f"{ev.max_new_tokens} tokens")
 
 
+def checkpoint_count(profile: Profile) -> int:
+    """Checkpoints speculators saves over train.epochs (trainer.maybe_save_checkpoint): every N epochs
+    (epoch 0 always) for checkpoint_freq N >= 1; below 1, each epoch's end plus the sub-epoch ones, every
+    round(steps × freq) steps but none within a quarter interval of the epoch's end."""
+    t = profile.train
+    if t.checkpoint_freq >= 1:
+        every = int(t.checkpoint_freq)
+        return sum(1 for e in range(t.epochs) if e == 0 or (e + 1) % every == 0)
+    f = t.checkpoint_freq
+    return t.epochs * (1 + int((1 - 0.25 * f) / f + 1e-9))
+
+
+def checkpoints_plan(profile: Profile, offline: bool, serve_gpus: int) -> StepPlan:
+    """pick-checkpoint: each checkpoint's τ on the held-out prompts, offline (not timed, as evaluate-offline)
+    or through vLLM (a server start each, counted with the starts, plus its decode at the highest concurrency)."""
+    ev = profile.evaluate
+    if ev.checkpoints != "each":
+        return StepPlan(False, 0, Rate(None, ""), 0.0, 0, "evaluate.checkpoints = last: the last epoch's head")
+    n = checkpoint_count(profile)
+    if offline:
+        return StepPlan(True, 0, Rate(None, "offline evaluator: not planned"), None, 0,
+                        f"{n} checkpoints through the offline evaluator")
+    rate = decode_rate(profile, serve_gpus)
+    tokens = n * ev.num_prompts * ev.max_new_tokens
+    full = profile.data.regenerate_concurrency
+    seconds = tokens / (rate.tokens_per_s * min(max(ev.concurrency), full) / full) if rate.tokens_per_s else None
+    return StepPlan(True, tokens, rate, seconds, serve_gpus,
+                    f"{n} checkpoints × one speculative server each × {ev.num_prompts} prompts")
+
+
 def count_server_starts(profile: Profile) -> int:
     """Starts of the target's server over a run, offline and online alike: regeneration, prepare's render
     server (extract reuses an extraction server), extraction (online: one server, handed from prepare or
@@ -363,12 +394,14 @@ def make_plan(profile: Profile, run_dir: Path | None = None, free: int | None = 
     runs_offline_eval, why = offline_evaluation(profile, info)
     evaluate_offline = StepPlan(runs_offline_eval, 0, Rate(None, ""), None, 0, why)
     matrix = matrix_plan(profile, extract_gpus)
+    picks = checkpoints_plan(profile, runs_offline_eval, extract_gpus)
     start = server_start_estimate(profile)
-    starts = dict.fromkeys(("offline", "online"), count_server_starts(profile))
+    vllm_picks = checkpoint_count(profile) if picks.runs and not runs_offline_eval else 0
+    starts = dict.fromkeys(("offline", "online"), count_server_starts(profile) + vllm_picks)
     totals = {}
     for m, core_s, core_gpu_h in (("offline", extract_s and train_s and extract_s + train_s, gpu_hours),
                                   ("online", online.wall_s, online.gpu_hours)):
-        parts = [core_s, regen.seconds, matrix.seconds,
+        parts = [core_s, regen.seconds, matrix.seconds, picks.seconds if vllm_picks else 0.0,
                  0.0 if not starts[m] else start.tokens_per_s * starts[m] if start.tokens_per_s else None]
         wall = sum(parts) if all(p is not None for p in parts) else None  # type: ignore[arg-type]
         extra = sum((p or 0) for p in parts[1:]) * extract_gpus / 3600 if wall is not None else None
@@ -380,8 +413,8 @@ def make_plan(profile: Profile, run_dir: Path | None = None, free: int | None = 
                 train_gpus=train_gpus, extract_gpus=extract_gpus, extract=extract, train=train,
                 extract_s=extract_s, train_s=train_s, gpu_hours=gpu_hours, online=online,
                 mode=profile.extract.mode, mode_why=f"extract.mode = {profile.extract.mode}", regenerate=regen,
-                evaluate_offline=evaluate_offline, matrix=matrix, server_start=start, server_starts=starts,
-                totals=totals)
+                evaluate_offline=evaluate_offline, matrix=matrix, checkpoints=picks, server_start=start,
+                server_starts=starts, totals=totals)
     if profile.extract.mode == "auto" and profile.extract.backend != "vllm":
         plan = replace(plan, mode="offline", mode_why="auto: online needs extract.backend = \"vllm\"")
     elif profile.extract.mode == "auto":
@@ -558,6 +591,7 @@ def table(plans: list[Plan]) -> str:
             f"({_hours(_step_gpu_hours(p.regenerate))} GPU-h)" if p.regenerate.runs else "–"),
         row("offline evaluator", lambda p: "runs" if p.evaluate_offline.runs else "vLLM only"),
         row("matrix time", lambda p: duration(p.matrix.seconds) if p.matrix.runs else "–"),
+        row("checkpoints measured", lambda p: _checkpoints_text(p.checkpoints)),
         row("server starts × each",
             lambda p: f"{p.server_starts['offline']} × {duration(p.server_start.tokens_per_s)}"),
         row("total wall (offline)", lambda p: duration(p.totals["offline"]["wall_s"])),
@@ -570,8 +604,8 @@ def table(plans: list[Plan]) -> str:
     lines.insert(1, "  ".join("-" * w for w in widths))
     sources = [f"{p.profile}: tokens {p.tokens_source}; extraction {p.extract.source}; training {p.train.source}; "
                f"mode: {p.mode_why}; regeneration: {p.regenerate.why} ({p.regenerate.rate.source or '-'}); "
-               f"offline evaluator: {p.evaluate_offline.why}; matrix: {p.matrix.why}; server start: "
-               f"{p.server_start.source}" for p in plans]
+               f"offline evaluator: {p.evaluate_offline.why}; matrix: {p.matrix.why}; "
+               f"checkpoints: {p.checkpoints.why}; server start: {p.server_start.source}" for p in plans]
     return "\n".join(lines + [""] + sources + [""] + [line for p in plans for line in split_lines(p)])
 
 
@@ -588,9 +622,17 @@ def time_summary(plan: Plan) -> str:
              f"training {duration(plan.train_s)}",
              "evaluate-offline" if plan.evaluate_offline.runs else None,
              f"matrix {duration(plan.matrix.seconds)}" if plan.matrix.runs else None,
+             f"checkpoints measured: {_checkpoints_text(plan.checkpoints)}" if plan.checkpoints.runs else None,
              f"{plan.server_starts[plan.mode]} server starts × {duration(plan.server_start.tokens_per_s)}"]
     return (f"{plan.mode}: {duration(t['wall_s'])}, {_hours(t['gpu_hours'])} GPU-hours in all ("
             + ", ".join(p for p in parts if p) + ")")
+
+
+def _checkpoints_text(step: StepPlan) -> str:
+    if not step.runs:
+        return "last only"
+    n = step.why.split(" ")[0]
+    return f"{n} offline" if "offline" in step.why else f"{n} through vLLM ({duration(step.seconds)} + their starts)"
 
 
 def _rate_text(step: StepPlan) -> str:

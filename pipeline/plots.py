@@ -1,5 +1,5 @@
-"""PNG plots of a run for the report: training loss and accuracy per TTT step over steps, acceptance
-per position per method, GPU utilization over the run's timeline. Read-only over the run's files."""
+"""PNG plots of a run for the report: training loss and accuracy per TTT step over steps, τ per checkpoint,
+acceptance per position per method, GPU utilization over the run's timeline. Read-only over the run's files."""
 from __future__ import annotations
 
 import json
@@ -64,6 +64,38 @@ def acceptance(run: RunDir, out: Path) -> Path | None:
     return _save(fig, plt, out / "acceptance.png")
 
 
+def checkpoints(run: RunDir, out: Path) -> Path | None:
+    """τ per checkpoint (pick-checkpoint) beside each epoch's training and validation loss."""
+    try:
+        picked = json.loads(run.checkpoints_result.read_text())
+    except (OSError, ValueError):
+        return None
+    entries = picked.get("checkpoints") or []
+    if not entries:
+        return None
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(9, 3.8))
+    xs = list(range(len(entries)))
+    ax.plot(xs, [e["tau"] for e in entries], "o-", color="tab:blue", label="τ (held-out prompts)")
+    chosen = (picked.get("chosen") or {}).get("label")
+    for x, e in zip(xs, entries, strict=True):
+        if e["label"] == chosen:
+            ax.plot([x], [e["tau"]], "*", ms=16, color="tab:red", label=f"deployed: {chosen}")
+    ax.set(title="τ per checkpoint against the training losses", xlabel="checkpoint", ylabel="τ")
+    ax.set_xticks(xs, [e["label"] for e in entries], rotation=45 if len(xs) > 12 else 0)
+    ax.grid(alpha=0.3)
+    loss = ax.twinx()
+    for key, style, name in (("train_loss", "s--", "train loss (epoch mean)"), ("val_loss", "^--", "val loss")):
+        pts = [(x, e[key]) for x, e in zip(xs, entries, strict=True) if e.get(key) is not None]
+        if pts:
+            loss.plot([p[0] for p in pts], [p[1] for p in pts], style, color="grey", lw=1, ms=4, label=name,
+                      alpha=0.8 if key == "train_loss" else 0.5)
+    loss.set_ylabel("loss")
+    handles = ax.get_legend_handles_labels()[0] + loss.get_legend_handles_labels()[0]
+    ax.legend(handles=handles, fontsize=8, loc="lower right")
+    return _save(fig, plt, out / "checkpoints.png")
+
+
 def gpu_timeline(run: RunDir, out: Path) -> Path | None:
     samples = list(atomicio.read_jsonl(run.gpu_timeline))
     if not samples:
@@ -92,7 +124,8 @@ def _save(fig, plt, path: Path) -> Path:
 
 def all_plots(run: RunDir, out: Path) -> dict[str, Path]:
     made = {}
-    for name, fn in (("training", training_curves), ("acceptance", acceptance), ("gpu", gpu_timeline)):
+    for name, fn in (("training", training_curves), ("checkpoints", checkpoints), ("acceptance", acceptance),
+                     ("gpu", gpu_timeline)):
         path = fn(run, out)
         if path:
             made[name] = path

@@ -331,9 +331,18 @@ class TrainSection(Section):
     extra_args: list[str] = Field(default_factory=list)
     cuda_visible_devices: str = ""
     """The GPUs the trainer sees, e.g. "4,5,6,7"; "" = all."""
+    checkpoint_freq: Annotated[float, Field(gt=0)] = 1.0
+    """speculators --checkpoint-freq: a checkpoint every N epochs; below 1, sub-epoch (0.5 = every half
+    epoch). speculators writes a sub-epoch checkpoint into its epoch's directory, so with
+    evaluate.checkpoints = "each" the train stage keeps a copy of each one as it appears."""
 
     @model_validator(mode="after")
     def _rules(self) -> TrainSection:
+        if self.checkpoint_freq > 1 and not float(self.checkpoint_freq).is_integer():
+            raise rule("train.checkpoint_freq", self.checkpoint_freq, "above 1 must be a whole number of epochs")
+        if "--save-best" in self.extra_args or "--checkpoint-freq" in self.extra_args:
+            flag = "--save-best" if "--save-best" in self.extra_args else "--checkpoint-freq"
+            raise rule("train.extra_args", flag, "is set by the profile: train.checkpoint_freq, evaluate.checkpoints")
         if self.nnodes > 1 and not self.rdzv_endpoint:
             raise rule("train.rdzv_endpoint", self.rdzv_endpoint, f"is required when train.nnodes = {self.nnodes}")
         if not 0 <= self.node_rank < self.nnodes:
@@ -375,6 +384,10 @@ class EvaluateSection(Section):
     """evaluate-offline (the target in transformers here, the head beside it): auto = where the target fits
     one process on the box (the planner decides); off = τ, acceptance and the lossless check from vLLM only
     (deploy-measure); on = always (preflight blocks a target that does not fit)."""
+    checkpoints: Literal["last", "each"] = "last"
+    """Which checkpoint is deployed: last = the last epoch's; each = every checkpoint the trainer saved gets
+    τ on the held-out prompts (pick-checkpoint: the offline evaluator where it runs, else one speculative
+    vLLM server per checkpoint) and the best τ is deployed, ties to the earlier."""
 
     @model_validator(mode="after")
     def _rules(self) -> EvaluateSection:

@@ -109,6 +109,10 @@ class RunDir:
     @property
     def online_result(self) -> Path: return self.eval_dir / "online.json"
     @property
+    def checkpoints_result(self) -> Path: return self.eval_dir / "checkpoints.json"  # pick-checkpoint's τ each
+    @property
+    def checkpoint_drafts(self) -> Path: return self.eval_dir / "checkpoint-drafts"  # one published per vLLM measure
+    @property
     def draft_dir(self) -> Path: return self.root / "deploy" / "draft"  # the published head vLLM serves
     @property
     def handover_record(self) -> Path: return self.root / "server-handover.json"

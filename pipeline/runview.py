@@ -45,6 +45,7 @@ class RunView:
     notes: tuple[dict, ...] = ()
     train_loss: tuple[float, ...] = ()  # every logged training loss, for a curve
     evaluation: dict | None = None  # eval/online.json when it exists
+    checkpoints: dict | None = None  # eval/checkpoints.json (pick-checkpoint) when it exists
 
 
 class RunWatcher:
@@ -62,6 +63,7 @@ class RunWatcher:
         self._loss: list[float] = []
         self._eval_mtime = 0.0
         self._eval: dict | None = None
+        self._picked: tuple[float, dict | None] = (0.0, None)
 
     def _read_new(self, path: Path, offset: int) -> tuple[list[dict], int]:
         try:
@@ -129,8 +131,14 @@ class RunWatcher:
                 self._eval, self._eval_mtime = json.loads(online.read_text()), mtime
         except (FileNotFoundError, json.JSONDecodeError):
             pass
+        try:
+            mtime = self.run.checkpoints_result.stat().st_mtime
+            if mtime != self._picked[0]:
+                self._picked = (mtime, json.loads(self.run.checkpoints_result.read_text()))
+        except (FileNotFoundError, json.JSONDecodeError):
+            pass
         return RunView(str(self.run.root), full_state.get("profile", "?"), tuple(views), current,
-                       tuple(self._notes), tuple(self._loss), self._eval)
+                       tuple(self._notes), tuple(self._loss), self._eval, self._picked[1])
 
 
 class LogTailer:

@@ -72,3 +72,36 @@ def test_speculators_loguru_lines_go_to_the_stage_log_not_stderr(tmp_path, capfd
     handler.close()
     assert "planted warning" in (tmp_path / "stage.log").read_text()
     assert "planted warning" not in capfd.readouterr().err
+
+
+def test_the_sub_epoch_keeper_wraps_what_speculators_still_has(monkeypatch):
+    """The wrapped save keeps its signature (epoch, local_step) and its sub-epoch directory rule, and the
+    wrapper is installed only when the run asks for it."""
+    trainer = importlib.import_module(speculators_compat.SAVE[0])
+    cls = getattr(trainer, speculators_compat.SAVE[1])
+    assert list(inspect.signature(cls.maybe_save_checkpoint).parameters) == ["self", "epoch", "local_step"]
+    source = inspect.getsource(cls.train_epoch)
+    assert "self.maybe_save_checkpoint(epoch, local_step=local_step)" in source
+    original = cls.maybe_save_checkpoint
+    monkeypatch.delenv(speculators_compat.KEEP_ENV, raising=False)
+    assert speculators_compat.keep_sub_epoch_checkpoints() == [] and cls.maybe_save_checkpoint is original
+    monkeypatch.setenv(speculators_compat.KEEP_ENV, "1")
+    monkeypatch.setattr(cls, "maybe_save_checkpoint", original)
+    assert speculators_compat.keep_sub_epoch_checkpoints() == ["Trainer.maybe_save_checkpoint"]
+    assert cls.maybe_save_checkpoint is not original
+
+
+def test_a_kept_copy_is_the_step_just_saved(tmp_path):
+    import json
+
+    src = tmp_path / "3"
+    src.mkdir()
+    for name in speculators_compat.HEAD_FILES:
+        (src / name).write_text(name)
+    (src / "training_state.json").write_text(json.dumps({"epoch": 3, "local_step": 40, "global_step": 100}))
+    assert speculators_compat.keep_copy(tmp_path, 3, 39) is None  # a save speculators skipped
+    kept = speculators_compat.keep_copy(tmp_path, 3, 40)
+    assert kept == tmp_path / "kept" / "3-step40"
+    assert (kept / "model.safetensors").read_text() == "model.safetensors"
+    assert json.loads((kept / "training_state.json").read_text())["local_step"] == 40
+    assert [p.name for p in (tmp_path / "kept").iterdir()] == ["3-step40"]  # no temporary left

@@ -10,10 +10,12 @@ DEMO = ROOT / "profiles" / "demo.toml"
 # The demo itself, without its three vLLM servers: the offline evaluation replays vLLM's n-gram proposer
 # (pipeline/prompt_lookup.py, held to vLLM's own function by tests/test_compat_adaptations.py).
 OFFLINE = ('extract.backend="transformers"', "evaluate.online=false")
+# Every epoch's head measured on the held-out prompts, the best deployed (pick-checkpoint)
+EACH = ('evaluate.checkpoints="each"',)
 
 
 def test_the_demo_target_has_learned_its_corpus_and_the_head_beats_ngram(tmp_path, cache_dir):
-    demo = completed_run(tmp_path / "demo", DEMO, cache_dir, *OFFLINE)
+    demo = completed_run(tmp_path / "demo", DEMO, cache_dir, *OFFLINE, *EACH)
     # The same demo up to regeneration with the random-weight target the demo used to have
     proc = cli("run", DEMO, "--no-tui", "--until", "regenerate", "--run-dir", tmp_path / "random",
                "--set", f'run.cache_dir="{cache_dir}"', "--set", f"server.port={free_port()}",
@@ -27,7 +29,14 @@ def test_the_demo_target_has_learned_its_corpus_and_the_head_beats_ngram(tmp_pat
     corpus = demo.stage_state("build-target")["figures"]
     assert corpus["corpus_loss_last"] < corpus["corpus_loss_first"] / 5, corpus
 
+    picked = json.loads(demo.checkpoints_result.read_text())
+    epochs = demo.profile().train.epochs
+    assert [e["label"] for e in picked["checkpoints"]] == [str(i) for i in range(epochs)]  # every epoch measured
+    best = max(e["tau"] for e in picked["checkpoints"])
+    chosen = next(e for e in picked["checkpoints"] if e["label"] == picked["chosen"]["label"])
+    assert chosen["tau"] == best and picked["checkpoints"][0]["tau"] < best  # training taught it something
     result = json.loads(demo.offline_result.read_text())
+    assert result["tau"] == best  # the deployed head is the one evaluate-offline measures
     assert result["lossless"] and result["k"] == 3
     ngram = result["ngram"]
     # τ per verify step against n-gram's tokens per step: n-gram's own τ counts only the steps where it

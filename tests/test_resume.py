@@ -12,8 +12,8 @@ import psutil
 import pytest
 
 from pipeline import atomicio, box, procs
+from pipeline.checkpoints import epoch_complete, epoch_dirs
 from pipeline.rundir import RunDir
-from pipeline.stages.train import epoch_complete, epoch_dirs
 from pipeline.target import resolve_layer_ids
 from tests.conftest import ROOT, TINY, cli, free_port
 

@@ -16,15 +16,16 @@ import psutil
 import pytest
 
 from pipeline import procs
+from pipeline.checkpoints import epoch_complete, epoch_dirs, final_checkpoint, quarantine_incomplete
 from pipeline.profile import load_profile
 from pipeline.rundir import RunDir
 from pipeline.runner import RunnerError, manifest, outputs_intact, select
 from pipeline.stages import stage_names
 from pipeline.stages.base import StageError, stop_orphan_child
-from pipeline.stages.train import epoch_complete, epoch_dirs, final_checkpoint, quarantine_incomplete
 from tests.conftest import TINY
 
-ALL_STAGES = ["preflight", "build-target", "regenerate", "prepare", "extract", "vocab", "train", "evaluate-offline",
+ALL_STAGES = ["preflight", "build-target", "regenerate", "prepare", "extract", "vocab", "train", "pick-checkpoint",
+              "evaluate-offline",
               "deploy-measure", "handover"]
 
 

@@ -17,9 +17,8 @@ speculators release renames or removes one of them.
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 from typing import Any
-
-import torch
 
 # (module, attribute) pairs this module replaces or wraps; checked by the tests.
 ADAPTED = [
@@ -32,11 +31,20 @@ ADAPTED = [
 # token; a multimodal verifier's (Kimi-K2.5) needs torchvision, which is not installed.
 PROCESSOR = ("speculators.train.utils", "load_processor")
 ALWAYS_ADAPTED = [PROCESSOR]
+# When the run asks for it (evaluate.checkpoints = "each" with train.checkpoint_freq < 1): speculators writes a
+# sub-epoch checkpoint into its epoch's directory, where the next one overwrites it; wrapped, each is copied
+# (the head's config and weights) into KEPT_DIR as soon as it is saved (pipeline/checkpoints.py reads them).
+SAVE = ("speculators.train.trainer", "Trainer")  # its maybe_save_checkpoint(epoch, local_step)
+KEEP_ENV = "EAGLE3_CONSOLE_KEEP_SUB_EPOCH"
+KEPT_DIR = "kept"
+HEAD_FILES = ("config.json", "model.safetensors")
 # With an accelerator: the fused loss kernels whose shared autotuner lists are split.
 FUSED_KERNELS = ("speculators.losses.fused", ("loss_forward_kernel", "loss_backward_kernel"))
 
 
 def needs_adapting() -> bool:
+    import torch
+
     return not torch.accelerator.is_available()
 
 
@@ -142,16 +150,66 @@ def split_fused_autotuner_lists() -> list[str]:
 
 class _no_accelerator_sync:
     def __enter__(self):
+        import torch
+
         self._saved = torch.accelerator.synchronize
         torch.accelerator.synchronize = lambda *a, **k: None
 
     def __exit__(self, *exc):
+        import torch
+
         torch.accelerator.synchronize = self._saved
         return False
 
 
+def keep_copy(save_path: Path, epoch: int, local_step: int) -> Path | None:
+    """Copy epoch `epoch`'s checkpoint, just saved at `local_step` of its epoch, to KEPT_DIR/EPOCH-stepSTEP
+    (built aside, renamed into place: a kill leaves a hidden temporary, never a half copy)."""
+    import json
+    import shutil
+
+    src = save_path / str(epoch)
+    try:
+        state = json.loads((src / "training_state.json").read_text())
+    except (OSError, ValueError):
+        return None
+    if state.get("local_step") != local_step:
+        return None  # speculators skipped this save (too close to the epoch's end)
+    dest = save_path / KEPT_DIR / f"{epoch}-step{local_step}"
+    tmp = dest.with_name(f".{dest.name}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    for name in HEAD_FILES:
+        shutil.copy2(src / name, tmp / name)
+    (tmp / "training_state.json").write_text(json.dumps(state))
+    shutil.rmtree(dest, ignore_errors=True)
+    tmp.rename(dest)
+    return dest
+
+
+def keep_sub_epoch_checkpoints() -> list[str]:
+    """Wrap Trainer.maybe_save_checkpoint so that rank 0 copies each sub-epoch checkpoint once it is saved."""
+    import importlib
+    import os
+
+    if not os.environ.get(KEEP_ENV):
+        return []
+    trainer_cls: Any = getattr(importlib.import_module(SAVE[0]), SAVE[1])
+    original = trainer_cls.maybe_save_checkpoint
+
+    def maybe_save_checkpoint(self, epoch, local_step: int = 0):
+        original(self, epoch, local_step=local_step)
+        if isinstance(epoch, int) and local_step > 0 and getattr(self, "rank", 0) == 0:
+            if (kept := keep_copy(Path(self.checkpointer.path), epoch, local_step)) is not None:
+                print(f"[eagle3-console] kept sub-epoch checkpoint {kept}", file=sys.stderr, flush=True)
+
+    trainer_cls.maybe_save_checkpoint = maybe_save_checkpoint
+    return [f"{SAVE[1]}.maybe_save_checkpoint"]
+
+
 def main(argv: list[str] | None = None) -> None:
     tokenizer_when_no_processor()
+    keep_sub_epoch_checkpoints()
     adapted = adapt()
     if adapted:
         print(f"[eagle3-console] no accelerator: adapted {', '.join(adapted)} for CPU", file=sys.stderr,

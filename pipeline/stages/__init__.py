@@ -4,14 +4,15 @@ from pipeline.stages.deploy_measure import DeployMeasure
 from pipeline.stages.evaluate_offline import EvaluateOffline
 from pipeline.stages.extract import Extract
 from pipeline.stages.handover import Handover
+from pipeline.stages.pick_checkpoint import PickCheckpoint
 from pipeline.stages.preflight import Preflight
 from pipeline.stages.prepare import Prepare
 from pipeline.stages.regenerate import Regenerate
 from pipeline.stages.train import Train
 from pipeline.stages.vocab import Vocab
 
-STAGES = [Preflight(), BuildTarget(), Regenerate(), Prepare(), Extract(), Vocab(), Train(), EvaluateOffline(),
-          DeployMeasure(), Handover()]
+STAGES = [Preflight(), BuildTarget(), Regenerate(), Prepare(), Extract(), Vocab(), Train(), PickCheckpoint(),
+          EvaluateOffline(), DeployMeasure(), Handover()]
 
 
 def stage_names() -> list[str]:

@@ -198,6 +198,13 @@ class StageContext:
         return str(decision) if decision else None
 
     def draft_checkpoint(self) -> Path:
+        """The head the run deploys: pick-checkpoint's choice (evaluate.checkpoints = "each"), else the last
+        epoch's."""
+        if self.profile.evaluate.checkpoints == "each":
+            picked = self.run.stage_state("pick-checkpoint").get("figures", {}).get("checkpoint")
+            if not picked:
+                raise StageError("pick-checkpoint has not finished: no checkpoint chosen in state.json")
+            return Path(picked)
         recorded = self.run.stage_state("train").get("figures", {}).get("checkpoint")
         if not recorded:
             raise StageError("train has not finished: no checkpoint recorded in state.json")

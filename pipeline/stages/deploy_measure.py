@@ -8,55 +8,17 @@ the new head a mismatch fails the stage. A method vLLM refuses becomes a row tha
 from __future__ import annotations
 
 import json
-import time
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack, closing
 from functools import partial
 from pathlib import Path
 
-from pipeline import atomicio, box, conversations, notes, online, portlock, procs, target, vllm_modes
+from pipeline import atomicio, box, conversations, diagnose, notes, online, portlock, procs, target, vllm_modes
 from pipeline.deploy import publish_draft
+from pipeline.online import in_threads, send_all
 from pipeline.server import ServerError, explain_failure, port_in_use, port_owner
 from pipeline.stages.base import Stage, StageContext, StageError, argv_for, first_difference
 
 MODE = {"baseline": "baseline", "ngram": "ngram", "existing": "speculative", "eagle3": "speculative"}
-
-
-def send_all(base_url: str, model: str, prompts: list[list[int]], max_tokens: int, concurrency: int,
-             on_done=lambda n: None) -> dict:
-    """All prompts at `concurrency` requests in flight; outputs in prompt order."""
-    headers: dict = {}  # the measured servers are internal, loopback and keyless (vllm_modes.server_env)
-    done = [0]
-
-    def one(ids):
-        out = online.complete(base_url, model, ids, max_tokens, headers)
-        done[0] += 1
-        on_done(done[0])
-        return out
-
-    t0 = time.perf_counter()
-    results = in_threads(one, prompts, concurrency)
-    seconds = time.perf_counter() - t0
-    tokens = sum(r["completion_tokens"] for r in results)
-    per_token = [r["seconds"] / r["completion_tokens"] for r in results if r["completion_tokens"]]
-    return {"outputs": [r["token_ids"] for r in results], "output_tokens": tokens, "seconds": round(seconds, 3),
-            "output_tok_s": round(tokens / seconds, 2) if seconds else 0.0,
-            "tpot_ms": round(1000 * sum(per_token) / len(per_token), 3) if per_token else None}
-
-
-def in_threads(fn, items: list, workers: int, wait_on_error: bool = False) -> list:
-    """fn over items in `workers` threads, results in order. Interrupted (SIGTERM) or failed, it returns at
-    once without waiting for the calls in flight (requests: their server is stopped next, which ends them) —
-    or, `wait_on_error`, once they have ended (server starts: a stopping run makes them give up within a
-    second, and only then is every server they recorded known)."""
-    pool = ThreadPoolExecutor(max_workers=max(1, workers))
-    try:
-        return list(pool.map(fn, items))
-    except BaseException:
-        pool.shutdown(wait=wait_on_error, cancel_futures=True)
-        raise
-    finally:
-        pool.shutdown(wait=False)
 
 
 def start_method(ctx: StageContext, profile, method: str, **mode_args):
@@ -259,6 +221,7 @@ class DeployMeasure(Stage):
                     row["numeric_ties"] = len(ties)
                     if real := [rows[i]["id"] for i in differ if i not in ties]:
                         failures[method] = real
+        baseline_outputs = base["levels"][low]["outputs"]
         for row in matrix.values():
             for level in row.get("levels", {}).values():
                 level.pop("outputs", None)
@@ -290,6 +253,9 @@ class DeployMeasure(Stage):
                            speculative_tok_s=lv["output_tok_s"], identical_outputs=eagle["identical_outputs"],
                            tokens_per_step=lv["tokens_per_step"],
                            **step_economics(base["levels"][low], lv, ev.deploy_speedup))
+            if offline_tau is None:  # the offline evaluator did not compare it with training already
+                figures |= diagnose.check_acceptance(ctx, ctx.draft_checkpoint(), lv["acceptance_per_position"],
+                                                     "through vLLM", baseline_outputs)
         ngram = matrix.get("ngram", {}).get("levels", {}).get(low, {})
         if ngram.get("mean_acceptance_length") is not None:
             steps = ngram["output_tokens"] - len(prompts) - ngram["accepted"]
@@ -299,11 +265,14 @@ class DeployMeasure(Stage):
 
 
 def step_economics(baseline: dict, eagle: dict, threshold: float) -> dict:
-    """A decode step's cost with the head (its time per token times the tokens a step yields) against a
-    plain step's, and the τ at which the head would reach the deploy threshold at that cost."""
-    if not baseline.get("tpot_ms") or not eagle.get("tpot_ms"):
+    """A decode step's cost with the head against a plain one, from the same measurement as the speedup it
+    explains: the head's tokens/s over the baseline's is τ × plain step / head step (τ: tokens per step), so a
+    step with the head costs τ / speedup plain steps, and the head reaches the deploy threshold from
+    τ × threshold / speedup — on the side of τ that the speedup is of the threshold, by construction.
+    The plain step is the baseline's time per output token."""
+    speedup, tau, plain = eagle.get("speedup"), eagle.get("tokens_per_step"), baseline.get("tpot_ms")
+    if not speedup or not tau or not plain:
         return {}
-    step_ms = eagle["tpot_ms"] * eagle["tokens_per_step"]
-    return {"step_ms": round(step_ms, 3), "baseline_step_ms": baseline["tpot_ms"],
-            "break_even_tau": round(threshold * step_ms / baseline["tpot_ms"], 3),
+    return {"step_ms": round(plain * tau / speedup, 3), "baseline_step_ms": plain,
+            "break_even_tau": round(threshold * tau / speedup, 3), "deploy_speedup": threshold,
             "gpu": vllm_modes.accelerator_available()}

@@ -7,7 +7,7 @@ import json
 import time
 from pathlib import Path
 
-from pipeline import atomicio, conversations, target
+from pipeline import atomicio, conversations, diagnose, target
 from pipeline.stages.base import Stage, StageContext, StageError, first_difference
 
 
@@ -40,30 +40,24 @@ class EvaluateOffline(Stage):
         from pipeline import prompt_lookup, speculative
 
         ev = ctx.profile.evaluate
-        prompts = [json.loads(line) for line in ctx.run.heldout_prompts.read_text().splitlines()
-                   if line.strip()][: ev.num_prompts]
-        if not prompts:
-            raise StageError(f"{ctx.run.heldout_prompts}: no held-out prompts (data.heldout = 0?)")
-        tok = target.load_tokenizer(ctx.target_dir())
-        model = target.load_model(ctx.target_dir(), ctx.profile.target.dtype)
-        draft = speculative.load_draft(ctx.draft_checkpoint()).to(model.get_input_embeddings().weight.device)
-        proposer = speculative.DraftProposer(draft)
-        reader = target.HiddenStateReader(model, proposer.aux_ids)
-        eos = eos_ids(model)
+        prompts = heldout_rows(ctx)
+        bench = OfflineTarget(ctx)
+        head = bench.head(ctx.draft_checkpoint())
         total = speculative.SpecStats(k=ev.k)
         ngram = prompt_lookup.Acceptance(per_position=[0] * ev.k)
-        per_prompt, mismatches = [], []
+        per_prompt, mismatches, outputs = [], [], []
         t_spec = t_ref = 0.0
         done = 0
         for start in range(0, len(prompts), ev.batch_size):
             batch = prompts[start: start + ev.batch_size]
-            ids = [conversations.render_ids(tok, p["messages"], add_generation_prompt=True) for p in batch]
+            ids = bench.prompt_ids(batch)
             t0 = time.perf_counter()
-            results = speculative.speculative_generate_batch(reader, proposer, ids, ev.k, ev.max_new_tokens, eos)
+            results = bench.speculate(head, ids)
             t1 = time.perf_counter()
             # k tokens past max_new_tokens: what vLLM's last step verifies n-gram's drafts against
-            longer = speculative.greedy_reference_batch(model, ids, ev.max_new_tokens + ev.k, eos)
+            longer = bench.reference(ids, extra=ev.k)
             refs = [r[: ev.max_new_tokens] for r in longer]
+            outputs += refs
             t_ref += time.perf_counter() - t1
             t_spec += t1 - t0
             for p, prompt_ids, (out, stats), ref, ref_on in zip(batch, ids, results, refs, longer, strict=True):
@@ -91,9 +85,55 @@ class EvaluateOffline(Stage):
         if mismatches:
             raise StageError(f"lossless check failed: {len(mismatches)}/{len(prompts)} outputs differ from the "
                              f"target's greedy output (first: {mismatches[0]}); see {ctx.run.offline_result}")
-        return {**{k: result[k] for k in ("tau", "acceptance_per_position", "prompts", "generated_tokens",
-                                          "tokens_per_target_forward", "lossless")},
-                "ngram_tau": round(ngram.tau, 4), "ngram_tokens_per_step": round(ngram.tokens_per_step, 4)}
+        figures = {**{k: result[k] for k in ("tau", "acceptance_per_position", "prompts", "generated_tokens",
+                                             "tokens_per_target_forward", "lossless")},
+                   "ngram_tau": round(ngram.tau, 4), "ngram_tokens_per_step": round(ngram.tokens_per_step, 4)}
+        return figures | diagnose.check_acceptance(ctx, ctx.draft_checkpoint(), result["acceptance_per_position"],
+                                                   "offline", outputs)
+
+
+def heldout_rows(ctx: StageContext) -> list[dict]:
+    """The held-out prompts the evaluation uses (evaluate.num_prompts of them)."""
+    rows = [json.loads(line) for line in ctx.run.heldout_prompts.read_text().splitlines()
+            if line.strip()][: ctx.profile.evaluate.num_prompts]
+    if not rows:
+        raise StageError(f"{ctx.run.heldout_prompts}: no held-out prompts (data.heldout = 0?)")
+    return rows
+
+
+class OfflineTarget:
+    """The target in transformers with its tokenizer, loaded once, and any trained head beside it."""
+
+    def __init__(self, ctx: StageContext):
+        self.ev = ctx.profile.evaluate
+        self.tok = target.load_tokenizer(ctx.target_dir())
+        self.model = target.load_model(ctx.target_dir(), ctx.profile.target.dtype)
+        self.eos = eos_ids(self.model)
+        self._reader: target.HiddenStateReader | None = None
+
+    def prompt_ids(self, rows: list[dict]) -> list[list[int]]:
+        return [conversations.render_ids(self.tok, r["messages"], add_generation_prompt=True) for r in rows]
+
+    def head(self, checkpoint: Path):
+        from pipeline import speculative
+
+        draft = speculative.load_draft(checkpoint).to(self.model.get_input_embeddings().weight.device)
+        proposer = speculative.DraftProposer(draft)
+        if self._reader is None:
+            self._reader = target.HiddenStateReader(self.model, proposer.aux_ids)
+        self._reader.layer_ids = list(proposer.aux_ids)  # the reader's hook stays one per target
+        return proposer
+
+    def speculate(self, proposer, ids: list[list[int]]) -> list:
+        from pipeline import speculative
+
+        return speculative.speculative_generate_batch(self._reader, proposer, ids, self.ev.k,
+                                                      self.ev.max_new_tokens, self.eos)
+
+    def reference(self, ids: list[list[int]], extra: int = 0) -> list[list[int]]:
+        from pipeline import speculative
+
+        return speculative.greedy_reference_batch(self.model, ids, self.ev.max_new_tokens + extra, self.eos)
 
 
 def ngram_figures(ngram, min_n: int, max_n: int) -> dict:

@@ -4,13 +4,14 @@ events. speculators resumes from the highest epoch directory by itself; before a
 directories that a kill left half-written are moved aside so that resume never reads them."""
 from __future__ import annotations
 
-import json
 import re
 import sys
 import time
 from pathlib import Path
 
 from pipeline import online_training, procs
+from pipeline.checkpoints import final_checkpoint, kept_sub_epoch, quarantine_incomplete
+from pipeline.compat import speculators_compat
 from pipeline.server import explain_failure
 from pipeline.stages.base import Stage, StageContext, StageError, argv_for
 from pipeline.target import resolve_layer_ids
@@ -54,6 +55,7 @@ def build_command(ctx: StageContext, *, python: str = sys.executable, endpoint: 
         "--loss-implementation", t.loss_implementation if t.loss_implementation != "auto"
         else ("fused" if gpu else "eager"),  # the fused loss is Triton
         "--log-freq", "1",
+        "--checkpoint-freq", f"{t.checkpoint_freq:g}",
     ]
     if endpoint:
         flags += online_training.trainer_flags(p, endpoint, ctx.run.hidden_states_dir)
@@ -77,43 +79,6 @@ def torchrun_args(t, run_name: str) -> list[str]:
         return ["--standalone", f"--nproc-per-node={t.nproc_per_node}"]
     return [f"--nnodes={t.nnodes}", f"--node-rank={t.node_rank}", f"--nproc-per-node={t.nproc_per_node}",
             "--rdzv-backend=c10d", f"--rdzv-endpoint={t.rdzv_endpoint}", f"--rdzv-id={run_name}"]
-
-
-def epoch_dirs(save_path: Path) -> list[Path]:
-    if not save_path.is_dir():
-        return []
-    return sorted((p for p in save_path.iterdir() if p.is_dir() and not p.is_symlink() and p.name.isdigit()),
-                  key=lambda p: int(p.name))
-
-
-def epoch_complete(path: Path) -> bool:
-    """speculators writes training_state.json after the weights, optimizer and scheduler, so a
-    parsable one marks the directory complete; weights must also be a readable safetensors file."""
-    try:
-        state = json.loads((path / "training_state.json").read_text())
-        from safetensors import safe_open
-        with safe_open(str(path / "model.safetensors"), framework="pt") as fh:
-            fh.keys()
-    except Exception:  # noqa: BLE001 - any unreadable piece means incomplete
-        return False
-    return "epoch" in state and (path / "optimizer_state_dict.pt").is_file()
-
-
-def quarantine_incomplete(save_path: Path, log) -> list[str]:
-    moved = []
-    for path in epoch_dirs(save_path):
-        if not epoch_complete(path):
-            dest = save_path / "incomplete" / f"{path.name}-{int(time.time())}"
-            dest.parent.mkdir(exist_ok=True)
-            path.rename(dest)
-            log.warning("moved half-written checkpoint %s aside to %s", path, dest)
-            moved.append(path.name)
-    return moved
-
-
-def final_checkpoint(save_path: Path) -> Path | None:
-    done = [p for p in epoch_dirs(save_path) if epoch_complete(p)]
-    return done[-1] if done else None
 
 
 class Train(Stage):
@@ -185,6 +150,8 @@ class Train(Stage):
         if ctx.profile.train.cuda_visible_devices:  # training on some GPUs, serving on the others
             env["CUDA_VISIBLE_DEVICES"] = ctx.profile.train.cuda_visible_devices
         t0 = time.monotonic()
+        if ctx.profile.evaluate.checkpoints == "each" and ctx.profile.train.checkpoint_freq < 1:
+            env[speculators_compat.KEEP_ENV] = "1"  # each sub-epoch checkpoint copied to kept/ as it is saved
         rc = ctx.run_child(cmd, env=env, on_line=on_line)
         ctx.run.update_stage(self.name, train_seconds=round(time.monotonic() - t0, 2))
         if rc != 0:
@@ -198,7 +165,8 @@ class Train(Stage):
         figures = {"checkpoint": str(ckpt), "epochs": epochs, "logged_steps": steps,
                    # the planner's measured rate: median step after the first (compile), all ranks
                    "tokens_per_s": steady_tokens_per_s(step_ms, ctx.profile),
-                   "resumed_from_epoch": int(resumed.name) if resumed else None, "quarantined": moved}
+                   "resumed_from_epoch": int(resumed.name) if resumed else None, "quarantined": moved,
+                   **({"kept_sub_epoch": len(kept_sub_epoch(save))} if speculators_compat.KEEP_ENV in env else {})}
         figures.update({k.replace("/", "_"): round(v, 4) for k, v in last.items()
                         if k == "train/loss" or (k.startswith("val/") and re.search(r"(loss|acc)", k))})
         return figures

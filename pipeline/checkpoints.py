@@ -1,0 +1,108 @@
+"""The trainer's checkpoints on disk: which are complete, which a kill left half-written, and the candidates
+pick-checkpoint measures. speculators writes one directory per epoch (`checkpoints/N/`); a sub-epoch
+checkpoint (--checkpoint-freq < 1) goes into the same directory and is overwritten by the next one, so
+with evaluate.checkpoints = "each" the trainer's launcher copies each as it is saved into
+`checkpoints/kept/N-stepS/` (pipeline/compat/speculators_compat.py) — the head's config and weights only,
+what evaluation and vLLM read."""
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from pipeline.compat.speculators_compat import KEPT_DIR as KEPT
+
+
+def epoch_dirs(save_path: Path) -> list[Path]:
+    if not save_path.is_dir():
+        return []
+    return sorted((p for p in save_path.iterdir() if p.is_dir() and not p.is_symlink() and p.name.isdigit()),
+                  key=lambda p: int(p.name))
+
+
+def training_state(path: Path) -> dict | None:
+    try:
+        state = json.loads((path / "training_state.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return state if isinstance(state, dict) and "epoch" in state else None
+
+
+def weights_readable(path: Path) -> bool:
+    try:
+        from safetensors import safe_open
+        with safe_open(str(path / "model.safetensors"), framework="pt") as fh:
+            fh.keys()
+    except Exception:  # noqa: BLE001 - any unreadable piece means incomplete
+        return False
+    return True
+
+
+def epoch_complete(path: Path) -> bool:
+    """speculators writes training_state.json after the weights, optimizer and scheduler, so a
+    parsable one marks the directory complete; weights must also be a readable safetensors file."""
+    return (training_state(path) is not None and weights_readable(path)
+            and (path / "optimizer_state_dict.pt").is_file())
+
+
+def quarantine_incomplete(save_path: Path, log) -> list[str]:
+    moved = []
+    for path in epoch_dirs(save_path):
+        if not epoch_complete(path):
+            dest = save_path / "incomplete" / f"{path.name}-{int(time.time())}"
+            dest.parent.mkdir(exist_ok=True)
+            path.rename(dest)
+            log.warning("moved half-written checkpoint %s aside to %s", path, dest)
+            moved.append(path.name)
+    return moved
+
+
+def final_checkpoint(save_path: Path) -> Path | None:
+    done = [p for p in epoch_dirs(save_path) if epoch_complete(p)]
+    return done[-1] if done else None
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """One candidate head: `label` "3" (epoch 3's end) or "3-step40" (epoch 3 after 40 of its steps)."""
+    label: str
+    epoch: int
+    step: int  # steps into the epoch; 0 = the epoch's end
+    path: Path
+
+    @property
+    def order(self) -> tuple[int, float]:
+        return self.epoch, self.step or float("inf")
+
+    def fingerprint(self) -> str:
+        """Changes when the weights do (a re-trained epoch): a kept measurement is only reused while it holds."""
+        st = (self.path / "model.safetensors").stat()
+        return f"{st.st_size}:{st.st_mtime_ns}"
+
+
+def candidates(save_path: Path) -> list[Checkpoint]:
+    """Every complete checkpoint the trainer saved, in training order: each epoch's end and each kept
+    sub-epoch copy. An epoch directory that still holds a sub-epoch checkpoint (training stopped mid-epoch)
+    counts as that step."""
+    found: dict[str, Checkpoint] = {}
+    for path in epoch_dirs(save_path):
+        state = training_state(path)
+        if state is None or not epoch_complete(path):
+            continue
+        step = int(state.get("local_step") or 0)
+        label = path.name if step == 0 else f"{path.name}-step{step}"
+        found[label] = Checkpoint(label, int(path.name), step, path)
+    kept = save_path / KEPT
+    if kept.is_dir():
+        for path in kept.iterdir():
+            state = training_state(path)
+            if state is None or path.name.startswith(".") or not weights_readable(path):
+                continue
+            found.setdefault(path.name, Checkpoint(path.name, int(state["epoch"]), int(state["local_step"]), path))
+    return sorted(found.values(), key=lambda c: c.order)
+
+
+def kept_sub_epoch(save_path: Path) -> list[str]:
+    kept = save_path / KEPT
+    return sorted(p.name for p in kept.iterdir() if not p.name.startswith(".")) if kept.is_dir() else []
