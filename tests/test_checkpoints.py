@@ -191,3 +191,21 @@ def test_a_killed_measurement_through_vllm_resumes_with_the_measured_kept(tmp_pa
     assert chosen.name == picked["chosen"]["label"]
     served = run.draft_dir / "model.safetensors"
     assert served.read_bytes() == (chosen / "model.safetensors").read_bytes()  # the matrix served the chosen head
+
+
+def test_the_console_shows_tau_per_checkpoint_beside_the_losses():
+    from console.views import checkpoints_text
+
+    picked = {"backend": "offline", "prompts": 16, "chosen": {"label": "1", "why": "…"}, "checkpoints": [
+        {"label": "0", "tau": 1.2, "acceptance_per_position": [0.2, 0.0, 0.0], "train_loss": 5.0, "val_loss": 4.0,
+         "val_acc": [0.21, 0.05, 0.01]},
+        {"label": "1", "tau": 1.6, "acceptance_per_position": [0.4, 0.15, 0.05], "train_loss": 3.0, "val_loss": 2.5,
+         "val_acc": [0.4, 0.2, 0.1]},
+        {"label": "1-step9", "tau": 1.1, "acceptance_per_position": [0.1, 0.0, 0.0], "disagrees": True}]}
+    lines = checkpoints_text(picked).splitlines()
+    assert lines[0].startswith("τ per checkpoint (offline, 16 prompts): ▂█▁") and "deployed: 1" in lines[0]
+    assert lines[2].startswith("  0 ") and lines[3].startswith("* 1 ") and lines[4].startswith("! 1-step9")
+    assert "3.000" in lines[3] and "0.40 0.20 0.10" in lines[3] and "1.600" in lines[3]
+    assert "N/A" in lines[4]  # a sub-epoch checkpoint has no validation of its own
+    picked["chosen"] = None
+    assert "(measuring…)" in checkpoints_text(picked).splitlines()[0]

@@ -69,7 +69,7 @@ def test_every_stage_is_named_in_run_order():
     ("evaluate-offline", "deploy-measure", ["preflight", "evaluate-offline", "deploy-measure"]),
 ])
 def test_select_ranges_keep_preflight(start, until, expected):
-    profile = load_profile(TINY, {"evaluate.online": True})  # every stage applies
+    profile = load_profile(TINY, {"evaluate.online": True, "evaluate.checkpoints": "each"})  # every stage applies
     assert [s.name for s in select(profile, start, until)] == expected
 
 
