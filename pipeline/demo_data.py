@@ -31,6 +31,13 @@ def stdlib_sources(limit: int) -> list[Path]:
     return files[:limit]
 
 
+def stdlib_tree(limit: int) -> list[Path]:
+    """The first `limit` .py files of the whole stdlib tree by sorted path (site-packages left out)."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = sorted(p for p in root.rglob("*.py") if "site-packages" not in p.parts and "dist-packages" not in p.parts)
+    return files[:limit]
+
+
 def _documented_functions(path: Path) -> list[tuple[str, str]]:
     try:
         tree = ast.parse(path.read_text(encoding="utf-8", errors="replace"))

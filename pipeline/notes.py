@@ -150,6 +150,8 @@ def to_markdown(run: RunDir, out_path: Path | None = None) -> str:
                        is not None else "no offline τ (the offline evaluator did not run)")
         lines += ["## Benchmark matrix (vLLM, greedy, held-out prompts)", ""] + _matrix_lines(online) + [
             "", f"TPOT = request latency / output tokens (prefill included); {offline_tau}.", ""]
+    if production := _read_json(run.production_result):
+        lines += production_lines(production)
     try:
         made = plots.all_plots(run, run.report_dir)
     except OSError as exc:  # a read-only or full run: the report goes out without its plots
@@ -191,6 +193,21 @@ def checkpoint_lines(picked: dict) -> list[str]:
     return lines + ["", "Validation accuracy: speculators' full accuracy per draft position on its validation split "
                         "(teacher-forced); τ and acceptance: measured on the held-out prompts. ⚠: they disagree by "
                         "far (pipeline/diagnose.py).", ""]
+
+
+def production_lines(res: dict) -> list[str]:
+    """The operator's production server on the same requests before the run and after its handover."""
+    before, after = res["before"]["row"]["levels"], res["after"]["row"]["levels"]
+    head = "with the new head" if res.get("with_draft") else "without a head (the run did not deploy one)"
+    lines = ["## Production before and after", "", f"Before: {res['before']['server']}; after: "
+             f"{res['after']['server']}, {head}. The same {len(res['before']['prompt_ids'])} held-out prompts, greedy.",
+             "", "| concurrency | tok/s before | tok/s after | speedup | TPOT ms before | TPOT ms after |",
+             "|---|---|---|---|---|---|"]
+    for c in sorted(res.get("speedup", {}), key=int):
+        b, a = before.get(c) or before.get(int(c)), after.get(c) or after.get(int(c))
+        lines.append(f"| {c} | {b['output_tok_s']:.1f} | {a['output_tok_s']:.1f} | x{res['speedup'][c]:.2f} | "
+                     f"{_fmt(b.get('tpot_ms'))} | {_fmt(a.get('tpot_ms'))} |")
+    return lines + [""]
 
 
 def offline_why(profile) -> str:

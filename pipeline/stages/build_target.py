@@ -43,7 +43,10 @@ TEMPLATE_VERSIONS = {"kimi_k25": 1}  # part of the cache key of the architecture
 
 LLAMA_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
                 "max_position_embeddings", "tokenizer_source_files", "seed")
-CORPUS_FIELDS = ("corpus_conversations", "corpus_seed", "corpus_steps", "corpus_lr", "corpus_batch", "corpus_seq")
+CORPUS_FIELDS = ("corpus_conversations", "corpus_seed", "corpus_steps", "corpus_lr", "corpus_batch", "corpus_seq",
+                 "corpus_source_files", "corpus_dtype")
+# Fields added after targets were cached: at their defaults they leave a spec's key as it was.
+DEFAULTS_KEPT_OUT = {"corpus_source_files": 0, "corpus_dtype": "float32", "corpus_device": "auto"}
 PRETRAIN_RECORD = "pretrain.json"  # what teaching the target its corpus measured, kept with the weights
 
 
@@ -54,6 +57,7 @@ def cache_key(spec: DemoTargetSection) -> str:
                                                                  for f in LLAMA_FIELDS + CORPUS_FIELDS}
     if not spec.corpus_conversations:  # random weights: the corpus fields do not change what is built
         fields = {k: v for k, v in fields.items() if k not in CORPUS_FIELDS}
+    fields = {k: v for k, v in fields.items() if k != "corpus_device" and DEFAULTS_KEPT_OUT.get(k, object()) != v}
     versions = {"template": TEMPLATE_VERSIONS[spec.architecture]} if spec.architecture in TEMPLATE_VERSIONS else {}
     blob = json.dumps({"v": BUILD_VERSION, **versions, **fields}, sort_keys=True).encode()
     return hashlib.sha256(blob).hexdigest()[:12]

@@ -31,18 +31,20 @@ def start_method(ctx: StageContext, profile, method: str, **mode_args):
 
 
 def measure_served(ctx: StageContext, stage: str, method: str, rec, start_s: float,
-                   prompts: list[list[int]], reference: list[list[int]] | None = None) -> dict:
+                   prompts: list[list[int]], reference: list[list[int]] | None = None,
+                   headers: dict | None = None) -> dict:
     """One method's row; with the baseline's outputs (`reference`), every output that differs at the lowest
-    concurrency is located and the target's own margin there asked of this server (`divergences`)."""
+    concurrency is located and the target's own margin there asked of this server (`divergences`).
+    `headers`: production's key (measure-production, handover)."""
     p = ctx.profile
     row: dict = {"method": method, "server_start_s": start_s, "levels": {}}
     try:
-        online.complete(rec.base_url, p.server.served_model_name, prompts[0], 4, {})  # warm-up
+        online.complete(rec.base_url, p.server.served_model_name, prompts[0], 4, headers or {})  # warm-up
         for c in sorted(p.evaluate.concurrency):
             before = online.scrape(rec.base_url)
             level = send_all(rec.base_url, p.server.served_model_name, prompts, p.evaluate.max_new_tokens, c,
                              on_done=partial(ctx.progress, stage, total=len(prompts),
-                                             unit=f"prompts ({method}, c={c})"))
+                                             unit=f"prompts ({method}, c={c})"), headers=headers)
             spec = online.scrape(rec.base_url) - before
             if spec.drafts:
                 level.update(mean_acceptance_length=round(spec.mean_acceptance_length, 4),

@@ -50,5 +50,8 @@ class Handover(Stage):
                                  say=ctx.log.info, owner="", draft_dir=draft)
             figures = {"after_run": after, "server": "production" + (" with draft" if draft else ""),
                        "pid": rec.pid, "port": rec.port, **({"draft": why} if why else {})}
+            if ctx.profile.evaluate.production_before_after:
+                from pipeline.stages import measure_production
+                figures |= measure_production.after(ctx, rec, with_draft=draft is not None)
         atomicio.atomic_write_json(ctx.run.handover_record, {**figures, "at": now_iso()})
         return figures

