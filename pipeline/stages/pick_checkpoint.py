@@ -73,6 +73,8 @@ class PickCheckpoint(Stage):
                          "fingerprint": ckpt.fingerprint(), **measurer.measure(ckpt),
                          "seconds": 0.0, "at": now_iso()}
                 entry["seconds"] = round(time.perf_counter() - t0, 2)
+                ctx.log.info("checkpoint %s: τ %.3f in %.1f s (%s)", ckpt.label, entry["tau"], entry["seconds"],
+                             backend)
             epoch = per_epoch.get(ckpt.epoch, {}) if ckpt.step == 0 else {}
             entry.update({k: epoch.get(k) for k in ("train_loss", "val_loss", "val_acc")})
             entry["disagrees"] = bool(epoch.get("val_acc") and entry["acceptance_per_position"]
@@ -130,11 +132,15 @@ class OfflineMeasure:
 
     def _ready(self) -> OfflineTarget:
         if self._bench is None:
+            t0 = time.perf_counter()
             self._bench = OfflineTarget(self.ctx)
             self._ids = self._bench.prompt_ids(self.rows)
+            t1 = time.perf_counter()
             size = self.ctx.profile.evaluate.batch_size
             self._refs = [r for i in range(0, len(self._ids), size)
                           for r in self._bench.reference(self._ids[i: i + size])]
+            self.ctx.log.info("target loaded in %.1f s; its greedy outputs for %d prompts in %.1f s",
+                              t1 - t0, len(self._ids), time.perf_counter() - t1)
         return self._bench
 
     def measure(self, ckpt: Checkpoint) -> dict:

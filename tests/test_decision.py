@@ -1,0 +1,32 @@
+"""The deploy decision and the line that explains it come from one measurement: the break-even τ the why
+line names and the τ the head reached fall on the same side as the speedup falls of the threshold (issue 24:
+a "deploy" at x1.253 was explained by "pays from tau 4.05 (it reached 2.18)")."""
+import itertools
+
+import pytest
+
+from pipeline.notes import economics
+from pipeline.stages.deploy_measure import decide, step_economics
+
+TAUS = [1.0, 1.05, 1.5, 2.18, 3.164, 4.4]
+SPEEDUPS = [0.5, 0.737, 0.961, 1.0, 1.099, 1.1, 1.101, 1.253, 1.586, 2.5]
+
+
+@pytest.mark.parametrize("tau,speedup,threshold", itertools.product(TAUS, SPEEDUPS, [1.0, 1.1, 1.3]))
+def test_the_why_line_agrees_with_the_decision(tau, speedup, threshold):
+    baseline = {"output_tok_s": 100.0, "tpot_ms": 3.71}
+    eagle = {"output_tok_s": 100.0 * speedup, "tpot_ms": 46.2, "tokens_per_step": tau, "speedup": speedup}
+    figures = step_economics(baseline, eagle, threshold)
+    verdict = decide({"levels": {1: eagle}}, 1, threshold)
+    deploy = verdict.startswith("deploy:")
+    assert deploy == (speedup >= threshold)
+    assert (figures["break_even_tau"] <= tau + 1e-9) == deploy or abs(figures["break_even_tau"] - tau) < 2e-3
+    # the step costs it names give back the measured speedup: tau × plain step / step with the head
+    assert tau * figures["baseline_step_ms"] / figures["step_ms"] == pytest.approx(speedup, rel=2e-3)
+    line = economics({**figures, "tokens_per_step": tau})
+    assert f"pays from tau {figures['break_even_tau']:.2f}" in line and f"it reached {tau:.2f}" in line
+
+
+def test_no_speedup_no_economics():
+    assert step_economics({"tpot_ms": 3.0}, {"tokens_per_step": 2.0, "speedup": None}, 1.1) == {}
+    assert step_economics({"tpot_ms": None}, {"tokens_per_step": 2.0, "speedup": 1.2}, 1.1) == {}

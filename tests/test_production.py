@@ -1,0 +1,71 @@
+"""The operator's story around production (evaluate.production_before_after): production is up on the port
+first and measured on the held-out prompts, the run stops it, trains, hands production back with the new head
+when it decided so, and measures it again on the same requests."""
+import json
+
+import pytest
+
+from pipeline import preflight
+from pipeline.cli import _overrides
+from pipeline.profile import ProfileError, load_profile
+from pipeline.rundir import RunDir
+from tests.conftest import TINY, cli, free_port
+
+STORY = ("evaluate.production_before_after=true", 'server.after_run="production-with-draft"')
+
+
+def test_production_measured_after_needs_a_handover_back():
+    with pytest.raises(ProfileError, match="evaluate.production_before_after"):
+        load_profile(TINY, _overrides(["evaluate.production_before_after=true"]))
+
+
+def test_preflight_asks_for_production_first(tmp_path):
+    port = free_port()
+    demo = load_profile(TINY, _overrides([*STORY, f"server.port={port}", f'run.runs_dir="{tmp_path}"']))
+    found = [f for f in preflight.port_findings(demo) if f.check == "production"]
+    assert len(found) == 1 and found[0].severity == "info" and "after build-target" in found[0].message
+    served = load_profile(TINY, _overrides([*STORY, f"server.port={port}", f'run.runs_dir="{tmp_path}"',
+                                            'target.source="path"', f'target.model_path="{tmp_path}"']))
+    found = [f for f in preflight.port_findings(served) if f.check == "production"]
+    assert len(found) == 1 and found[0].severity == "block" and f"port {port}" in found[0].message
+
+
+def test_measure_production_without_production_fails_in_one_line(tmp_path, cache_dir):
+    run_dir = tmp_path / "run"
+    sets = [*STORY, f'run.cache_dir="{cache_dir}"', f"server.port={free_port()}"]
+    proc = cli("run", TINY, "--no-tui", "--run-dir", run_dir, "--until", "measure-production",
+               *[a for s in sets for a in ("--set", s)])
+    assert proc.returncode != 0 and "Traceback" not in proc.stdout + proc.stderr
+    assert "no healthy production server on port" in proc.stderr and "server start --mode production" in proc.stderr
+
+
+@pytest.mark.slow
+def test_production_before_and_after_on_the_same_requests(tmp_path, cache_dir):
+    run_dir = tmp_path / "run"
+    sets = [*STORY, "evaluate.online=true", f'run.cache_dir="{cache_dir}"', f"server.port={free_port()}"]
+    args = [a for s in sets for a in ("--set", s)]
+    assert cli("run", TINY, "--no-tui", "--run-dir", run_dir, "--until", "build-target", *args).returncode == 0
+    started = cli("server", "start", "--run-dir", run_dir, "--mode", "production")
+    assert started.returncode == 0, started.stdout[-2000:] + started.stderr[-2000:]
+    try:
+        done = cli("run", "--resume", run_dir, "--no-tui")
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+        run = RunDir.open(run_dir)
+        result = json.loads(run.production_result.read_text())
+        before, after = result["before"], result["after"]
+        assert before["prompt_ids"] == [json.loads(line)["id"] for line in run.heldout_prompts.read_text().splitlines()]
+        assert before["server"] != after["server"]  # production was stopped by the run and started again
+        decision = run.stage_state("deploy-measure")["figures"]["decision"]
+        assert result["with_draft"] == decision.startswith("deploy:")
+        assert ("--speculative-config" in after["argv"]) == result["with_draft"]
+        levels = sorted(str(c) for c in run.profile().evaluate.concurrency)
+        assert sorted(result["speedup"]) == levels
+        for c in levels:
+            b, a = before["row"]["levels"][c], after["row"]["levels"][c]
+            assert result["speedup"][c] == pytest.approx(a["output_tok_s"] / b["output_tok_s"], abs=1e-3)
+        figs = run.stage_state("handover")["figures"]
+        assert figs["production_speedup"] == result["speedup"][levels[0]]
+        md = cli("notes", "export", run_dir).stdout
+        assert "## Production before and after" in md and "production before → after" in md
+    finally:
+        cli("server", "stop", "--run-dir", run_dir)
