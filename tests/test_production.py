@@ -24,6 +24,7 @@ def test_preflight_asks_for_production_first(tmp_path):
     demo = load_profile(TINY, _overrides([*STORY, f"server.port={port}", f'run.runs_dir="{tmp_path}"']))
     found = [f for f in preflight.port_findings(demo) if f.check == "production"]
     assert len(found) == 1 and found[0].severity == "info" and "after build-target" in found[0].message
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
     served = load_profile(TINY, _overrides([*STORY, f"server.port={port}", f'run.runs_dir="{tmp_path}"',
                                             'target.source="path"', f'target.model_path="{tmp_path}"']))
     found = [f for f in preflight.port_findings(served) if f.check == "production"]
