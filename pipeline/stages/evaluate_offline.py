@@ -70,9 +70,10 @@ class EvaluateOffline(Stage):
                 per_prompt.append({"id": p["id"], "tau": round(stats.tau, 4), "tokens": len(out), "lossless": same})
             done += len(batch)
             ctx.progress(self.name, done, len(prompts), "prompts", tau=round(total.tau, 3))
+        acceptance = [round(a, 4) for a in total.acceptance()]
         result = {
             "k": ev.k, "prompts": len(prompts), "tau": round(total.tau, 4),
-            "acceptance_per_position": [round(a, 4) for a in total.acceptance()],
+            "acceptance_per_position": acceptance,
             "rounds": total.rounds, "accepted": total.accepted, "generated_tokens": total.generated,
             "target_forwards": total.target_forwards,
             "tokens_per_target_forward": round(total.generated / total.target_forwards, 4),
@@ -88,8 +89,7 @@ class EvaluateOffline(Stage):
         figures = {**{k: result[k] for k in ("tau", "acceptance_per_position", "prompts", "generated_tokens",
                                              "tokens_per_target_forward", "lossless")},
                    "ngram_tau": round(ngram.tau, 4), "ngram_tokens_per_step": round(ngram.tokens_per_step, 4)}
-        return figures | diagnose.check_acceptance(ctx, ctx.draft_checkpoint(), result["acceptance_per_position"],
-                                                   "offline", outputs)
+        return figures | diagnose.check_acceptance(ctx, ctx.draft_checkpoint(), acceptance, "offline", outputs)
 
 
 def heldout_rows(ctx: StageContext) -> list[dict]:
@@ -127,6 +127,8 @@ class OfflineTarget:
     def speculate(self, proposer, ids: list[list[int]]) -> list:
         from pipeline import speculative
 
+        if self._reader is None:
+            raise RuntimeError("OfflineTarget.speculate before head(): no reader for the head's layers")
         return speculative.speculative_generate_batch(self._reader, proposer, ids, self.ev.k,
                                                       self.ev.max_new_tokens, self.eos)
 

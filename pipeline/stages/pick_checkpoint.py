@@ -147,12 +147,13 @@ class OfflineMeasure:
         from pipeline import speculative
 
         bench = self._ready()
+        refs = self._refs or []
         head = bench.head(ckpt.path)
         total = speculative.SpecStats(k=self.ctx.profile.evaluate.k)
         size = self.ctx.profile.evaluate.batch_size
         differ = 0
         for i in range(0, len(self._ids), size):
-            for (out, stats), ref in zip(bench.speculate(head, self._ids[i: i + size]), self._refs[i: i + size],
+            for (out, stats), ref in zip(bench.speculate(head, self._ids[i: i + size]), refs[i: i + size],
                                          strict=True):
                 total.merge(stats)
                 differ += out != ref
