@@ -76,9 +76,10 @@ class Checkpoint:
         return self.epoch, self.step or float("inf")
 
     def fingerprint(self) -> str:
-        """Changes when the weights do (a re-trained epoch): a kept measurement is only reused while it holds."""
+        """Changes when the weights do (a re-trained epoch) or move (an epoch's directory that now holds its
+        end, where a kept copy holds the step measured): a measurement is only reused while it holds."""
         st = (self.path / "model.safetensors").stat()
-        return f"{st.st_size}:{st.st_mtime_ns}"
+        return f"{self.path}:{st.st_size}:{st.st_mtime_ns}"
 
 
 def candidates(save_path: Path) -> list[Checkpoint]:

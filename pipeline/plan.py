@@ -380,6 +380,8 @@ def make_plan(profile: Profile, run_dir: Path | None = None, free: int | None = 
     hidden = tokens * len(draft.layer_ids) * info.hidden * state_bytes(profile)
     per_ckpt = (draft.trainable_params + draft.frozen_params) * 2 + draft.trainable_params * 8
     checkpoints = per_ckpt * t.epochs
+    if profile.evaluate.checkpoints == "each" and t.checkpoint_freq < 1:  # kept sub-epoch copies: weights only
+        checkpoints += (checkpoint_count(profile) - t.epochs) * (draft.trainable_params + draft.frozen_params) * 2
 
     extract = _rate(profile, "extract", _extract_rate, "extract_tokens_per_s", extract_gpus)
     train = _rate(profile, "train", lambda f: f.get("tokens_per_s"), "train_tokens_per_s", train_gpus)

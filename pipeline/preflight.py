@@ -331,11 +331,15 @@ def gpu_findings(profile: Profile, snapshot: gpu.GpuSnapshot | None = None) -> l
     return found
 
 
-def port_findings(profile: Profile) -> list[Finding]:
+def port_findings(profile: Profile, run_dir: Path | None = None) -> list[Finding]:
     from pipeline import box, portlock
     from pipeline.server import port_in_use, port_owner
 
     s = profile.server
+    if run_dir is not None and (Path(run_dir) / "eval" / "production-before.json").is_file():
+        # production was measured by this run before it stopped it: a resume needs no production up
+        profile = profile.model_copy(update={"evaluate": profile.evaluate.model_copy(
+            update={"production_before_after": False})})
     if (other := portlock.holder(profile)) is not None:
         return [Finding("block", "port", f"port {s.port} belongs to another run in progress (pid {other.get('pid')}, "
                                          f"{other.get('run')}): one run at a time per serving port")]
@@ -429,7 +433,8 @@ def evaluation_findings(profile: Profile, snapshot: gpu.GpuSnapshot | None = Non
 def preflight(profile: Profile, snapshot: gpu.GpuSnapshot | None = None, run_dir: Path | None = None) -> list[Finding]:
     """Every check; `run_dir`: the run directory in use (its disk is the one that fills)."""
     return (target_findings(profile) + version_findings(profile) + gpu_findings(profile, snapshot)
-            + port_findings(profile) + disk_findings(profile, run_dir) + evaluation_findings(profile, snapshot))
+            + port_findings(profile, run_dir) + disk_findings(profile, run_dir)
+            + evaluation_findings(profile, snapshot))
 
 
 def blocking(findings: list[Finding]) -> list[Finding]:

@@ -348,9 +348,13 @@ class TrainSection(Section):
     def _rules(self) -> TrainSection:
         if self.checkpoint_freq > 1 and not float(self.checkpoint_freq).is_integer():
             raise rule("train.checkpoint_freq", self.checkpoint_freq, "above 1 must be a whole number of epochs")
-        if "--save-best" in self.extra_args or "--checkpoint-freq" in self.extra_args:
-            flag = "--save-best" if "--save-best" in self.extra_args else "--checkpoint-freq"
-            raise rule("train.extra_args", flag, "is set by the profile: train.checkpoint_freq, evaluate.checkpoints")
+        if self.checkpoint_freq > 1 and self.epochs % int(self.checkpoint_freq):
+            raise rule("train.checkpoint_freq", self.checkpoint_freq,
+                       f"must divide train.epochs ({self.epochs}): speculators would not save the last epoch")
+        for arg in self.extra_args:
+            if arg.split("=", 1)[0] in ("--save-best", "--checkpoint-freq"):
+                raise rule("train.extra_args", arg,
+                           "is set by the profile: train.checkpoint_freq, evaluate.checkpoints")
         if self.nnodes > 1 and not self.rdzv_endpoint:
             raise rule("train.rdzv_endpoint", self.rdzv_endpoint, f"is required when train.nnodes = {self.nnodes}")
         if not 0 <= self.node_rank < self.nnodes:

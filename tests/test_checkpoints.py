@@ -53,12 +53,30 @@ def test_the_plan_counts_the_checkpoints_speculators_saves(epochs, freq, expecte
     (["train.checkpoint_freq=0"], "train.checkpoint_freq"),
     (['train.extra_args=["--save-best"]'], "train.extra_args"),
     (['evaluate.checkpoints="best"'], "evaluate.checkpoints"),
+    (['train.extra_args=["--checkpoint-freq=0.5"]'], "train.extra_args"),
+    (["train.epochs=5", "train.checkpoint_freq=2"], "speculators would not save the last epoch"),
 ])
 def test_bad_checkpoint_settings_are_named(sets, error):
     from pipeline.profile import ProfileError
 
     with pytest.raises(ProfileError, match=error):
         profile_with(*sets)
+
+
+def test_the_recorded_output_is_this_attempts_choice(tmp_path):
+    """outputs() is read right after run() (before the state holds this attempt's figures): the chosen head
+    comes from the result file just written."""
+    from pipeline.stages.pick_checkpoint import PickCheckpoint, chosen_path
+
+    run = RunDir.create(profile_with(*EACH, f'run.runs_dir="{tmp_path}"'), tmp_path / "run")
+    run.update_stage("pick-checkpoint", figures={"checkpoint": str(tmp_path / "gone")})  # an earlier attempt's
+    atomicio.atomic_write_json(run.checkpoints_result, {"chosen": {"label": "1"}, "checkpoints": [
+        {"label": "0", "path": str(tmp_path / "c0")}, {"label": "1", "path": str(tmp_path / "c1")}]})
+    ctx = SimpleNamespace(run=run)
+    assert chosen_path(run) == str(tmp_path / "c1")
+    assert PickCheckpoint().outputs(ctx) == [run.checkpoints_result, tmp_path / "c1"]
+    run.checkpoints_result.write_text("{torn")
+    assert PickCheckpoint().outputs(ctx) == [run.checkpoints_result]
 
 
 def test_training_and_serving_disagree_by_far_and_the_causes_are_named(tmp_path):

@@ -31,6 +31,18 @@ def test_preflight_asks_for_production_first(tmp_path):
     assert len(found) == 1 and found[0].severity == "block" and f"port {port}" in found[0].message
 
 
+def test_a_resume_after_production_was_measured_needs_no_production_up(tmp_path):
+    port = free_port()
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
+    served = load_profile(TINY, _overrides([*STORY, f"server.port={port}", f'run.runs_dir="{tmp_path}"',
+                                            'target.source="path"', f'target.model_path="{tmp_path}"']))
+    run_dir = tmp_path / "run"
+    (run_dir / "eval").mkdir(parents=True)
+    assert [f for f in preflight.port_findings(served, run_dir) if f.check == "production"]  # not measured yet
+    (run_dir / "eval" / "production-before.json").write_text("{}")
+    assert not [f for f in preflight.port_findings(served, run_dir) if f.check == "production"]
+
+
 def test_measure_production_without_production_fails_in_one_line(tmp_path, cache_dir):
     run_dir = tmp_path / "run"
     sets = [*STORY, f'run.cache_dir="{cache_dir}"', f"server.port={free_port()}"]
@@ -54,18 +66,19 @@ def test_production_before_and_after_on_the_same_requests(tmp_path, cache_dir):
         run = RunDir.open(run_dir)
         result = json.loads(run.production_result.read_text())
         before, after = result["before"], result["after"]
-        assert before["prompt_ids"] == [json.loads(line)["id"] for line in run.heldout_prompts.read_text().splitlines()]
+        heldout = [json.loads(line)["id"] for line in run.heldout_prompts.read_text().splitlines()]
+        assert before["prompt_ids"] == heldout[: run.profile().evaluate.num_prompts]  # the same requests
         assert before["server"] != after["server"]  # production was stopped by the run and started again
         decision = run.stage_state("deploy-measure")["figures"]["decision"]
         assert result["with_draft"] == decision.startswith("deploy:")
         assert ("--speculative-config" in after["argv"]) == result["with_draft"]
-        levels = sorted(str(c) for c in run.profile().evaluate.concurrency)
+        levels = [str(c) for c in sorted(run.profile().evaluate.concurrency)]
         assert sorted(result["speedup"]) == levels
         for c in levels:
             b, a = before["row"]["levels"][c], after["row"]["levels"][c]
             assert result["speedup"][c] == pytest.approx(a["output_tok_s"] / b["output_tok_s"], abs=1e-3)
         figs = run.stage_state("handover")["figures"]
-        assert figs["production_speedup"] == result["speedup"][levels[0]]
+        assert figs["production_speedup"] == result["speedup"][levels[0]]  # the lowest concurrency's
         md = cli("notes", "export", run_dir).stdout
         assert "## Production before and after" in md and "production before → after" in md
     finally:

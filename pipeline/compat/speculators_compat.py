@@ -194,13 +194,22 @@ def keep_sub_epoch_checkpoints() -> list[str]:
 
     if not os.environ.get(KEEP_ENV):
         return []
-    trainer_cls: Any = getattr(importlib.import_module(SAVE[0]), SAVE[1])
+    trainer_cls: Any = getattr(importlib.import_module(SAVE[0]), SAVE[1], None)
+    if trainer_cls is None or not hasattr(trainer_cls, "maybe_save_checkpoint"):
+        raise RuntimeError(f"speculators changed: {SAVE[0]}.{SAVE[1]}.maybe_save_checkpoint no longer exists; "
+                           f"pipeline/compat/speculators_compat.py must be updated")
     original = trainer_cls.maybe_save_checkpoint
 
     def maybe_save_checkpoint(self, epoch, local_step: int = 0):
         original(self, epoch, local_step=local_step)
         if isinstance(epoch, int) and local_step > 0 and getattr(self, "rank", 0) == 0:
-            if (kept := keep_copy(Path(self.checkpointer.path), epoch, local_step)) is not None:
+            try:
+                kept = keep_copy(Path(self.checkpointer.path), epoch, local_step)
+            except OSError as exc:  # a full disk loses this copy, not the training
+                print(f"[eagle3-console] could not keep sub-epoch checkpoint {epoch}-step{local_step}: {exc}",
+                      file=sys.stderr, flush=True)
+                return
+            if kept is not None:
                 print(f"[eagle3-console] kept sub-epoch checkpoint {kept}", file=sys.stderr, flush=True)
 
     trainer_cls.maybe_save_checkpoint = maybe_save_checkpoint

@@ -22,6 +22,15 @@ from pipeline.stages.base import Stage, StageContext, StageError
 from pipeline.stages.evaluate_offline import EvaluateOffline, OfflineTarget, heldout_rows
 
 
+def chosen_path(run) -> str | None:
+    try:
+        picked = json.loads(run.checkpoints_result.read_text())
+        label = (picked.get("chosen") or {}).get("label")
+        return next((e["path"] for e in picked["checkpoints"] if e["label"] == label), None)
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
 def choose(measured: list[dict]) -> dict:
     """The entry with the highest τ; on a tie the earlier one (entries in training order)."""
     best = measured[0]
@@ -48,8 +57,9 @@ class PickCheckpoint(Stage):
         return [ctx.run.heldout_prompts]
 
     def outputs(self, ctx: StageContext) -> list[Path]:
-        chosen = ctx.run.stage_state(self.name).get("figures", {}).get("checkpoint")
-        return [ctx.run.checkpoints_result] + ([Path(chosen)] if chosen else [])
+        """The result file and the chosen head's directory (a changed head makes the stage run again); read
+        from the file this attempt wrote, not from the state (whose figures are the last attempt's)."""
+        return [ctx.run.checkpoints_result] + ([Path(chosen)] if (chosen := chosen_path(ctx.run)) else [])
 
     def run(self, ctx: StageContext) -> dict:
         found = candidates(ctx.run.checkpoints_dir)
@@ -67,6 +77,7 @@ class PickCheckpoint(Stage):
             entry = kept.get(ckpt.label)
             if entry is not None and entry.get("fingerprint") == ckpt.fingerprint():
                 reused += 1
+                entry.update(path=str(ckpt.path), epoch=ckpt.epoch, step=ckpt.step)
             else:
                 t0 = time.perf_counter()
                 entry = {"label": ckpt.label, "epoch": ckpt.epoch, "step": ckpt.step, "path": str(ckpt.path),
@@ -96,9 +107,7 @@ class PickCheckpoint(Stage):
                    "checkpoints": len(measured), "reused": reused, "backend": backend, "why": why,
                    "seconds_per_checkpoint": round(sum(fresh) / len(fresh), 2) if fresh else None,
                    "taus": " ".join(f"{e['tau']:.2f}" for e in measured)}
-        figures |= diagnose.check_acceptance(ctx, Path(chosen["path"]), chosen["acceptance_per_position"],
-                                             "offline" if backend == "offline" else "through vLLM",
-                                             measurer.outputs())
+        # the deployed head's training-vs-serving check is evaluate-offline's or deploy-measure's (one note)
         return figures
 
     @staticmethod

@@ -150,6 +150,7 @@ class Train(Stage):
         if ctx.profile.train.cuda_visible_devices:  # training on some GPUs, serving on the others
             env["CUDA_VISIBLE_DEVICES"] = ctx.profile.train.cuda_visible_devices
         t0 = time.monotonic()
+        env.pop(speculators_compat.KEEP_ENV, None)  # only this profile's setting turns it on, not the shell's
         if ctx.profile.evaluate.checkpoints == "each" and ctx.profile.train.checkpoint_freq < 1:
             env[speculators_compat.KEEP_ENV] = "1"  # each sub-epoch checkpoint copied to kept/ as it is saved
         rc = ctx.run_child(cmd, env=env, on_line=on_line)
