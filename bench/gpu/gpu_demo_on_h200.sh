@@ -2,9 +2,9 @@
 # profiles/gpu-demo.toml end to end on one H200 with vLLM 0.26.0 and no network, through the pipeline's own
 # CLI (issue 24; NOTES.md "A win on one GPU"). One device call per phase, each well under 10 minutes; the
 # run lives under /tmp (kept between warm calls), a phase skips the stages already done (the run resumes).
-#   bash bench/gpu/gpu_demo_on_h200.sh target   # carry .vl3 .vls .whl: wheels installed, vLLM part 3 kept,
-#                                               # the 0.8 B target pre-trained (≈ 5.5 min)
-#   bash bench/gpu/gpu_demo_on_h200.sh part     # carry .vl1, then .vl2: vLLM parts 1 and 2 kept
+#   bash bench/gpu/gpu_demo_on_h200.sh part     # carry .vl3 .vls .whl, then .vl1: wheels installed, parts kept
+#   bash bench/gpu/gpu_demo_on_h200.sh target   # carry .vl2: vLLM unpacked (preflight asks it), the 0.8 B
+#                                               # target pre-trained (≈ 6.5 min)
 #   bash bench/gpu/gpu_demo_on_h200.sh first    # vLLM unpacked; production started and measured; regeneration,
 #                                               # prepare, extraction
 #   bash bench/gpu/gpu_demo_on_h200.sh train    # vocab, training (and pick-checkpoint, evaluate-offline where
