@@ -323,7 +323,7 @@ def assert_footer_shows_the_keys(app, screen: str):
         assert f"{app.get_key_display(binding)} {binding.description}" in footer, footer
 
 
-@pytest.mark.parametrize("extra", [(), ("publish-online",)], ids=["11-stages", "12-stages"])
+@pytest.mark.parametrize("extra", [(), ("publish-online",)], ids=["12-stages", "13-stages"])
 def test_80x24_shows_every_stage_its_status_readable_times_and_the_footer(busy_run, monkeypatch, extra):
     names = [*stage_names(), *extra]
     monkeypatch.setattr("console.app.stage_names", lambda: names)
@@ -335,7 +335,8 @@ def test_80x24_shows_every_stage_its_status_readable_times_and_the_footer(busy_r
         assert table.region.bottom <= app.query_one("#log").region.y  # the log is below, not over it
         for name in names:
             status = "▶ running" if name == "train" else "· pending" if name in ("evaluate-offline", *extra) else \
-                "  n/a" if name in ("pick-checkpoint", "deploy-measure", "handover") else "✔ done"
+                "  n/a" if name in ("measure-production", "pick-checkpoint", "deploy-measure", "handover") \
+                else "✔ done"
             assert status in line_of(screen, name), screen
         train = line_of(screen, "train")
         assert "2/48 epochs" in train and " 3m " in train and "~45m" in train, train
