@@ -31,8 +31,9 @@ ADAPTED = [
 # token; a multimodal verifier's (Kimi-K2.5) needs torchvision, which is not installed.
 PROCESSOR = ("speculators.train.utils", "load_processor")
 ALWAYS_ADAPTED = [PROCESSOR]
-# When the run asks for it (evaluate.checkpoints = "each" with train.checkpoint_freq < 1): speculators writes a
-# sub-epoch checkpoint into its epoch's directory, where the next one overwrites it; wrapped, each is copied
+# When the run asks for it (evaluate.checkpoints = "each" with train.checkpoint_freq < 1): speculators 0.9.0
+# (trainer.py, Trainer.train_epoch → maybe_save_checkpoint(epoch, local_step)) writes a sub-epoch checkpoint
+# into its epoch's directory, where the next one overwrites it; wrapped, each is copied
 # (the head's config and weights) into KEPT_DIR as soon as it is saved (pipeline/checkpoints.py reads them).
 SAVE = ("speculators.train.trainer", "Trainer")  # its maybe_save_checkpoint(epoch, local_step)
 KEEP_ENV = "EAGLE3_CONSOLE_KEEP_SUB_EPOCH"
