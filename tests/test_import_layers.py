@@ -1,0 +1,72 @@
+"""Imports run down the layers only: CLI and console → runner → stages → serving and planning → layout,
+profiles and version adaptations (pipeline/compat/). Every import counts, the ones inside functions too: a
+lazy import that runs upwards is the same knot."""
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+TOP = ("console", "pipeline.cli", "pipeline.__main__")
+RUNNER = ("pipeline.runner", "pipeline.jobs", "pipeline.runview")
+STAGES = ("pipeline.stages",)
+BOTTOM = ("pipeline.compat", "pipeline.rundir", "pipeline.profile", "pipeline.atomicio")
+NAMES = {4: "CLI/console", 3: "runner", 2: "stages", 1: "serving/planning", 0: "layout/profiles/compat"}
+
+
+def layer(module: str) -> int:
+    def under(prefixes):
+        return any(module == p or module.startswith(p + ".") for p in prefixes)
+    if under(TOP):
+        return 4
+    if under(RUNNER):
+        return 3
+    if under(STAGES):
+        return 2
+    if under(BOTTOM) or module == "pipeline":
+        return 0
+    return 1
+
+
+def modules() -> dict[str, Path]:
+    found = {}
+    for path in [*ROOT.joinpath("pipeline").rglob("*.py"), *ROOT.joinpath("console").rglob("*.py")]:
+        parts = path.relative_to(ROOT).with_suffix("").parts
+        found[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return found
+
+
+def imported(tree: ast.AST, known: set[str]) -> set[str]:
+    """The project's modules a file imports (`from pipeline import box` names pipeline.box)."""
+    out = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names = [f"{node.module}.{a.name}" for a in node.names] + [node.module]
+        else:
+            continue
+        for name in names:
+            while name and name not in known:
+                name = name.rpartition(".")[0]
+            if name:
+                out.add(name)
+    return out
+
+
+def test_imports_run_down_the_layers_only():
+    known = modules()
+    upward = []
+    for module, path in sorted(known.items()):
+        for target in imported(ast.parse(path.read_text()), set(known)):
+            if target != module and layer(target) > layer(module):
+                upward.append(f"{module} ({NAMES[layer(module)]}) imports {target} ({NAMES[layer(target)]})")
+    assert not upward, "\n".join(upward)
+
+
+def test_the_layer_map_knows_every_module_and_catches_an_upward_import():
+    known = modules()
+    assert layer("pipeline.stages.train") == 2 and layer("pipeline.box") == 1
+    assert layer("pipeline.compat.vllm_flags") == 0 and layer("console.views") == 4
+    assert {"pipeline.runner", "pipeline.stages.pick_checkpoint", "pipeline.checkpoints", "console.app"} <= set(known)
+    tree = ast.parse("def f():\n    from pipeline.runner import run_stages\n")
+    assert imported(tree, set(known)) == {"pipeline.runner"}  # a lazy import counts
+    assert layer("pipeline.runner") > layer("pipeline.stages.base")
