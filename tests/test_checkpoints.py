@@ -38,6 +38,9 @@ def test_the_best_tau_is_chosen_and_a_tie_goes_to_the_earlier():
     assert choose([entry("0", 1.2), entry("1", 1.5), entry("2", 1.4)])["label"] == "1"
     assert choose([entry("0", 1.2), entry("1", 1.5), entry("2", 1.5)])["label"] == "1"
     assert choose([entry("0", 1.7)])["label"] == "0"
+    lossy = {**entry("1", 1.9), "lossless": False}
+    assert choose([entry("0", 1.5), lossy, entry("2", 1.4)])["label"] == "0"  # passed over while another holds
+    assert choose([{**entry("0", 1.5), "lossless": False}, lossy])["label"] == "1"
     assert "the last (2) reached 1.400" in why_text(entry("1", 1.5), entry("2", 1.4), 3)
     assert "(the last)" in why_text(entry("2", 1.5), entry("2", 1.5), 3)
 

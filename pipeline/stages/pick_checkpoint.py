@@ -32,9 +32,12 @@ def chosen_path(run) -> str | None:
 
 
 def choose(measured: list[dict]) -> dict:
-    """The entry with the highest τ; on a tie the earlier one (entries in training order)."""
-    best = measured[0]
-    for entry in measured[1:]:
+    """The entry with the highest τ; on a tie the earlier one (entries in training order). A head whose offline
+    outputs left the target's greedy ones is passed over while any other is lossless (evaluate-offline would
+    fail on it)."""
+    pool = [e for e in measured if e.get("lossless", True)] or measured
+    best = pool[0]
+    for entry in pool[1:]:
         if entry["tau"] > best["tau"]:
             best = entry
     return best
