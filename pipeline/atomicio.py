@@ -86,6 +86,14 @@ def append_jsonl(path: Path, record: dict) -> None:
         os.fsync(fh.fileno())
 
 
+def read_json(path: Path) -> Any:
+    """A JSON file's content, or None when it is missing or unreadable (a reader that can do without it)."""
+    try:
+        return json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return None
+
+
 def read_jsonl(path: Path) -> Iterator[dict]:
     """Complete records only: a torn line (crash mid-append) is skipped, never raised."""
     path = Path(path)

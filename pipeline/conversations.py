@@ -93,6 +93,11 @@ def first_prompt(messages: list[dict]) -> list[dict]:
     return messages[:idx]
 
 
+def prompt_ids(tokenizer, rows: list[dict]) -> list[list[int]]:
+    """Held-out prompt rows ({"messages": […]}) rendered as the model is asked: the generation prompt added."""
+    return [render_ids(tokenizer, r["messages"], add_generation_prompt=True) for r in rows]
+
+
 def render_ids(tokenizer, messages: list[dict], add_generation_prompt: bool) -> list[int]:
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
     return tokenizer(text, add_special_tokens=False)["input_ids"]

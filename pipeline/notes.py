@@ -119,7 +119,7 @@ def to_markdown(run: RunDir, out_path: Path | None = None) -> str:
             secs = entry.get("seconds")
             lines.append(f"| {name} | {entry.get('status', '?')} | {_fmt(secs) if secs is not None else ''} | {figs} |")
         lines.append("")
-    picked = _read_json(run.checkpoints_result)
+    picked = atomicio.read_json(run.checkpoints_result)
     if picked and picked.get("chosen"):
         lines += checkpoint_lines(picked)
     offline = stages.get("evaluate-offline", {}).get("figures")
@@ -150,7 +150,7 @@ def to_markdown(run: RunDir, out_path: Path | None = None) -> str:
                        is not None else "no offline τ (the offline evaluator did not run)")
         lines += ["## Benchmark matrix (vLLM, greedy, held-out prompts)", ""] + _matrix_lines(online) + [
             "", f"TPOT = request latency / output tokens (prefill included); {offline_tau}.", ""]
-    if production := _read_json(run.production_result):
+    if production := atomicio.read_json(run.production_result):
         lines += production_lines(production)
     try:
         made = plots.all_plots(run, run.report_dir)
@@ -167,13 +167,6 @@ def to_markdown(run: RunDir, out_path: Path | None = None) -> str:
         tail = f" ({', '.join(f'{k}={_fmt(v)}' for k, v in note_figures.items())})" if note_figures else ""
         lines.append(f"- `{note['ts']}` **{who}**: {note['text']}{tail}")
     return "\n".join(lines) + "\n"
-
-
-def _read_json(path: Path) -> dict | None:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
 
 
 def checkpoint_lines(picked: dict) -> list[str]:

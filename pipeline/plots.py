@@ -66,11 +66,8 @@ def acceptance(run: RunDir, out: Path) -> Path | None:
 
 def checkpoints(run: RunDir, out: Path) -> Path | None:
     """τ per checkpoint (pick-checkpoint) beside each epoch's training and validation loss."""
-    try:
-        picked = json.loads(run.checkpoints_result.read_text())
-    except (OSError, ValueError):
-        return None
-    entries = picked.get("checkpoints") or []
+    picked = atomicio.read_json(run.checkpoints_result)
+    entries = (picked or {}).get("checkpoints") or []
     if not entries:
         return None
     plt = _plt()

@@ -173,6 +173,16 @@ class StageContext:
         self.log.info("conversations gathered: %s", counts)
         return {"sources": counts}
 
+    def heldout_rows(self) -> list[dict]:
+        """The held-out prompts the evaluations use (evaluate.num_prompts of prepare's)."""
+        import json
+
+        rows = [json.loads(line) for line in self.run.heldout_prompts.read_text().splitlines()
+                if line.strip()][: self.profile.evaluate.num_prompts]
+        if not rows:
+            raise StageError(f"{self.run.heldout_prompts}: no held-out prompts (data.heldout = 0?)")
+        return rows
+
     def training_conversations(self) -> Path:
         if self.profile.data.regenerate:
             return self.run.regenerated_conversations

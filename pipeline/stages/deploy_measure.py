@@ -7,7 +7,6 @@ concurrency. Outputs with speculation must equal the baseline's (checked at the 
 the new head a mismatch fails the stage. A method vLLM refuses becomes a row that says why."""
 from __future__ import annotations
 
-import json
 from contextlib import ExitStack, closing
 from functools import partial
 from pathlib import Path
@@ -194,11 +193,8 @@ class DeployMeasure(Stage):
     def run(self, ctx: StageContext) -> dict:
         ev = ctx.profile.evaluate
         tok = target.load_tokenizer(ctx.target_dir())
-        rows = [json.loads(line) for line in ctx.run.heldout_prompts.read_text().splitlines()
-                if line.strip()][: ev.num_prompts]
-        if not rows:
-            raise StageError(f"{ctx.run.heldout_prompts}: no held-out prompts")
-        prompts = [conversations.render_ids(tok, r["messages"], add_generation_prompt=True) for r in rows]
+        rows = ctx.heldout_rows()
+        prompts = conversations.prompt_ids(tok, rows)
         draft = publish_draft(ctx.draft_checkpoint(), ctx.run.draft_dir, ctx.target_dir())
         args = {"eagle3": {"draft_dir": draft}, "existing": {"draft_dir": Path(ev.existing_head)}}
         matrix = measure_all(ctx, self.name, list(ev.methods), prompts, args)

@@ -3,7 +3,6 @@ head on the held-out prompts: mean acceptance length τ, per-position acceptance
 check — every output must equal the target's own greedy output, or the stage fails."""
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 
@@ -40,7 +39,7 @@ class EvaluateOffline(Stage):
         from pipeline import prompt_lookup, speculative
 
         ev = ctx.profile.evaluate
-        prompts = heldout_rows(ctx)
+        prompts = ctx.heldout_rows()
         bench = OfflineTarget(ctx)
         head = bench.head(ctx.draft_checkpoint())
         total = speculative.SpecStats(k=ev.k)
@@ -92,15 +91,6 @@ class EvaluateOffline(Stage):
         return figures | diagnose.check_acceptance(ctx, ctx.draft_checkpoint(), acceptance, "offline", outputs)
 
 
-def heldout_rows(ctx: StageContext) -> list[dict]:
-    """The held-out prompts the evaluation uses (evaluate.num_prompts of them)."""
-    rows = [json.loads(line) for line in ctx.run.heldout_prompts.read_text().splitlines()
-            if line.strip()][: ctx.profile.evaluate.num_prompts]
-    if not rows:
-        raise StageError(f"{ctx.run.heldout_prompts}: no held-out prompts (data.heldout = 0?)")
-    return rows
-
-
 class OfflineTarget:
     """The target in transformers with its tokenizer, loaded once, and any trained head beside it."""
 
@@ -112,7 +102,7 @@ class OfflineTarget:
         self._reader: target.HiddenStateReader | None = None
 
     def prompt_ids(self, rows: list[dict]) -> list[list[int]]:
-        return [conversations.render_ids(self.tok, r["messages"], add_generation_prompt=True) for r in rows]
+        return conversations.prompt_ids(self.tok, rows)
 
     def head(self, checkpoint: Path):
         from pipeline import speculative

@@ -9,7 +9,6 @@ every one whose weights are unchanged. It runs after training: with online train
 extraction server has been released by then (NOTES.md "Choosing the checkpoint")."""
 from __future__ import annotations
 
-import json
 import shutil
 import time
 from pathlib import Path
@@ -19,15 +18,15 @@ from pipeline.checkpoints import Checkpoint, candidates
 from pipeline.deploy import publish_draft
 from pipeline.rundir import now_iso
 from pipeline.stages.base import Stage, StageContext, StageError
-from pipeline.stages.evaluate_offline import EvaluateOffline, OfflineTarget, heldout_rows
+from pipeline.stages.evaluate_offline import EvaluateOffline, OfflineTarget
 
 
 def chosen_path(run) -> str | None:
+    picked = atomicio.read_json(run.checkpoints_result)
     try:
-        picked = json.loads(run.checkpoints_result.read_text())
         label = (picked.get("chosen") or {}).get("label")
         return next((e["path"] for e in picked["checkpoints"] if e["label"] == label), None)
-    except (OSError, ValueError, KeyError, TypeError):
+    except (AttributeError, KeyError, TypeError):  # none yet, or not this stage's file
         return None
 
 
@@ -69,7 +68,7 @@ class PickCheckpoint(Stage):
         if not found:
             raise StageError(f"{ctx.run.checkpoints_dir}: no complete checkpoint to measure (train has not finished?)")
         backend = "offline" if EvaluateOffline().applies(ctx.profile) else "vllm"
-        rows = heldout_rows(ctx)
+        rows = ctx.heldout_rows()
         kept = self._kept(ctx, backend, len(rows))
         per_epoch = diagnose.epoch_metrics(atomicio.read_jsonl(ctx.run.events_path))
         measurer = OfflineMeasure(ctx, rows) if backend == "offline" else VllmMeasure(ctx, rows)
@@ -116,9 +115,8 @@ class PickCheckpoint(Stage):
     @staticmethod
     def _kept(ctx: StageContext, backend: str, prompts: int) -> dict[str, dict]:
         """Entries an earlier attempt measured the same way (same backend, prompts, k, token budget)."""
-        try:
-            earlier = json.loads(ctx.run.checkpoints_result.read_text())
-        except (OSError, ValueError):
+        earlier = atomicio.read_json(ctx.run.checkpoints_result)
+        if not isinstance(earlier, dict):
             return {}
         ev = ctx.profile.evaluate
         same = (earlier.get("backend"), earlier.get("prompts"), earlier.get("k"), earlier.get("max_new_tokens")) == (
@@ -186,7 +184,7 @@ class VllmMeasure:
 
         self.ctx = ctx
         tok = target.load_tokenizer(ctx.target_dir())
-        self.prompts = [conversations.render_ids(tok, r["messages"], add_generation_prompt=True) for r in rows]
+        self.prompts = conversations.prompt_ids(tok, rows)
         self._outputs: list[list[int]] = []
 
     def measure(self, ckpt: Checkpoint) -> dict:
