@@ -41,17 +41,19 @@ def _fmt(value) -> str:
 
 
 def _matrix_lines(res: dict) -> list[str]:
-    lines = ["| method | concurrency | output tok/s | TPOT ms | τ (mean acceptance length) | per-position acceptance "
-             "| speedup | same output as baseline |", "|---|---|---|---|---|---|---|---|"]
+    lines = ["| method | concurrency | output tok/s | ms per token (request) | TTFT ms | TPOT ms (after the first) "
+             "| τ (mean acceptance length) | per-position acceptance | speedup | same output as baseline |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for method, row in res["matrix"].items():
         if row.get("error") and not row.get("levels"):
-            lines.append(f"| {method} | – | – | – | – | – | – | not measured: {row['error'][:160]} |")
+            lines.append(f"| {method} | – | – | – | – | – | – | – | – | not measured: {row['error'][:160]} |")
             continue
         for c, lv in sorted(row.get("levels", {}).items(), key=lambda kv: int(kv[0])):
             acc = " / ".join(f"{a:.2f}" for a in lv.get("acceptance_per_position", [])) or "–"
             tau = f"{lv['mean_acceptance_length']:.3f}" if lv.get("mean_acceptance_length") else "–"
             same = "–" if method == "baseline" else ("yes" if row.get("identical_outputs") else "NO")
-            lines.append(f"| {method} | {c} | {lv['output_tok_s']:.1f} | {_fmt(lv.get('tpot_ms'))} | {tau} | {acc} "
+            lines.append(f"| {method} | {c} | {lv['output_tok_s']:.1f} | {_fmt(lv.get('tpot_ms'))} "
+                         f"| {_fmt(lv.get('ttft_ms'))} | {_fmt(lv.get('decode_tpot_ms'))} | {tau} | {acc} "
                          f"| x{_fmt(lv.get('speedup'))} | {same} |")
     return lines
 
@@ -83,6 +85,11 @@ def economics(online: dict | None) -> str | None:
     text = (f"a decode step with the head costs {online['step_ms']:.1f} ms here against "
             f"{online['baseline_step_ms']:.1f} ms without it, so the head pays from tau {online['break_even_tau']:.2f} "
             f"(it reached {online['tokens_per_step']:.2f}; deploy threshold x{online.get('deploy_speedup', 1.1):g})")
+    if online.get("decode_speedup") is not None:
+        text += (f"; streamed, the first token waits {online['ttft_ms']:.1f} ms ({online['baseline_ttft_ms']:.1f} "
+                 f"without the head), then a token comes every {online['decode_tpot_ms']:.2f} ms "
+                 f"({online['baseline_decode_tpot_ms']:.2f}) and a step every {online['chunk_ms']:.2f} ms "
+                 f"({online['baseline_chunk_ms']:.2f}): the decode alone is x{online['decode_speedup']:.2f}")
     if not online.get("gpu"):
         text += ("; on a CPU the head's draft forwards and the wider verification cost about as much as the small "
                  "target's own step, on a GPU the target's forward dominates a step and the head pays from a far "
@@ -194,12 +201,13 @@ def production_lines(res: dict) -> list[str]:
     head = "with the new head" if res.get("with_draft") else "without a head (the run did not deploy one)"
     lines = ["## Production before and after", "", f"Before: {res['before']['server']}; after: "
              f"{res['after']['server']}, {head}. The same {len(res['before']['prompt_ids'])} held-out prompts, greedy.",
-             "", "| concurrency | tok/s before | tok/s after | speedup | TPOT ms before | TPOT ms after |",
-             "|---|---|---|---|---|---|"]
+             "", "| concurrency | tok/s before | tok/s after | speedup | TTFT ms before | TTFT ms after "
+             "| TPOT ms before | TPOT ms after |", "|---|---|---|---|---|---|---|---|"]
     for c in sorted(res.get("speedup", {}), key=int):
         b, a = before.get(c) or before.get(int(c)), after.get(c) or after.get(int(c))
         lines.append(f"| {c} | {b['output_tok_s']:.1f} | {a['output_tok_s']:.1f} | x{res['speedup'][c]:.2f} | "
-                     f"{_fmt(b.get('tpot_ms'))} | {_fmt(a.get('tpot_ms'))} |")
+                     f"{_fmt(b.get('ttft_ms'))} | {_fmt(a.get('ttft_ms'))} | "
+                     f"{_fmt(b.get('decode_tpot_ms'))} | {_fmt(a.get('decode_tpot_ms'))} |")
     return lines + [""]
 
 

@@ -30,6 +30,48 @@ def complete(base_url: str, model: str, prompt_ids: list[int], max_tokens: int, 
             "completion_tokens": data["usage"]["completion_tokens"], "seconds": time.perf_counter() - t0}
 
 
+def stream_complete(base_url: str, model: str, prompt_ids: list[int], max_tokens: int, headers: dict,
+                    timeout: float = 600, extra: dict | None = None) -> dict:
+    """`complete`, streamed: the same greedy tokens plus when each arrived. Each server-sent chunk carries
+    the tokens of one engine step (one with plain decoding, up to k + 1 with a draft), so the client sees
+    the first token's wait (`ttft`) apart from the decode that follows (`decode_seconds`, `chunks`) — the
+    split vLLM's own benchmark reports as TTFT and TPOT."""
+    body = {"model": model, "prompt": prompt_ids, "max_tokens": max_tokens, "temperature": 0.0,
+            "return_token_ids": True, "stream": True, "stream_options": {"include_usage": True}, **(extra or {})}
+    req = urllib.request.Request(f"{base_url}/v1/completions", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json", **headers}, method="POST")
+    t0 = time.perf_counter()
+    tokens: list[int] = []
+    text: list[str] = []
+    usage: dict | None = None
+    first: float | None = None
+    last, chunks = 0.0, 0
+    with urllib.request.urlopen(req, timeout=timeout) as resp:  # noqa: S310 - the server we started
+        for raw in resp:
+            line = raw.strip()
+            if not line.startswith(b"data:"):
+                continue
+            payload = line[5:].strip()
+            if payload == b"[DONE]":
+                break
+            event = json.loads(payload)
+            if event.get("usage"):
+                usage = event["usage"]
+            for choice in event.get("choices") or ():
+                delta = choice.get("token_ids") or []
+                text.append(choice.get("text") or "")
+                if delta:
+                    now = time.perf_counter()
+                    first = now if first is None else first
+                    last, chunks = now, chunks + 1
+                    tokens += delta
+    seconds = time.perf_counter() - t0
+    return {"token_ids": tokens, "text": "".join(text),
+            "completion_tokens": usage["completion_tokens"] if usage else len(tokens), "seconds": seconds,
+            "ttft": (first - t0) if first is not None else None,
+            "decode_seconds": (last - first) if first is not None else 0.0, "chunks": chunks}
+
+
 def top_logprobs(base_url: str, model: str, prompt_ids: list[int], headers: dict, n: int = 2,
                  timeout: float = 600) -> list[tuple[int, float]]:
     """The served model's n most likely next tokens after `prompt_ids` as (token id, logprob), best first
@@ -108,13 +150,16 @@ def counter_total(text: str, name: str) -> float:
 
 def send_all(base_url: str, model: str, prompts: list[list[int]], max_tokens: int, concurrency: int,
              on_done=lambda n: None, headers: dict | None = None) -> dict:
-    """All prompts at `concurrency` requests in flight; outputs in prompt order. `headers`: production's
-    key; the run's own servers are internal, loopback and keyless (vllm_modes.server_env)."""
+    """All prompts at `concurrency` requests in flight, streamed; outputs in prompt order. `headers`:
+    production's key; the run's own servers are internal, loopback and keyless (vllm_modes.server_env).
+    Per request averages: `tpot_ms` the request's time per output token (its first token's wait included:
+    what the speedup is of), `ttft_ms` the first token's wait, `decode_tpot_ms` the time per token after
+    it, `chunk_ms` the time between two chunks of tokens (a decode step, as the client sees it)."""
     headers = headers or {}
     done = [0]
 
     def one(ids):
-        out = complete(base_url, model, ids, max_tokens, headers)
+        out = stream_complete(base_url, model, ids, max_tokens, headers)
         done[0] += 1
         on_done(done[0])
         return out
@@ -123,10 +168,18 @@ def send_all(base_url: str, model: str, prompts: list[list[int]], max_tokens: in
     results = in_threads(one, prompts, concurrency)
     seconds = time.perf_counter() - t0
     tokens = sum(r["completion_tokens"] for r in results)
-    per_token = [r["seconds"] / r["completion_tokens"] for r in results if r["completion_tokens"]]
     return {"outputs": [r["token_ids"] for r in results], "output_tokens": tokens, "seconds": round(seconds, 3),
             "output_tok_s": round(tokens / seconds, 2) if seconds else 0.0,
-            "tpot_ms": round(1000 * sum(per_token) / len(per_token), 3) if per_token else None}
+            "tpot_ms": _mean_ms(r["seconds"] / r["completion_tokens"] for r in results if r["completion_tokens"]),
+            "ttft_ms": _mean_ms(r["ttft"] for r in results if r["ttft"] is not None),
+            "decode_tpot_ms": _mean_ms(r["decode_seconds"] / (len(r["token_ids"]) - 1) for r in results
+                                       if len(r["token_ids"]) > 1),
+            "chunk_ms": _mean_ms(r["decode_seconds"] / (r["chunks"] - 1) for r in results if r["chunks"] > 1)}
+
+
+def _mean_ms(seconds) -> float | None:
+    values = list(seconds)
+    return round(1000 * sum(values) / len(values), 3) if values else None
 
 
 def in_threads(fn, items: list, workers: int, wait_on_error: bool = False) -> list:

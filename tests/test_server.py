@@ -53,6 +53,16 @@ def test_start_healthy_adopt_then_sigkill_api_server_then_stop_cleans_group(tmp_
     top = online.top_logprobs(rec.base_url, "target", prompt, auth)
     greedy = online.complete(rec.base_url, "target", prompt, 1, auth)["token_ids"]
     assert len(top) == 2 and top[0][1] >= top[1][1] and top[0][0] == greedy[0], (top, greedy)
+    # the matrix streams: the same greedy tokens as one answer, the first token's wait apart from the decode
+    whole = online.complete(rec.base_url, "target", prompt, 12, auth)
+    level = online.send_all(rec.base_url, "target", [prompt, prompt[:3]], 12, 2, headers=auth)
+    assert level["outputs"][0] == whole["token_ids"]
+    assert level["output_tokens"] == len(whole["token_ids"]) + len(level["outputs"][1])
+    assert 0 < level["ttft_ms"] and 0 < level["decode_tpot_ms"] and 0 < level["chunk_ms"], level
+    streamed = online.stream_complete(rec.base_url, "target", prompt, 12, auth)
+    # one engine step a chunk (vLLM merges a slow reader's steps, never splits one)
+    assert 1 < streamed["chunks"] <= len(streamed["token_ids"]) == len(whole["token_ids"]), streamed
+    assert streamed["ttft"] + streamed["decode_seconds"] <= streamed["seconds"]
     status = ctl.status()
     assert status["state"] == "running" and status["healthy"] and len(status["pids"]) >= 2  # API + engine
     engine = [p for p in procs.group_members(rec.pgid) if p.pid != rec.pid]

@@ -80,9 +80,27 @@ PY
     fi
     run_until extract 2>&1 | quiet | cut -c1-400 ;;
   train)
-    run_until evaluate-offline 2>&1 | quiet | cut -c1-400 ;;
+    run_until evaluate-offline 2>&1 | quiet | cut -c1-400
+    # what a draft costs a step at 0.8 B and 3 B, k = 2 and 3, at this head's acceptance (bench/gpu/step_cost.py);
+    # GPU_DEMO_STEPS=1: where a request's time goes with this run's head and without (bench/gpu/decode_steps.py)
+    tok=$(ls -d "$W"/cache/demo-target-*/ 2>/dev/null | head -1)
+    if [ -n "$tok" ] && [ -z "${GPU_DEMO_NO_COST:-}" ]; then
+      sizes=(0.8b 3b); [ -n "${GPU_DEMO_DRY:-}" ] && sizes=(tiny)
+      timeout 320 $PY bench/gpu/step_cost.py --tokenizer "$tok" --sizes "${sizes[@]}" --ks 2 3 --concurrency 1 8 \
+        --prompts 16 --tokens 128 --work "$W/step-cost" 2>&1 | grep -v Traceback | cut -c1-400 | tee "$OUT/step-cost.txt"
+    fi
+    last=$($PY -c "import sys; from pathlib import Path; from pipeline.checkpoints import final_checkpoint as f; \
+print(f(Path(sys.argv[1])) or '')" "$R/checkpoints" 2>/dev/null)
+    if [ -n "$last" ] && [ -n "${GPU_DEMO_STEPS:-}" ]; then
+      timeout 300 $PY bench/gpu/decode_steps.py "$R" "$last" --prompts 16 --concurrency 1 8 2>&1 | cut -c1-600 \
+        | tee "$OUT/decode-steps.txt"
+    fi ;;
   serve)
     run_until handover 2>&1 | quiet | cut -c1-600
+    for f in "$R"/logs/server-eagle3.log "$R"/logs/server-baseline.log; do  # how each ran (graphs, scheduling)
+      [ -f "$f" ] && { echo "# $(basename "$f"):"; grep -aiE "cuda ?graph|asynchronous scheduling|backend|capturing" \
+        "$f" | cut -c1-220 | tail -8; }
+    done
     $PY -m pipeline notes export "$R" -o "$OUT/report.md" >/dev/null 2>&1
     for f in state.json eval/online.json eval/checkpoints.json eval/production.json report/checkpoints.png \
              report/acceptance.png; do cp "$R/$f" "$OUT/" 2>/dev/null; done

@@ -250,7 +250,8 @@ class DeployMeasure(Stage):
                            acceptance_per_position=lv["acceptance_per_position"], speedup=lv["speedup"],
                            speculative_tok_s=lv["output_tok_s"], identical_outputs=eagle["identical_outputs"],
                            tokens_per_step=lv["tokens_per_step"],
-                           **step_economics(base["levels"][low], lv, ev.deploy_speedup))
+                           **step_economics(base["levels"][low], lv, ev.deploy_speedup),
+                           **streamed_split(base["levels"][low], lv))
             if offline_tau is None:  # the offline evaluator did not compare it with training already
                 figures |= diagnose.check_acceptance(ctx, ctx.draft_checkpoint(), lv["acceptance_per_position"],
                                                      "through vLLM", baseline_outputs)
@@ -260,6 +261,19 @@ class DeployMeasure(Stage):
             figures.update(ngram_tau=ngram["mean_acceptance_length"], ngram_tokens_per_step=ngram["tokens_per_step"],
                            ngram_draft_share=round(ngram["drafts"] / steps, 4) if steps > 0 else 1.0)
         return figures
+
+
+def streamed_split(baseline: dict, eagle: dict) -> dict:
+    """Where a request's time goes, streamed: the first token's wait and the decode after it, with the head
+    and without. The decode alone is what a draft can speed up; the first token's wait (prefill, the
+    request's own overheads) it cannot, so short answers dilute a decode speedup."""
+    keys = ("ttft_ms", "decode_tpot_ms", "chunk_ms")
+    if any(baseline.get(k) is None or eagle.get(k) is None for k in keys):
+        return {}
+    out = {k: eagle[k] for k in keys} | {f"baseline_{k}": baseline[k] for k in keys}
+    if eagle["decode_tpot_ms"]:
+        out["decode_speedup"] = round(baseline["decode_tpot_ms"] / eagle["decode_tpot_ms"], 3)
+    return out
 
 
 def step_economics(baseline: dict, eagle: dict, threshold: float) -> dict:

@@ -34,7 +34,8 @@ def heldout_prompt_ids(ctx: StageContext) -> tuple[list[str], list[list[int]]]:
 
 
 def level_summary(row: dict) -> dict:
-    return {str(c): {"output_tok_s": lv["output_tok_s"], "tpot_ms": lv.get("tpot_ms"),
+    return {str(c): {"output_tok_s": lv["output_tok_s"], "tpot_ms": lv.get("tpot_ms"), "ttft_ms": lv.get("ttft_ms"),
+                     "decode_tpot_ms": lv.get("decode_tpot_ms"),
                      "mean_acceptance_length": lv.get("mean_acceptance_length")}
             for c, lv in row.get("levels", {}).items()}
 
