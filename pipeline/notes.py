@@ -52,7 +52,9 @@ def _matrix_lines(res: dict) -> list[str]:
             acc = " / ".join(f"{a:.2f}" for a in lv.get("acceptance_per_position", [])) or "–"
             tau = f"{lv['mean_acceptance_length']:.3f}" if lv.get("mean_acceptance_length") else "–"
             same = "–" if method == "baseline" else ("yes" if row.get("identical_outputs") else "NO")
-            lines.append(f"| {method} | {c} | {lv['output_tok_s']:.1f} | {_fmt(lv.get('tpot_ms'))} "
+            spread = (f" ({min(lv['rounds_tok_s']):.0f}–{max(lv['rounds_tok_s']):.0f})"
+                      if lv.get("rounds_tok_s") else "")
+            lines.append(f"| {method} | {c} | {lv['output_tok_s']:.1f}{spread} | {_fmt(lv.get('tpot_ms'))} "
                          f"| {_fmt(lv.get('ttft_ms'))} | {_fmt(lv.get('decode_tpot_ms'))} | {tau} | {acc} "
                          f"| x{_fmt(lv.get('speedup'))} | {same} |")
     return lines
@@ -156,7 +158,12 @@ def to_markdown(run: RunDir, out_path: Path | None = None) -> str:
         offline_tau = (f"offline τ of the same head: {_fmt(online.get('offline_tau'))}" if online.get("offline_tau")
                        is not None else "no offline τ (the offline evaluator did not run)")
         lines += ["## Benchmark matrix (vLLM, greedy, held-out prompts)", ""] + _matrix_lines(online) + [
-            "", f"TPOT = request latency / output tokens (prefill included); {offline_tau}.", ""]
+            "", "ms per token (request) = request latency / output tokens (the first token's wait included, what "
+            "the speedup is of); TTFT = the first token's wait; TPOT = the time per token after it, streamed"
+            + (f"; every answer at least {online['min_new_tokens']} tokens (vLLM's min_tokens)"
+               if online.get("min_new_tokens") else "")
+            + (f"; tok/s: the median of {online['rounds']} rounds (min–max beside it)"
+               if (online.get("rounds") or 1) > 1 else "") + f"; {offline_tau}.", ""]
     if production := atomicio.read_json(run.production_result):
         lines += production_lines(production)
     try:

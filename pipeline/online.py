@@ -149,17 +149,19 @@ def counter_total(text: str, name: str) -> float:
 
 
 def send_all(base_url: str, model: str, prompts: list[list[int]], max_tokens: int, concurrency: int,
-             on_done=lambda n: None, headers: dict | None = None) -> dict:
+             on_done=lambda n: None, headers: dict | None = None, min_tokens: int = 0) -> dict:
     """All prompts at `concurrency` requests in flight, streamed; outputs in prompt order. `headers`:
     production's key; the run's own servers are internal, loopback and keyless (vllm_modes.server_env).
     Per request averages: `tpot_ms` the request's time per output token (its first token's wait included:
     what the speedup is of), `ttft_ms` the first token's wait, `decode_tpot_ms` the time per token after
-    it, `chunk_ms` the time between two chunks of tokens (a decode step, as the client sees it)."""
+    it, `chunk_ms` the time between two chunks of tokens (a decode step, as the client sees it).
+    `min_tokens`: vLLM holds the end of text back until each answer has that many tokens."""
     headers = headers or {}
     done = [0]
 
     def one(ids):
-        out = stream_complete(base_url, model, ids, max_tokens, headers)
+        out = stream_complete(base_url, model, ids, max_tokens, headers,
+                              extra={"min_tokens": min_tokens} if min_tokens else None)
         done[0] += 1
         on_done(done[0])
         return out

@@ -302,13 +302,13 @@ def regenerate_plan(profile: Profile, info: TargetInfo, samples: int, tokens: in
 
 def matrix_plan(profile: Profile, serve_gpus: int) -> StepPlan:
     """The benchmark matrix: each method's server decodes num_prompts × max_new_tokens at each
-    concurrency; decode tokens/s taken linear in concurrency up to data.regenerate_concurrency (an
-    estimate: memory-bound decode)."""
+    concurrency, evaluate.rounds times; decode tokens/s taken linear in concurrency up to
+    data.regenerate_concurrency (an estimate: memory-bound decode)."""
     ev = profile.evaluate
     if not ev.online:
         return StepPlan(False, 0, Rate(None, ""), 0.0, 0, "evaluate.online = false")
     rate = decode_rate(profile, serve_gpus)
-    per_level = ev.num_prompts * ev.max_new_tokens
+    per_level = ev.num_prompts * ev.max_new_tokens * ev.rounds
     tokens = per_level * len(ev.concurrency) * len(ev.methods)
     seconds = None
     if rate.tokens_per_s:
@@ -316,7 +316,7 @@ def matrix_plan(profile: Profile, serve_gpus: int) -> StepPlan:
         seconds = len(ev.methods) * sum(per_level / (rate.tokens_per_s * min(c, full) / full) for c in ev.concurrency)
     return StepPlan(True, tokens, rate, seconds, serve_gpus,
                     f"{len(ev.methods)} methods × concurrency {ev.concurrency} × {ev.num_prompts} prompts × "
-                    f"{ev.max_new_tokens} tokens")
+                    f"{ev.max_new_tokens} tokens" + (f" × {ev.rounds} rounds" if ev.rounds > 1 else ""))
 
 
 def checkpoint_count(profile: Profile) -> int:

@@ -384,6 +384,13 @@ class EvaluateSection(Section):
     k: Positive = 3
     num_prompts: Positive = 16
     max_new_tokens: Positive = 64
+    min_new_tokens: NonNegative = 0
+    """Served speed measurements (the matrix, production before/after): every answer is at least this long
+    (vLLM's min_tokens: the end of text is held back until then), so the decode a draft speeds up is not
+    hidden behind the first token's wait of short answers. 0 = the target's own lengths."""
+    rounds: Positive = 1
+    """Served speed measurements: each concurrency level measured this many times in a row; its figures are
+    the round of median tok/s, with the spread (min–max tok/s) beside them."""
     batch_size: Positive = 16
     """Offline evaluator: prompts speculated (and verified) together."""
     start_together: Positive = 1
@@ -414,6 +421,9 @@ class EvaluateSection(Section):
             raise missing("evaluate.existing_head", "methods include 'existing'")
         if self.ngram_min > self.ngram_max or self.ngram_min < 1:
             raise rule("evaluate.ngram_min", self.ngram_min, f"must be in [1, evaluate.ngram_max = {self.ngram_max}]")
+        if self.min_new_tokens > self.max_new_tokens:
+            raise rule("evaluate.min_new_tokens", self.min_new_tokens,
+                       f"must be <= evaluate.max_new_tokens = {self.max_new_tokens}")
         if not self.tie_logprob_gap >= 0:
             raise rule("evaluate.tie_logprob_gap", self.tie_logprob_gap, "must be >= 0 nats (0 = every mismatch fails)")
         return self

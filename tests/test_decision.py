@@ -30,3 +30,21 @@ def test_the_why_line_agrees_with_the_decision(tau, speedup, threshold):
 def test_no_speedup_no_economics():
     assert step_economics({"tpot_ms": 3.0}, {"tokens_per_step": 2.0, "speedup": None}, 1.1) == {}
     assert step_economics({"tpot_ms": None}, {"tokens_per_step": 2.0, "speedup": 1.2}, 1.1) == {}
+
+
+def test_a_level_is_its_median_round_with_the_spread_beside_it():
+    from pipeline.stages.deploy_measure import median_round
+    rounds = [{"output_tok_s": t, "tpot_ms": 1000 / t} for t in (394.0, 303.3, 350.0, 401.0)]
+    level = median_round(rounds)
+    assert level["output_tok_s"] == 350.0 and level["tpot_ms"] == 1000 / 350.0  # one round's, consistent
+    assert level["rounds_tok_s"] == [394.0, 303.3, 350.0, 401.0]
+    assert median_round(rounds[:1]) is rounds[0] and "rounds_tok_s" not in rounds[0]
+
+
+def test_min_new_tokens_cannot_exceed_max_new_tokens(tmp_path):
+    from pipeline.profile import ProfileError, load_profile
+    with pytest.raises(ProfileError, match="evaluate.min_new_tokens"):
+        load_profile("tests/profiles/tiny.toml", overrides={"evaluate.min_new_tokens": 65,
+                                                            "evaluate.max_new_tokens": 64})
+    both = {"evaluate.min_new_tokens": 64, "evaluate.max_new_tokens": 64}
+    assert load_profile("tests/profiles/tiny.toml", overrides=both).evaluate.min_new_tokens == 64

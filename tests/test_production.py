@@ -55,7 +55,8 @@ def test_measure_production_without_production_fails_in_one_line(tmp_path, cache
 @pytest.mark.slow
 def test_production_before_and_after_on_the_same_requests(tmp_path, cache_dir):
     run_dir = tmp_path / "run"
-    sets = [*STORY, "evaluate.online=true", f'run.cache_dir="{cache_dir}"', f"server.port={free_port()}"]
+    sets = [*STORY, "evaluate.online=true", f'run.cache_dir="{cache_dir}"', f"server.port={free_port()}",
+            "evaluate.rounds=2", "evaluate.min_new_tokens=20"]
     args = [a for s in sets for a in ("--set", s)]
     assert cli("run", TINY, "--no-tui", "--run-dir", run_dir, "--until", "build-target", *args).returncode == 0
     started = cli("server", "start", "--run-dir", run_dir, "--mode", "production")
@@ -77,9 +78,30 @@ def test_production_before_and_after_on_the_same_requests(tmp_path, cache_dir):
         for c in levels:
             b, a = before["row"]["levels"][c], after["row"]["levels"][c]
             assert result["speedup"][c] == pytest.approx(a["output_tok_s"] / b["output_tok_s"], abs=1e-3)
+            for lv in (b, a):  # two rounds, the median's figures; every answer held to 20 tokens at least
+                assert len(lv["rounds_tok_s"]) == 2 and lv["output_tok_s"] == min(lv["rounds_tok_s"])
+                assert lv["output_tokens"] >= 20 * run.profile().evaluate.num_prompts
         figs = run.stage_state("handover")["figures"]
         assert figs["production_speedup"] == result["speedup"][levels[0]]  # the lowest concurrency's
         md = cli("notes", "export", run_dir).stdout
         assert "## Production before and after" in md and "production before → after" in md
     finally:
         cli("server", "stop", "--run-dir", run_dir)
+
+
+def test_production_that_contradicts_the_matrix_is_said_with_what_to_do():
+    from pipeline.stages.measure_production import against_matrix
+    matrix = {"matrix": {"baseline": {"levels": {"1": {"output_tok_s": 305.6}}},
+                         "eagle3": {"levels": {"1": {"output_tok_s": 394.0, "speedup": 1.289}}}}}
+    # the reference run: production with the head slower than before, the matrix's head faster
+    lines = against_matrix(matrix, "1", 390.4, 0.777, True, "/runs/r")
+    assert len(lines) == 2
+    assert "x0.78" in lines[0] and "x1.29" in lines[0]
+    assert "server start --run-dir /runs/r --mode production" in lines[0]
+    assert "390.4" in lines[1] and "305.6" in lines[1] and "28% apart" in lines[1]
+    # agreeing figures say nothing; no head deployed: no contradiction to name; integer keys read too
+    assert against_matrix(matrix, "1", 310.0, 1.25, True, "/r") == []
+    assert len(against_matrix(matrix, "1", 310.0, 0.9, False, "/r")) == 0
+    assert against_matrix({"matrix": {"baseline": {"levels": {1: {"output_tok_s": 305.6}}}}}, "1", 390.4, 1.0,
+                          False, "/r")[0].startswith("the target without a head")
+    assert against_matrix(None, "1", 390.4, 0.5, True, "/r") == []  # no matrix (evaluate.online off)

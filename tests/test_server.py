@@ -59,6 +59,8 @@ def test_start_healthy_adopt_then_sigkill_api_server_then_stop_cleans_group(tmp_
     assert level["outputs"][0] == whole["token_ids"]
     assert level["output_tokens"] == len(whole["token_ids"]) + len(level["outputs"][1])
     assert 0 < level["ttft_ms"] and 0 < level["decode_tpot_ms"] and 0 < level["chunk_ms"], level
+    held = online.send_all(rec.base_url, "target", [prompt], 12, 1, headers=auth, min_tokens=12)  # vLLM's min_tokens
+    assert [len(o) for o in held["outputs"]] == [12], held
     streamed = online.stream_complete(rec.base_url, "target", prompt, 12, auth)
     # one engine step a chunk (vLLM merges a slow reader's steps, never splits one)
     assert 1 < streamed["chunks"] <= len(streamed["token_ids"]) == len(whole["token_ids"]), streamed

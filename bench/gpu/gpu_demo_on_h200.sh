@@ -85,8 +85,8 @@ PY
     # GPU_DEMO_STEPS=1: where a request's time goes with this run's head and without (bench/gpu/decode_steps.py)
     tok=$(ls -d "$W"/cache/demo-target-*/ 2>/dev/null | head -1)
     if [ -n "$tok" ] && [ -z "${GPU_DEMO_NO_COST:-}" ]; then
-      sizes=(0.8b 3b); [ -n "${GPU_DEMO_DRY:-}" ] && sizes=(tiny)
-      timeout 320 $PY bench/gpu/step_cost.py --tokenizer "$tok" --sizes "${sizes[@]}" --ks 2 3 --concurrency 1 8 \
+      read -ra sizes <<< "${GPU_DEMO_SIZES:-0.8b 3b}"; [ -n "${GPU_DEMO_DRY:-}" ] && sizes=(tiny)
+      timeout "${GPU_DEMO_COST_S:-320}" $PY bench/gpu/step_cost.py --tokenizer "$tok" --sizes "${sizes[@]}" --ks 2 3 --concurrency 1 8 \
         --prompts 16 --tokens 128 --work "$W/step-cost" 2>&1 | grep -v Traceback | cut -c1-400 | tee "$OUT/step-cost.txt"
     fi
     last=$($PY -c "import sys; from pathlib import Path; from pipeline.checkpoints import final_checkpoint as f; \

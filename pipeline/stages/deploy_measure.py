@@ -39,18 +39,22 @@ def measure_served(ctx: StageContext, stage: str, method: str, rec, start_s: flo
     row: dict = {"method": method, "server_start_s": start_s, "levels": {}}
     try:
         online.complete(rec.base_url, p.server.served_model_name, prompts[0], 4, headers or {})  # warm-up
-        for c in sorted(p.evaluate.concurrency):
+        ev = p.evaluate
+        for c in sorted(ev.concurrency):
             before = online.scrape(rec.base_url)
-            level = send_all(rec.base_url, p.server.served_model_name, prompts, p.evaluate.max_new_tokens, c,
-                             on_done=partial(ctx.progress, stage, total=len(prompts),
-                                             unit=f"prompts ({method}, c={c})"), headers=headers)
+            rounds = [send_all(rec.base_url, p.server.served_model_name, prompts, ev.max_new_tokens, c,
+                               on_done=partial(ctx.progress, stage, total=len(prompts),
+                                               unit=f"prompts ({method}, c={c}{round_label(r, ev.rounds)})"),
+                               headers=headers, min_tokens=ev.min_new_tokens)
+                      for r in range(ev.rounds)]
+            level = median_round(rounds)
             spec = online.scrape(rec.base_url) - before
             if spec.drafts:
                 level.update(mean_acceptance_length=round(spec.mean_acceptance_length, 4),
                              acceptance_rate=round(spec.acceptance_rate, 4),
                              acceptance_per_position=[round(x, 4) for x in spec.per_position_rate()],
-                             drafts=spec.drafts, accepted=spec.accepted)
-            level["tokens_per_step"] = tokens_per_step(level, len(prompts), int(spec.accepted) if spec.drafts else 0)
+                             drafts=spec.drafts / len(rounds), accepted=spec.accepted / len(rounds))  # a round's
+            level["tokens_per_step"] = tokens_per_step(level, len(prompts), int(level.get("accepted", 0)))
             row["levels"][c] = level
         low = min(p.evaluate.concurrency)
         if reference is not None:
@@ -59,6 +63,21 @@ def measure_served(ctx: StageContext, stage: str, method: str, rec, start_s: flo
     except Exception as exc:  # noqa: BLE001 - a method that fails mid-way is a row, not a crash
         row["error"] = explain_failure(rec, f"{type(exc).__name__}: {exc}")
     return row
+
+
+def round_label(index: int, rounds: int) -> str:
+    return f", round {index + 1}/{rounds}" if rounds > 1 else ""
+
+
+def median_round(rounds: list[dict]) -> dict:
+    """The round of median tok/s (the lower middle of an even count), the others' tok/s beside it: a level's
+    figures are one round's, all consistent with each other, and the spread says how far to trust them."""
+    if len(rounds) == 1:
+        return rounds[0]
+    ranked = sorted(rounds, key=lambda r: r["output_tok_s"])
+    level = dict(ranked[(len(ranked) - 1) // 2])
+    level["rounds_tok_s"] = [r["output_tok_s"] for r in rounds]
+    return level
 
 
 def divergences(rec, model: str, prompts: list[list[int]], reference: list[list[int]],
@@ -226,6 +245,7 @@ class DeployMeasure(Stage):
         eagle = matrix.get("eagle3")
         offline_tau = ctx.offline_tau()
         result = {"k": ev.k, "prompts": len(prompts), "max_new_tokens": ev.max_new_tokens,
+                  "min_new_tokens": ev.min_new_tokens, "rounds": ev.rounds,
                   "concurrency": sorted(ev.concurrency), "matrix": matrix, "mismatches": mismatches,
                   "mismatches_beyond_ties": failures, "tie_logprob_gap": ev.tie_logprob_gap,
                   "offline_tau": offline_tau, "decision": decide(eagle, low, ev.deploy_speedup)}

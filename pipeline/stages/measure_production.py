@@ -106,5 +106,37 @@ def after(ctx: StageContext, rec, with_draft: bool) -> dict:
     ctx.log.info(text)
     notes.add(ctx.run, text, source="auto", stage=ctx.stage)
     low = str(min(int(c) for c in ratios)) if ratios else None
-    return {"production_before_tok_s": b[low]["output_tok_s"], "production_after_tok_s": a[low]["output_tok_s"],
-            "production_speedup": ratios[low]} if low else {}
+    if not low:
+        return {}
+    figures = {"production_before_tok_s": b[low]["output_tok_s"], "production_after_tok_s": a[low]["output_tok_s"],
+               "production_speedup": ratios[low]}
+    for line in against_matrix(atomicio.read_json(ctx.run.online_result), low, b[low]["output_tok_s"],
+                               ratios[low], with_draft, str(ctx.run.root)):
+        ctx.log.warning(line)
+        notes.add(ctx.run, line, source="auto", stage=ctx.stage)
+        figures["production_vs_matrix"] = line
+    return figures
+
+
+def against_matrix(online: dict | None, low: str, before_tok_s: float, production_speedup: float,
+                   with_draft: bool, run_root: str, apart: float = 0.1) -> list[str]:
+    """Where production's before/after disagrees with deploy-measure's matrix at the lowest concurrency: the
+    head faster in the matrix but production slower with it, or the target alone measured more than `apart`
+    (a share) differently as production before the run and as the matrix's baseline — two servers of one
+    configuration, whose difference is the noise any speedup here stands in."""
+    levels = {m: (row.get("levels") or {}) for m, row in ((online or {}).get("matrix") or {}).items()}
+    base = levels.get("baseline", {}).get(low) or levels.get("baseline", {}).get(int(low)) or {}
+    head = levels.get("eagle3", {}).get(low) or levels.get("eagle3", {}).get(int(low)) or {}
+    lines = []
+    if with_draft and head.get("speedup") and (head["speedup"] >= 1) != (production_speedup >= 1):
+        lines.append(f"production with the new head ran at x{production_speedup:.2f} of production before the run "
+                     f"(c={low}), where deploy-measure measured the head at x{head['speedup']:.2f} of the baseline: "
+                     f"measure production again (eagle3-console run --resume {run_root} --from handover) or put it "
+                     f"back without the head (eagle3-console server stop --run-dir {run_root}, then server start "
+                     f"--run-dir {run_root} --mode production)")
+    if base.get("output_tok_s") and abs(before_tok_s / base["output_tok_s"] - 1) > apart:
+        lines.append(f"the target without a head measured {before_tok_s:.1f} tok/s as production before the run and "
+                     f"{base['output_tok_s']:.1f} as deploy-measure's baseline (c={low}): "
+                     f"{abs(before_tok_s / base['output_tok_s'] - 1):.0%} apart on one configuration — speedups "
+                     "closer to 1 than that are within what two servers of one target differ by here")
+    return lines
