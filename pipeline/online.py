@@ -3,17 +3,16 @@
 from __future__ import annotations
 
 import json
-import re
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
+from prometheus_client.parser import text_string_to_metric_families
+
 from pipeline.server import http_get
 
 SPEC_PREFIX = "vllm:spec_decode_"
-_SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+([-+0-9.eEinfNa]+)")
-_POSITION = re.compile(r'position="(\d+)"')
 
 
 def complete(base_url: str, model: str, prompt_ids: list[int], max_tokens: int, headers: dict,
@@ -112,19 +111,26 @@ class SpecCounters:
         return [p / self.drafts if self.drafts else 0.0 for p in self.per_position]
 
 
+def _samples(text: str):
+    """Every sample of a /metrics page as (name, labels, value), read by prometheus_client's own parser;
+    `*_created` samples (a counter's creation time, not a count) are left out."""
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if not sample.name.endswith("_created"):
+                yield sample.name, sample.labels, sample.value
+
+
 def parse_spec_counters(text: str) -> SpecCounters:
+    """vLLM's spec-decode counters, summed over engines (docs/reference.md §2.6)."""
     sums = {"num_drafts": 0.0, "num_draft_tokens": 0.0, "num_accepted_tokens": 0.0}
     per_pos: dict[int, float] = {}
-    for line in text.splitlines():
-        m = _SAMPLE.match(line)
-        if not m or not m.group(1).startswith(SPEC_PREFIX) or m.group(1).endswith("_created"):
+    for full, labels, value in _samples(text):
+        if not full.startswith(SPEC_PREFIX):
             continue
-        name, labels, value = m.group(1)[len(SPEC_PREFIX):], m.group(2) or "", float(m.group(3))
-        name = name.removesuffix("_total")
-        if name == "num_accepted_tokens_per_pos":
-            pos = _POSITION.search(labels)
-            if pos:
-                per_pos[int(pos.group(1))] = per_pos.get(int(pos.group(1)), 0.0) + value
+        name = full[len(SPEC_PREFIX):].removesuffix("_total")
+        if name == "num_accepted_tokens_per_pos" and "position" in labels:
+            pos = int(labels["position"])
+            per_pos[pos] = per_pos.get(pos, 0.0) + value
         elif name in sums:
             sums[name] += value
     return SpecCounters(sums["num_drafts"], sums["num_draft_tokens"], sums["num_accepted_tokens"],
@@ -140,12 +146,7 @@ def scrape(base_url: str) -> SpecCounters:
 
 def counter_total(text: str, name: str) -> float:
     """A counter of /metrics summed over its label sets (engines), e.g. vllm:prompt_tokens_total."""
-    total = 0.0
-    for line in text.splitlines():
-        m = _SAMPLE.match(line)
-        if m and m.group(1) == name:
-            total += float(m.group(3))
-    return total
+    return sum(value for sample, _, value in _samples(text) if sample == name)
 
 
 def send_all(base_url: str, model: str, prompts: list[list[int]], max_tokens: int, concurrency: int,

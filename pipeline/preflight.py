@@ -11,6 +11,8 @@ import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from packaging.version import InvalidVersion, Version
+
 from pipeline import gpu
 from pipeline.compat import vllm_cpu_env
 from pipeline.compat.versions import KNOWN, RAN_HERE, VLLM_EXTRACTION_MIN, VLLM_EXTRACTION_WHY
@@ -37,12 +39,13 @@ class Finding:
         return f"{GLYPHS[self.severity]} {self.check:<10} {self.message}"
 
 
-def _version_key(v: str) -> tuple:
-    out = []
-    for part in v.split("+")[0].split("."):
-        digits = "".join(ch for ch in part if ch.isdigit())
-        out.append(int(digits) if digits else 0)
-    return tuple(out)
+def _version(v: str) -> Version:
+    """The public version (a local tag such as +cpu or +cu130 dropped: the same release, built elsewhere);
+    pre-releases keep their order (0.9.0rc1 < 0.9.0 < 0.9.1). An unreadable one sorts first."""
+    try:
+        return Version(v.split("+")[0])
+    except InvalidVersion:
+        return Version("0")
 
 
 @functools.lru_cache(maxsize=32)
@@ -68,7 +71,7 @@ def version_findings(profile: Profile) -> list[Finding]:
             found.append(Finding("block", "versions", f"{name} is not installed in this environment"))
         elif isinstance(known, set) and v not in known:
             found.append(Finding("warn", "versions", f"{name} {v}: untested (this project knows {sorted(known)})"))
-        elif isinstance(known, tuple) and not (_version_key(known[0]) <= _version_key(v) <= _version_key(known[1])):
+        elif isinstance(known, tuple) and not (_version(known[0]) <= _version(v) <= _version(known[1])):
             found.append(Finding("block", "versions", f"{name} {v}: outside speculators 0.9.0's range "
                                                       f"{known[0]}–{known[1]}"))
         else:
@@ -84,7 +87,7 @@ def version_findings(profile: Profile) -> list[Finding]:
     else:
         name, v = vllm
         if v not in KNOWN[name]:
-            sev = "block" if _version_key(v) < VLLM_EXTRACTION_MIN else "warn"
+            sev = "block" if _version(v) < Version(VLLM_EXTRACTION_MIN) else "warn"
             why = (VLLM_EXTRACTION_WHY if sev == "block"
                    else f"untested (this project knows {name} {sorted(KNOWN[name])})")
             found.append(Finding(sev, "vllm", f"{name} {v}{where}: {why}"))

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import psutil
 
-from pipeline.compat import speculators_logs, vllm_errors
+from pipeline.compat import vllm_errors
 
 
 def group_members(pgid: int) -> list[psutil.Process]:
@@ -187,7 +187,6 @@ def child_env(cache_root: Path) -> dict:
     env.setdefault("HF_HUB_OFFLINE", "1")
     env["PYTHONUNBUFFERED"] = "1"
     env["NO_COLOR"] = "1"
-    env["COLUMNS"] = speculators_logs.RICH_COLUMNS  # speculators logs through rich, which wraps at 80 columns
     env.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_root / "inductor"))
     env.setdefault("TRITON_CACHE_DIR", str(cache_root / "triton"))
     env["PYTHONPATH"] = repo_on_path(env.get("PYTHONPATH"))

@@ -1,6 +1,11 @@
 """Fail loudly if a speculators release renames what the CPU compatibility layer adapts."""
 import importlib
 import inspect
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
 
 import pytest
 
@@ -44,13 +49,37 @@ def test_adapt_on_cpu_and_not_on_gpu(monkeypatch):
          cli.maybe_setup_distributed) = saved
 
 
-def test_train_log_line_parsing():
-    from pipeline.stages.train import parse_metrics
-    line = ("[19:36:54] INFO train/loss_0=0.062, train/full_acc_0=0.006, train/full_acc_1=0.00e+00, "
-            "profile/step_ms=1.74e+03, epoch=2, lr=0.00e+00, global_step=40  trainer.py:587")
-    m = parse_metrics(line)
-    assert m["train/loss_0"] == 0.062 and m["train/full_acc_1"] == 0.0
-    assert m["profile/step_ms"] == 1740.0 and m["epoch"] == 2 and m["global_step"] == 40
+def test_trainer_metric_records_reach_the_stage_whole_at_full_precision(tmp_path):
+    """speculators' metric logger as its CLI sets it up, in a trainer-like process of its own: the records
+    the trainer logs come out as JSON lines (rank 0 only), the values unrounded, a non-mapping left out."""
+    script = textwrap.dedent(f"""
+        import logging, os, sys
+        from pipeline.compat import speculators_compat as sc
+        sc.forward_metric_records()
+        from speculators.train import cli
+        cli.setup_metric_logger(loggers=[], run_name="t", output_dir={str(tmp_path)!r})
+        log = logging.getLogger(sc.METRICS_LOGGER)
+        log.info({{"train": {{"loss_0": 0.123456789, "full_acc_1": 1e-07}}, "profile": {{"step_ms": 1740.25}},
+                   "epoch": 2, "lr": 0.0003, "global_step": 40}}, extra={{"step": 40}})
+        log.info("not a record")
+        log.info({{"lr": 0.5, "epochs": 3}}, extra={{"hparams": True}})  # the configuration, not a metric
+        os.environ["RANK"] = "1"
+        log.info({{"val": {{"loss_epoch": 9.0}}, "epoch": 2}})
+    """)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])})
+    assert out.returncode == 0, out.stderr[-2000:]
+    from pipeline.compat.speculators_compat import metrics_record
+    records = [r for line in out.stdout.splitlines() if (r := metrics_record(line)) is not None]
+    assert records == [{"train/loss_0": 0.123456789, "train/full_acc_1": 1e-07, "profile/step_ms": 1740.25,
+                        "epoch": 2.0, "lr": 0.0003, "global_step": 40.0}]
+    assert metrics_record("[19:36:54] INFO train/loss_0=0.062, epoch=2  trainer.py:587") is None  # rich's text
+    assert metrics_record(sc_mark() + "{not json") is None
+
+
+def sc_mark() -> str:
+    from pipeline.compat.speculators_compat import METRICS_MARK
+    return METRICS_MARK
 
 
 def test_speculators_loguru_lines_go_to_the_stage_log_not_stderr(tmp_path, capfd):

@@ -310,37 +310,6 @@ def test_the_stock_hidden_states_connector_still_needs_the_cpu_copy(serve_parser
     assert ".query()" in inspect.getsource(stock.get_finished)
 
 
-# --- pipeline/compat/speculators_logs.py: RICH_COLUMNS --------------------------------------------------------
-
-def test_trainer_metric_lines_stay_whole_only_with_wide_columns(monkeypatch):
-    import io
-    import logging
-
-    from rich.console import Console
-    from rich.logging import RichHandler
-    from speculators.train.logger import setup_root_logger
-
-    from pipeline.compat import speculators_logs
-    from pipeline.procs import child_env
-    from pipeline.stages.train import parse_metrics
-    assert "RichHandler()" in inspect.getsource(setup_root_logger)  # the trainer's lines go through rich
-    assert child_env(Path("/tmp"))["COLUMNS"] == speculators_logs.RICH_COLUMNS
-    line = ", ".join(f"train/loss_{i}=0.{i}25, train/full_acc_{i}=0.{i}5" for i in range(6)) + ", global_step=40"
-    lines = {}
-    for columns in ("80", speculators_logs.RICH_COLUMNS):
-        monkeypatch.setenv("COLUMNS", columns)
-        buf = io.StringIO()
-        log = logging.getLogger(f"test-rich-columns-{columns}")
-        log.propagate = False
-        log.addHandler(RichHandler(console=Console(file=buf)))
-        log.setLevel(logging.INFO)
-        log.info(line)
-        lines[columns] = [ln for ln in buf.getvalue().splitlines() if ln.strip()]
-    assert len(lines["80"]) > 1  # rich still wraps at the width it is given: the wide COLUMNS is still needed
-    (whole,) = lines[speculators_logs.RICH_COLUMNS]
-    assert parse_metrics(whole)["global_step"] == 40 and parse_metrics(whole)["train/full_acc_5"] == 0.55
-
-
 # --- pipeline/compat/vllm_cpu_env.py ---------------------------------------------------------------------------
 
 def test_vllm_cpu_runs_one_worker_process_only_when_told():
@@ -447,3 +416,12 @@ def test_a_cpu_server_can_name_cpu_mla_for_a_float32_target():
         True, "float32"))
     assert backend.get_name() == "CPU_MLA" and invalid == []
     assert vllm_cpu_env.mla_backend(True, "bfloat16") is None and vllm_cpu_env.mla_backend(False, "float32") is None
+
+
+def test_versions_are_compared_as_versions():
+    from pipeline.preflight import _version
+    assert _version("0.9.0rc1") < _version("0.9.0") < _version("0.9.1")  # a pre-release before its release
+    assert _version("2.14.1+cu130") == _version("2.14.1") <= _version(versions.KNOWN["torch"][1])  # local tag
+    assert _version("0.19.1") < _version(versions.VLLM_EXTRACTION_MIN) <= _version("0.20.1+cpu")
+    assert _version("0.20.0.dev3+g1234") < _version(versions.VLLM_EXTRACTION_MIN)  # a dev build before the release
+    assert _version("not a version") < _version("0.0.1")

