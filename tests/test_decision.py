@@ -18,8 +18,8 @@ def test_the_why_line_agrees_with_the_decision(tau, speedup, threshold):
     eagle = {"output_tok_s": 100.0 * speedup, "tpot_ms": 46.2, "tokens_per_step": tau, "speedup": speedup}
     figures = step_economics(baseline, eagle, threshold)
     verdict = decide({"levels": {1: eagle}}, 1, threshold)
-    deploy = verdict.startswith("deploy:")
-    assert deploy == (speedup >= threshold)
+    deploy = verdict.deploy
+    assert deploy == (speedup >= threshold) and verdict.line.startswith("deploy:" if deploy else "do not deploy:")
     assert (figures["break_even_tau"] <= tau + 1e-9) == deploy or abs(figures["break_even_tau"] - tau) < 2e-3
     # the step costs it names give back the measured speedup: tau × plain step / step with the head
     assert tau * figures["baseline_step_ms"] / figures["step_ms"] == pytest.approx(speedup, rel=2e-3)

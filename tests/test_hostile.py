@@ -202,10 +202,10 @@ def test_a_dead_server_is_blamed_with_its_own_reason(tmp_path):
 def test_deploy_decision_shows_the_comparison_rounding_would_hide():
     from pipeline.stages.deploy_measure import decide
     eagle = {"levels": {1: {"speedup": 1.098}}}
-    assert decide(eagle, 1, 1.10) == "do not deploy: speedup x1.098 < threshold x1.1 at concurrency 1"
+    assert decide(eagle, 1, 1.10).line == "do not deploy: speedup x1.098 < threshold x1.1 at concurrency 1"
     eagle["levels"][1]["speedup"] = 1.1
-    assert decide(eagle, 1, 1.10).startswith("deploy: speedup x1.100 >= threshold x1.1")
-    assert decide({"error": "refused"}, 1, 1.1) == "do not deploy: the new head was not measured"
+    assert decide(eagle, 1, 1.10).line.startswith("deploy: speedup x1.100 >= threshold x1.1")
+    assert decide({"error": "refused"}, 1, 1.1).line == "do not deploy: the new head was not measured"
 
 
 # ---- kills: nothing left that a resume does not clean; time counts every attempt

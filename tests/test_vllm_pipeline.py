@@ -98,16 +98,19 @@ def test_report_has_matrix_plots_and_decision(vllm_run, tmp_path):
         assert png in md
 
 
-@pytest.mark.parametrize("decision,deploys", [
-    ("deploy: speedup x1.430 >= threshold x1.1 at concurrency 1", True),
-    ("do not deploy: speedup x0.920 < threshold x1.1 at concurrency 1", False),
-    (None, False),
+@pytest.mark.parametrize("figures,deploys", [
+    ({"decision": "deploy: speedup x1.430 >= threshold x1.1 at concurrency 1", "deploy": True}, True),
+    ({"decision": "do not deploy: speedup x0.920 < threshold x1.1 at concurrency 1", "deploy": False}, False),
+    ({"decision": "deploy: speedup x1.430 >= threshold x1.1 at concurrency 1"}, True),  # a run from before "deploy"
+    ({}, False),
 ])
-def test_production_gets_the_head_only_on_a_deploy_decision(decision, deploys):
+def test_production_gets_the_head_only_on_a_deploy_decision(figures, deploys):
+    from pipeline.decision import Decision
     from pipeline.stages.handover import draft_goes_to_production
+    decision = Decision.from_figures(figures)
     ok, why = draft_goes_to_production(decision)
     assert ok is deploys and why.startswith("deployed" if deploys else "not deployed")
-    assert (decision or "no measured decision") in why
+    assert (figures.get("decision") or "no measured decision") in why
 
 
 def test_handover_to_production_follows_the_runs_decision(vllm_run, tmp_path):

@@ -9,6 +9,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from pipeline.decision import Decision
 from pipeline.profile import Profile
 from pipeline.rundir import RunDir, RunDirError
 from pipeline.server import ServerError, ServerRecord
@@ -202,10 +203,9 @@ class StageContext:
         tau = self.run.stage_state("evaluate-offline").get("figures", {}).get("tau")
         return float(tau) if tau is not None else None
 
-    def deploy_decision(self) -> str | None:
-        """deploy-measure's decision line ("deploy: …" / "do not deploy: …"), None when it did not run."""
-        decision = self.run.stage_state("deploy-measure").get("figures", {}).get("decision")
-        return str(decision) if decision else None
+    def deploy_decision(self) -> Decision | None:
+        """deploy-measure's Decision (deploy or not, and why), None when it did not run."""
+        return Decision.from_figures(self.run.stage_state("deploy-measure").get("figures", {}))
 
     def draft_checkpoint(self) -> Path:
         """The head the run deploys: pick-checkpoint's choice (evaluate.checkpoints = "each"), else the last

@@ -12,6 +12,7 @@ from functools import partial
 from pathlib import Path
 
 from pipeline import atomicio, box, conversations, diagnose, notes, online, portlock, procs, target, vllm_modes
+from pipeline.decision import Decision
 from pipeline.deploy import publish_draft
 from pipeline.online import in_threads, send_all
 from pipeline.server import ServerError, explain_failure, port_in_use, port_owner
@@ -183,15 +184,16 @@ def _measure_groups(ctx: StageContext, stage: str, methods: list[str], prompts: 
     return matrix
 
 
-def decide(eagle: dict | None, baseline_c: int, threshold: float) -> str:
+def decide(eagle: dict | None, baseline_c: int, threshold: float) -> Decision:
     if not eagle or eagle.get("error") or baseline_c not in eagle.get("levels", {}):
-        return "do not deploy: the new head was not measured"
+        return Decision(False, "the new head was not measured")
     speedup = eagle["levels"][baseline_c].get("speedup")
     if speedup is None:
-        return "do not deploy: no speedup measured"
-    verdict, relation = ("deploy", ">=") if speedup >= threshold else ("do not deploy", "<")
+        return Decision(False, "no speedup measured")
+    deploy = speedup >= threshold
     # Three decimals: at two, x1.098 against x1.10 would read "x1.10 (threshold x1.10)".
-    return f"{verdict}: speedup x{speedup:.3f} {relation} threshold x{threshold:g} at concurrency {baseline_c}"
+    return Decision(deploy, f"speedup x{speedup:.3f} {'>=' if deploy else '<'} threshold x{threshold:g} "
+                            f"at concurrency {baseline_c}")
 
 
 class DeployMeasure(Stage):
@@ -248,7 +250,9 @@ class DeployMeasure(Stage):
                   "min_new_tokens": ev.min_new_tokens, "rounds": ev.rounds,
                   "concurrency": sorted(ev.concurrency), "matrix": matrix, "mismatches": mismatches,
                   "mismatches_beyond_ties": failures, "tie_logprob_gap": ev.tie_logprob_gap,
-                  "offline_tau": offline_tau, "decision": decide(eagle, low, ev.deploy_speedup)}
+                  "offline_tau": offline_tau}
+        decision = decide(eagle, low, ev.deploy_speedup)
+        result |= {"decision": decision.line, "deploy": decision.deploy}
         atomicio.atomic_write_json(ctx.run.online_result, result)
         if eagle is not None:
             if eagle.get("error"):
@@ -262,7 +266,7 @@ class DeployMeasure(Stage):
                                  f"{len(prompts)} prompts (first: {failures['eagle3'][0]})"
                                  + (f" beyond {ties} near-tie(s) of the target's own" if ties else "")
                                  + f"; see {ctx.run.online_result}")
-        figures = {"decision": result["decision"], "offline_tau": offline_tau,
+        figures = {"decision": decision.line, "deploy": decision.deploy, "offline_tau": offline_tau,
                    "baseline_tok_s": base["levels"][low]["output_tok_s"]}
         if eagle is not None:
             lv = eagle["levels"][low]

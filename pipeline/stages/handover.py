@@ -6,18 +6,17 @@ from __future__ import annotations
 from pathlib import Path
 
 from pipeline import atomicio, box
+from pipeline.decision import Decision
 from pipeline.rundir import now_iso
 from pipeline.stages.base import Stage, StageContext
 
 
-def draft_goes_to_production(decision: str | None) -> tuple[bool, str]:
+def draft_goes_to_production(decision: Decision | None) -> tuple[bool, str]:
     """Whether `after_run = "production-with-draft"` may put the new head into production: only on the
-    benchmark's own decision line "deploy: …"; otherwise the reason production keeps running without it."""
-    if not decision:
+    benchmark's own decision to deploy; otherwise the reason production keeps running without it."""
+    if decision is None:
         return False, "not deployed: no measured decision (deploy-measure did not run; evaluate.online = false?)"
-    if decision.startswith("deploy:"):
-        return True, f"deployed: {decision}"
-    return False, f"not deployed: {decision}"
+    return decision.deploy, f"{'deployed' if decision.deploy else 'not deployed'}: {decision.line}"
 
 
 class Handover(Stage):
