@@ -7,7 +7,7 @@ from pathlib import Path
 from rich.text import Text
 
 from console.formatting import BLOCKS, fmt_secs, human_bytes, na, spark
-from pipeline import gpu
+from pipeline import gpu, jobs
 from pipeline.profile import Profile
 from pipeline.runview import StageView
 
@@ -15,10 +15,9 @@ LOSS_CURVE_WIDTH = 70
 
 
 def live_stages(stages: tuple[StageView, ...], job: dict) -> tuple[StageView, ...]:
-    """A stage recorded running while no process runs the job was interrupted (as `status` says)."""
-    if job.get("pid"):
-        return stages
-    return tuple(replace(s, status="interrupted", eta_s=None) if s.status == "running" else s for s in stages)
+    """Each stage's status as `status` says it (jobs.live_status); an interrupted one has no ETA."""
+    return tuple(s if (live := jobs.live_status(s.status, job.get("pid"))) == s.status
+                 else replace(s, status=live, eta_s=None) for s in stages)
 
 
 def gpu_row(g: gpu.GpuSample, util_hist, mem_hist) -> tuple:

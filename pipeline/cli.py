@@ -168,9 +168,7 @@ def cmd_status(args) -> int:
     rows = []
     for stage in STAGES:
         entry = state["stages"].get(stage.name, {})
-        status = recorded_status(run, stage, profile)
-        if status == "running" and not job["pid"]:
-            status = "interrupted"  # its process is gone: SIGKILL, power loss
+        status = jobs.live_status(recorded_status(run, stage, profile), job["pid"])
         rows.append({"stage": stage.name, "status": status, "seconds": entry.get("seconds"),
                      "attempts": entry.get("attempts"), "figures": entry.get("figures", {}),
                      "error": entry.get("error"), "gpu": entry.get("gpu")})

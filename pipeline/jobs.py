@@ -48,15 +48,21 @@ def runner_alive(run: RunDir) -> int | None:
     return None
 
 
+def live_status(recorded: str, pid: int | None) -> str:
+    """A stage's status as it stands: one recorded "running" while no process runs the job was
+    interrupted (SIGKILL, power loss). The one place `status`, the job's state and the console read it."""
+    return "interrupted" if recorded == "running" and not pid else recorded
+
+
 def job_state(run: RunDir) -> dict:
     """running / interrupted / failed / finished / not started, from the live processes and the run's
     state: a stage recorded "running" whose process is gone was interrupted (SIGKILL, power loss)."""
     pid = runner_alive(run)
     stages = run.read_state().get("stages", {})
-    statuses = {s.get("status") for s in stages.values()}
+    statuses = {live_status(str(s.get("status")), pid) for s in stages.values()}
     if pid:
         state = "running"
-    elif statuses & {"running", "interrupted"}:
+    elif "interrupted" in statuses:
         state = "interrupted"
     elif "failed" in statuses:
         state = "failed"

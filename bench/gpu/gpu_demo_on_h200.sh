@@ -81,10 +81,11 @@ PY
     run_until extract 2>&1 | quiet | cut -c1-400 ;;
   train)
     run_until evaluate-offline 2>&1 | quiet | cut -c1-400
-    # what a draft costs a step at 0.8 B and 3 B, k = 2 and 3, at this head's acceptance (bench/gpu/step_cost.py);
-    # GPU_DEMO_STEPS=1: where a request's time goes with this run's head and without (bench/gpu/decode_steps.py)
+    # GPU_DEMO_COST=1: what a draft costs a step at 0.8 B and 3 B (GPU_DEMO_SIZES), k = 2 and 3, at this head's
+    # acceptance (bench/gpu/step_cost.py, ≈ 2.3 min a size); GPU_DEMO_STEPS=1: where a request's time goes with
+    # this run's head and without (bench/gpu/decode_steps.py)
     tok=$(ls -d "$W"/cache/demo-target-*/ 2>/dev/null | head -1)
-    if [ -n "$tok" ] && [ -z "${GPU_DEMO_NO_COST:-}" ]; then
+    if [ -n "$tok" ] && [ -n "${GPU_DEMO_COST:-}" ]; then
       read -ra sizes <<< "${GPU_DEMO_SIZES:-0.8b 3b}"; [ -n "${GPU_DEMO_DRY:-}" ] && sizes=(tiny)
       timeout "${GPU_DEMO_COST_S:-320}" $PY bench/gpu/step_cost.py --tokenizer "$tok" --sizes "${sizes[@]}" --ks 2 3 --concurrency 1 8 \
         --prompts 16 --tokens 128 --work "$W/step-cost" 2>&1 | grep -v Traceback | cut -c1-400 | tee "$OUT/step-cost.txt"
