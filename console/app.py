@@ -36,7 +36,8 @@ __all__ = ["ConfirmScreen", "ConsoleApp", "HelpScreen", "ModeScreen", "main"]
 HISTORY = 60
 GPU_COLUMNS = ("GPU", "name", "util", "history", "memory", "history", "temp", "power", "SM MHz")
 PROCESS_COLUMNS = ("GPU", "PID", "process", "role", "GPU memory")
-MATRIX_COLUMNS = ("method", "conc.", "tok/s", "TPOT ms", "τ", "acceptance per position", "speedup", "same output")
+MATRIX_COLUMNS = ("method", "conc.", "tok/s", "TTFT ms", "TPOT ms", "τ", "acceptance per position", "speedup",
+                  "same output")
 
 
 @dataclass(frozen=True)

@@ -77,7 +77,8 @@ def matrix_level_row(method: str, row: dict, concurrency, level: dict) -> tuple:
     acc = level.get("acceptance_per_position") or []
     bars = " ".join(f"{BLOCKS[min(7, int(a * 7.999))]}{a:.2f}" for a in acc)
     same = "" if method == "baseline" else ("✔ yes" if row.get("identical_outputs") else "✖ NO")
-    return (method, str(concurrency), f"{level['output_tok_s']:.1f}", na(level.get("tpot_ms"), "{:.2f}"),
+    return (method, str(concurrency), f"{level['output_tok_s']:.1f}", na(level.get("ttft_ms"), "{:.1f}"),
+            na(level.get("decode_tpot_ms"), "{:.2f}"),
             na(level.get("mean_acceptance_length"), "{:.3f}"), bars, na(level.get("speedup"), "x{}"), same)
 
 
@@ -85,10 +86,10 @@ def matrix_rows(evaluation: dict) -> list[tuple]:
     rows = []
     for method, row in evaluation["matrix"].items():
         if row.get("error") and not row.get("levels"):  # a refused method is a row saying why
-            rows.append((method, "", "", "", "", Text(f"✖ {row['error'][:60]}"), "", ""))
+            rows.append((method, "", "", "", "", "", Text(f"✖ {row['error'][:60]}"), "", ""))
         for c, level in sorted(row.get("levels", {}).items(), key=lambda kv: int(kv[0])):
             rows.append(matrix_level_row(method, row, c, level))
-    return rows + [("decision", "", "", "", "", Text(evaluation.get("decision", "")), "", "")]
+    return rows + [("decision", "", "", "", "", "", Text(evaluation.get("decision", "")), "", "")]
 
 
 def server_text(server: dict, profile: Profile) -> str:

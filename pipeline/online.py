@@ -44,7 +44,7 @@ def stream_complete(base_url: str, model: str, prompt_ids: list[int], max_tokens
     text: list[str] = []
     usage: dict | None = None
     first: float | None = None
-    last, chunks = 0.0, 0
+    last, chunks, first_tokens = 0.0, 0, 0
     with urllib.request.urlopen(req, timeout=timeout) as resp:  # noqa: S310 - the server we started
         for raw in resp:
             line = raw.strip()
@@ -54,6 +54,10 @@ def stream_complete(base_url: str, model: str, prompt_ids: list[int], max_tokens
             if payload == b"[DONE]":
                 break
             event = json.loads(payload)
+            if "error" in event or event.get("object") == "error":  # vLLM failed mid-answer: not an answer
+                error = event.get("error", event)
+                raise RuntimeError(f"the server ended the stream with an error: "
+                                   f"{error.get('message', error) if isinstance(error, dict) else error}")
             if event.get("usage"):
                 usage = event["usage"]
             for choice in event.get("choices") or ():
@@ -61,14 +65,16 @@ def stream_complete(base_url: str, model: str, prompt_ids: list[int], max_tokens
                 text.append(choice.get("text") or "")
                 if delta:
                     now = time.perf_counter()
-                    first = now if first is None else first
+                    if first is None:
+                        first, first_tokens = now, len(delta)
                     last, chunks = now, chunks + 1
                     tokens += delta
     seconds = time.perf_counter() - t0
     return {"token_ids": tokens, "text": "".join(text),
             "completion_tokens": usage["completion_tokens"] if usage else len(tokens), "seconds": seconds,
             "ttft": (first - t0) if first is not None else None,
-            "decode_seconds": (last - first) if first is not None else 0.0, "chunks": chunks}
+            "decode_seconds": (last - first) if first is not None else 0.0, "chunks": chunks,
+            "first_tokens": first_tokens}
 
 
 def top_logprobs(base_url: str, model: str, prompt_ids: list[int], headers: dict, n: int = 2,
@@ -114,10 +120,13 @@ class SpecCounters:
 def _samples(text: str):
     """Every sample of a /metrics page as (name, labels, value), read by prometheus_client's own parser;
     `*_created` samples (a counter's creation time, not a count) are left out."""
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if not sample.name.endswith("_created"):
-                yield sample.name, sample.labels, sample.value
+    try:
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if not sample.name.endswith("_created"):
+                    yield sample.name, sample.labels, sample.value
+    except ValueError as exc:  # the parser stops at a line it cannot read: say which, not a traceback
+        raise RuntimeError(f"vLLM's /metrics page is not Prometheus text: {exc}") from None
 
 
 def parse_spec_counters(text: str) -> SpecCounters:
@@ -175,8 +184,8 @@ def send_all(base_url: str, model: str, prompts: list[list[int]], max_tokens: in
             "output_tok_s": round(tokens / seconds, 2) if seconds else 0.0,
             "tpot_ms": _mean_ms(r["seconds"] / r["completion_tokens"] for r in results if r["completion_tokens"]),
             "ttft_ms": _mean_ms(r["ttft"] for r in results if r["ttft"] is not None),
-            "decode_tpot_ms": _mean_ms(r["decode_seconds"] / (len(r["token_ids"]) - 1) for r in results
-                                       if len(r["token_ids"]) > 1),
+            "decode_tpot_ms": _mean_ms(r["decode_seconds"] / (len(r["token_ids"]) - r["first_tokens"])
+                                       for r in results if len(r["token_ids"]) > r["first_tokens"]),
             "chunk_ms": _mean_ms(r["decode_seconds"] / (r["chunks"] - 1) for r in results if r["chunks"] > 1)}
 
 

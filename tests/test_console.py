@@ -259,7 +259,8 @@ def test_eval_tab_shows_matrix_decision_and_loss_curve(run):
     run.eval_dir.mkdir(exist_ok=True)
     (run.eval_dir / "online.json").write_text(json.dumps({
         "k": 3, "concurrency": [1], "decision": "do not deploy: speedup x0.72 at concurrency 1 (threshold x1.10)",
-        "matrix": {"baseline": {"levels": {"1": {"output_tok_s": 240.0, "tpot_ms": 4.1, "speedup": 1.0}}},
+        "matrix": {"baseline": {"levels": {"1": {"output_tok_s": 240.0, "tpot_ms": 4.1, "ttft_ms": 13.3,
+                                                  "decode_tpot_ms": 2.36, "speedup": 1.0}}},
                    "ngram": {"error": "ServerError: vLLM (ngram) exited with 1: numba missing"},
                    "eagle3": {"identical_outputs": True, "levels": {"1": {
                        "output_tok_s": 175.0, "tpot_ms": 5.7, "speedup": 0.729, "mean_acceptance_length": 1.8,
@@ -271,7 +272,7 @@ def test_eval_tab_shows_matrix_decision_and_loss_curve(run):
         await pilot.press("5")
         await pilot.pause(0.3)
         rows = text_of(app.query_one("#matrix", DataTable)).splitlines()
-        assert rows[0].startswith("baseline | 1 | 240.0")
+        assert rows[0].startswith("baseline | 1 | 240.0 | 13.3 | 2.36")  # TTFT, then TPOT after the first token
         assert "ngram" in rows[1] and "numba missing" in rows[1]  # a refused method is a row saying why
         assert "1.800" in rows[2] and "0.55" in rows[2] and "✔ yes" in rows[2]
         assert "do not deploy" in rows[3]

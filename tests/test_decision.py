@@ -48,3 +48,43 @@ def test_min_new_tokens_cannot_exceed_max_new_tokens(tmp_path):
                                                             "evaluate.max_new_tokens": 64})
     both = {"evaluate.min_new_tokens": 64, "evaluate.max_new_tokens": 64}
     assert load_profile("tests/profiles/tiny.toml", overrides=both).evaluate.min_new_tokens == 64
+
+
+def test_tokens_per_step_counts_steps_from_below_twice():
+    from pipeline.stages.deploy_measure import tokens_per_step
+    # the H200 run: 395 tokens over 32 answers, vLLM counted 276 accepted (some past the answers' end) and 133 drafts
+    assert tokens_per_step({"output_tokens": 395}, 32, 276, 133) == round(363 / 133, 4)
+    # n-gram drafts at few steps: decoded − accepted is the larger bound
+    assert tokens_per_step({"output_tokens": 395}, 32, 9, 4) == round(363 / 354, 4)
+    assert tokens_per_step({"output_tokens": 32}, 32, 0, 0) == 1.0  # nothing decoded after the prefill
+
+
+def test_a_stream_that_ends_in_an_error_is_not_an_answer():
+    """vLLM ends a stream it cannot finish with an error event, then [DONE]; the tokens before it are not an
+    answer to time or compare (a local server plays vLLM's failure: it cannot be caused on demand)."""
+    import http.server
+    import json
+    import threading
+
+    from pipeline import online
+
+    class Failing(http.server.BaseHTTPRequestHandler):
+        def do_POST(self):  # noqa: N802 - http.server's name
+            self.rfile.read(int(self.headers["Content-Length"]))
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.end_headers()
+            for event in ({"choices": [{"text": "a", "token_ids": [5]}]}, {"error": {"message": "engine died"}}):
+                self.wfile.write(f"data: {json.dumps(event)}\n\n".encode())
+            self.wfile.write(b"data: [DONE]\n\n")
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Failing)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        with pytest.raises(RuntimeError, match="engine died"):
+            online.stream_complete(f"http://127.0.0.1:{server.server_port}", "target", [1, 2], 8, {})
+    finally:
+        server.shutdown()

@@ -127,7 +127,8 @@ def test_handover_to_production_follows_the_runs_decision(vllm_run, tmp_path):
     resolved["server"]["api_key_env"] = "E3_PLANTED_KEY"  # production is keyed; the key must leak nowhere
     (copy / "profile.toml").write_text(dump_toml(resolved))
     (copy / "server-handover.json").unlink()  # handover's output: without it the stage is not done
-    decision = vllm_run.stage_state("deploy-measure")["figures"]["decision"]
+    measured = vllm_run.stage_state("deploy-measure")["figures"]
+    decision, deployed = measured["decision"], measured["deploy"]
     secret = "sk-planted-production-key-777"
     try:
         proc = cli("run", "--resume", copy, "--no-tui", "--from", "handover", timeout=600,
@@ -140,7 +141,6 @@ def test_handover_to_production_follows_the_runs_decision(vllm_run, tmp_path):
             if path.is_file() and not path.is_symlink():
                 assert secret.encode() not in path.read_bytes(), f"the API key leaked into {path}"
         record = json.loads((copy / "server-handover.json").read_text())
-        deployed = decision.startswith("deploy:")
         assert record["server"] == ("production with draft" if deployed else "production"), record
         assert record["draft"] == ("deployed: " if deployed else "not deployed: ") + decision
         notes = (copy / "notes.jsonl").read_text()

@@ -45,8 +45,8 @@ def measure(base_url: str, prompts: list[list[int]], tokens: int, concurrency: i
     wall = max(r["seconds"] for r in results)
     return {"tokens_mean": round(sum(n) / len(n), 1),
             "ttft_ms": ms([r["ttft"] for r in results if r["ttft"] is not None]),
-            "decode_tpot_ms": ms([r["decode_seconds"] / (len(r["token_ids"]) - 1) for r in results
-                                  if len(r["token_ids"]) > 1]),
+            "decode_tpot_ms": ms([r["decode_seconds"] / (len(r["token_ids"]) - r["first_tokens"]) for r in results
+                                  if len(r["token_ids"]) > r["first_tokens"]]),
             "chunk_ms": ms([r["decode_seconds"] / (r["chunks"] - 1) for r in results if r["chunks"] > 1]),
             "request_ms": ms([r["seconds"] for r in results]),
             "tok_s": round(sum(n) / sum(r["seconds"] for r in results) * concurrency, 1) if wall else None,

@@ -266,7 +266,7 @@ def forward_metric_records() -> list[str]:
                 flat = flatten(dict(msg))
                 out.write(METRICS_MARK + json.dumps(flat, default=_number) + "\n")
                 out.flush()
-            except (TypeError, ValueError, OSError):  # a record the stage cannot read is left out
+            except Exception:  # noqa: BLE001 - a record the stage cannot read is left out, never the training
                 pass
 
     original = cli.setup_metric_logger

@@ -42,21 +42,23 @@ def measure_served(ctx: StageContext, stage: str, method: str, rec, start_s: flo
         online.complete(rec.base_url, p.server.served_model_name, prompts[0], 4, headers or {})  # warm-up
         ev = p.evaluate
         for c in sorted(ev.concurrency):
-            before = online.scrape(rec.base_url)
-            rounds = [send_all(rec.base_url, p.server.served_model_name, prompts, ev.max_new_tokens, c,
-                               on_done=partial(ctx.progress, stage, total=len(prompts),
-                                               unit=f"prompts ({method}, c={c}{round_label(r, ev.rounds)})"),
-                               headers=headers, min_tokens=ev.min_new_tokens)
-                      for r in range(ev.rounds)]
-            level = median_round(rounds)
-            spec = online.scrape(rec.base_url) - before
-            if spec.drafts:
-                level.update(mean_acceptance_length=round(spec.mean_acceptance_length, 4),
-                             acceptance_rate=round(spec.acceptance_rate, 4),
-                             acceptance_per_position=[round(x, 4) for x in spec.per_position_rate()],
-                             drafts=spec.drafts / len(rounds), accepted=spec.accepted / len(rounds))  # a round's
-            level["tokens_per_step"] = tokens_per_step(level, len(prompts), int(level.get("accepted", 0)))
-            row["levels"][c] = level
+            rounds = []
+            for r in range(ev.rounds):  # each round with its own counters: a level's figures are one round's
+                before = online.scrape(rec.base_url)
+                level = send_all(rec.base_url, p.server.served_model_name, prompts, ev.max_new_tokens, c,
+                                 on_done=partial(ctx.progress, stage, total=len(prompts),
+                                                 unit=f"prompts ({method}, c={c}{round_label(r, ev.rounds)})"),
+                                 headers=headers, min_tokens=ev.min_new_tokens)
+                spec = online.scrape(rec.base_url) - before
+                if spec.drafts:
+                    level.update(mean_acceptance_length=round(spec.mean_acceptance_length, 4),
+                                 acceptance_rate=round(spec.acceptance_rate, 4),
+                                 acceptance_per_position=[round(x, 4) for x in spec.per_position_rate()],
+                                 drafts=spec.drafts, accepted=spec.accepted)
+                level["tokens_per_step"] = tokens_per_step(level, len(prompts), int(level.get("accepted", 0)),
+                                                           int(level.get("drafts", 0)))
+                rounds.append(level)
+            row["levels"][c] = median_round(rounds)
         low = min(p.evaluate.concurrency)
         if reference is not None:
             row["divergences"] = divergences(rec, p.server.served_model_name, prompts, reference,
@@ -83,8 +85,8 @@ def median_round(rounds: list[dict]) -> dict:
 
 def divergences(rec, model: str, prompts: list[list[int]], reference: list[list[int]],
                 outputs: list[list[int]]) -> list[dict]:
-    """Where each output leaves the baseline's, the two tokens, and the target's top-two logprob gap at
-    that position (asked with the common prefix): a gap within bf16 rounding says numerics (the verify
+    """Where each output leaves the baseline's, the two tokens, and the target's logprob gap between them
+    at that position (asked with the common prefix): a gap within bf16 rounding says numerics (the verify
     step's batch shape differs from a plain decode step's), a clear one says the serving path is wrong."""
     found = []
     for i, (ref, out) in enumerate(zip(reference, outputs, strict=True)):
@@ -92,9 +94,15 @@ def divergences(rec, model: str, prompts: list[list[int]], reference: list[list[
             continue
         at = first_difference(ref, out)
         entry: dict = {"prompt": i, "position": at, "baseline": ref[at: at + 1], "method": out[at: at + 1]}
-        try:
-            top = online.top_logprobs(rec.base_url, model, prompts[i] + ref[:at], {})
-            entry["gap"] = round(top[0][1] - top[1][1], 4) if len(top) > 1 else None
+        try:  # the two tokens that parted, among the target's top five (its end of text may be first where
+            # evaluate.min_new_tokens held it back; vLLM's logprobs are the raw model's)
+            top = dict(online.top_logprobs(rec.base_url, model, prompts[i] + ref[:at], {}, n=5))
+            pair = (top.get(ref[at]) if at < len(ref) else None, top.get(out[at]) if at < len(out) else None)
+            if pair[0] is not None and pair[1] is not None:
+                entry["gap"] = round(abs(pair[0] - pair[1]), 4)
+            else:  # one answer ended there, or a token outside the top five: the target's own top two
+                best = sorted(top.values(), reverse=True)
+                entry["gap"] = round(best[0] - best[1], 4) if len(best) > 1 else None
         except Exception as exc:  # noqa: BLE001 - an unanswered question leaves the mismatch a failure
             entry["gap"], entry["why"] = None, f"{type(exc).__name__}: {exc}"
         found.append(entry)
@@ -106,15 +114,33 @@ def numeric_ties(found: list[dict], max_gap: float) -> list[int]:
     return [d["prompt"] for d in found if d.get("gap") is not None and d["gap"] <= max_gap]
 
 
-def tokens_per_step(level: dict, requests: int, accepted: int) -> float:
+def head_failure(ctx: StageContext, eagle: dict | None, low: int, failures: dict, prompts: int) -> str | None:
+    """Why the new head's row fails the stage (serving failed, no drafts, outputs that differ beyond
+    numeric ties), or None."""
+    if eagle is None:
+        return None
+    if eagle.get("error"):
+        return f"serving the new head failed: {eagle['error']}"
+    if not eagle["levels"][low].get("drafts"):
+        return f"the speculative server reported no drafts: is the head loaded? see {ctx.run.log_path('server-eagle3')}"
+    if "eagle3" in failures:
+        ties = eagle.get("numeric_ties", 0)
+        beyond = f" beyond {ties} near-tie(s) of the target's own" if ties else ""
+        return (f"outputs with and without the new head differ for {len(failures['eagle3'])}/{prompts} prompts "
+                f"(first: {failures['eagle3'][0]}){beyond}; see {ctx.run.online_result}")
+    return None
+
+
+def tokens_per_step(level: dict, requests: int, accepted: int, drafts: int = 0) -> float:
     """Output tokens per target forward after the prefill: each decode step of a request yields its
     accepted draft tokens plus one. It is τ for a method that drafts at every step (EAGLE-3); for
-    n-gram, whose τ counts only the steps where it found a match, it is what the speed sees. From the
-    counters alone it runs high when a request's last step accepted drafts past max_tokens (vLLM counts
-    them; the request keeps none): a few per request, visible on short outputs; evaluate-offline's replay
-    counts the steps themselves."""
+    n-gram, whose τ counts only the steps where it found a match, it is what the speed sees. The steps
+    are counted from below twice: decoded − accepted (vLLM also counts drafts accepted past the end of an
+    answer, which the answer never keeps: a few per request, many on short answers — the H200 run's
+    12-token answers gave 87 steps where 133 drafted) and the drafts (one per step at most); the larger
+    is kept. evaluate-offline's replay counts the steps themselves."""
     decoded = level["output_tokens"] - requests  # the first token of each request comes from its prefill
-    steps = decoded - accepted
+    steps = max(decoded - accepted, drafts)
     return round(decoded / steps, 4) if steps > 0 else 1.0
 
 
@@ -251,21 +277,13 @@ class DeployMeasure(Stage):
                   "concurrency": sorted(ev.concurrency), "matrix": matrix, "mismatches": mismatches,
                   "mismatches_beyond_ties": failures, "tie_logprob_gap": ev.tie_logprob_gap,
                   "offline_tau": offline_tau}
-        decision = decide(eagle, low, ev.deploy_speedup)
+        failure = head_failure(ctx, eagle, low, failures, len(prompts))
+        # a head that failed its own checks is not deployed, whatever its speed: online.json says so too
+        decision = decide(eagle, low, ev.deploy_speedup) if failure is None else Decision(False, failure)
         result |= {"decision": decision.line, "deploy": decision.deploy}
         atomicio.atomic_write_json(ctx.run.online_result, result)
-        if eagle is not None:
-            if eagle.get("error"):
-                raise StageError(f"serving the new head failed: {eagle['error']}")
-            if not eagle["levels"][low].get("drafts"):
-                raise StageError("the speculative server reported no drafts: is the head loaded? "
-                                 f"see {ctx.run.log_path('server-eagle3')}")
-            if "eagle3" in failures:
-                ties = eagle.get("numeric_ties", 0)
-                raise StageError(f"outputs with and without the new head differ for {len(failures['eagle3'])}/"
-                                 f"{len(prompts)} prompts (first: {failures['eagle3'][0]})"
-                                 + (f" beyond {ties} near-tie(s) of the target's own" if ties else "")
-                                 + f"; see {ctx.run.online_result}")
+        if failure is not None:
+            raise StageError(failure)
         figures = {"decision": decision.line, "deploy": decision.deploy, "offline_tau": offline_tau,
                    "baseline_tok_s": base["levels"][low]["output_tok_s"]}
         if eagle is not None:
