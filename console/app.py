@@ -168,10 +168,11 @@ class ConsoleApp(App):
         if name and name != self.tailer_name:
             self.tailer, self.tailer_name = LogTailer(self.rundir.log_path(name)), name
         lines = self.tailer.new_lines() if self.tailer else []
-        server = box.controller(self.profile).status()
+        snap = jobs.snapshot(self.rundir, stages=False)
+        server = dict(snap.server)
         if "uptime_s" in server:  # shown to 10 s, as the stages' elapsed: a finer figure repaints every tick
             server["uptime_s"] = server["uptime_s"] // 10 * 10
-        job = {**jobs.job_state(self.rundir), "roles": jobs.process_roles(self.rundir, server)}
+        job = {"state": snap.state, "pid": snap.pid, "roles": snap.roles}
         return RunPolled(view, lines, name, server, job)
 
     # ---- rendering (message handlers own all state)

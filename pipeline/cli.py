@@ -156,36 +156,25 @@ def _print_summary(run) -> None:
 def cmd_status(args) -> int:
     from pipeline import jobs
     from pipeline.rundir import RunDir, RunDirError
-    from pipeline.runner import recorded_status
-    from pipeline.stages import STAGES
 
     try:
         run = RunDir.open(Path(args.run_dir))
-        profile = run.profile()
+        snap = jobs.snapshot(run)
     except RunDirError as exc:
         return _die(str(exc))
-    state, job = run.read_state(), jobs.job_state(run)
-    rows = []
-    for stage in STAGES:
-        entry = state["stages"].get(stage.name, {})
-        status = jobs.live_status(recorded_status(run, stage, profile), job["pid"])
-        rows.append({"stage": stage.name, "status": status, "seconds": entry.get("seconds"),
-                     "attempts": entry.get("attempts"), "figures": entry.get("figures", {}),
-                     "error": entry.get("error"), "gpu": entry.get("gpu")})
-    hint = {"running": f"pid {job['pid']}; watch with: eagle3-console attach {run.root}",
-            "interrupted": f"its process is gone; resume with: eagle3-console run --resume {run.root}",
-            "stopped": f"resume with: eagle3-console run --resume {run.root}"}.get(job["state"], "")
     if args.json:
-        print(json.dumps({"run": str(run.root), "profile": profile.name, "state": job["state"], "pid": job["pid"],
-                          "stages": rows}, indent=2))
+        print(json.dumps(snap.as_json(), indent=2))
         return 0
-    print(f"run {run.root}  (profile {profile.name})")
-    print(f"state: {job['state']}" + (f" ({hint})" if hint else ""))
-    for r in rows:
-        secs = f"{r['seconds']:>8.1f}s" if r["seconds"] is not None else " " * 9
-        extra = r["error"] or ", ".join(f"{k}={v}" for k, v in r["figures"].items()
-                                        if isinstance(v, (int, float)) and not isinstance(v, bool))
-        print(f"  {r['stage']:<17} {r['status']:<11} {secs}  {extra}")
+    hint = {"running": f"pid {snap.pid}; watch with: eagle3-console attach {run.root}",
+            "interrupted": f"its process is gone; resume with: eagle3-console run --resume {run.root}",
+            "stopped": f"resume with: eagle3-console run --resume {run.root}"}.get(snap.state, "")
+    print(f"run {run.root}  (profile {snap.profile})")
+    print(f"state: {snap.state}" + (f" ({hint})" if hint else ""))
+    for r in snap.stages:
+        secs = f"{r.seconds:>8.1f}s" if r.seconds is not None else " " * 9
+        extra = r.error or ", ".join(f"{k}={v}" for k, v in r.figures.items()
+                                     if isinstance(v, (int, float)) and not isinstance(v, bool))
+        print(f"  {r.name:<17} {r.status:<11} {secs}  {extra}")
     return 0
 
 

@@ -7,6 +7,7 @@ import json
 import subprocess
 import sys
 import time
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import psutil
@@ -83,3 +84,54 @@ def process_roles(run: RunDir, server: dict) -> dict[int, str]:
     if pgid and run.stage_state("train").get("status") == "running":
         roles.update({p.pid: "train" for p in procs.group_members(pgid)})
     return roles
+
+
+@dataclass(frozen=True)
+class StageStatus:
+    name: str
+    status: str  # as it stands (live_status): n/a, pending, running, interrupted, done, stale, failed
+    seconds: float | None = None
+    attempts: int | None = None
+    figures: dict = field(default_factory=dict)
+    error: str | None = None
+    gpu: dict | None = None
+
+
+@dataclass(frozen=True)
+class RunSnapshot:
+    """A run as it stands, read in one place for whoever shows it (`status`, `status --json`, the console):
+    the job's state and pid, each stage's live status, the serving port's server and which processes of
+    the box serve or train this run."""
+    root: str
+    profile: str
+    state: str
+    pid: int | None
+    stages: tuple[StageStatus, ...]
+    server: dict
+    roles: dict[int, str]
+
+    def as_json(self) -> dict:
+        return {"run": self.root, "profile": self.profile, "state": self.state, "pid": self.pid,
+                "stages": [{"stage": s.name, **{k: v for k, v in asdict(s).items() if k != "name"}}
+                           for s in self.stages], "server": self.server,
+                "roles": {str(pid): role for pid, role in self.roles.items()}}
+
+
+def snapshot(run: RunDir, stages: bool = True) -> RunSnapshot:
+    """`stages` = False: no stage rows (the console, polling every second, has each stage's progress from
+    the events and leaves out the output checks a row's "stale" needs)."""
+    from pipeline import box
+    from pipeline.runner import recorded_status
+    from pipeline.stages import STAGES
+
+    profile = run.profile()
+    job, recorded = job_state(run), run.read_state().get("stages", {})
+    rows = []
+    for stage in STAGES if stages else ():
+        entry = recorded.get(stage.name, {})
+        rows.append(StageStatus(stage.name, live_status(recorded_status(run, stage, profile), job["pid"]),
+                                entry.get("seconds"), entry.get("attempts"), entry.get("figures", {}),
+                                entry.get("error"), entry.get("gpu")))
+    server = box.controller(profile).status()
+    return RunSnapshot(str(run.root), profile.name, job["state"], job["pid"], tuple(rows), server,
+                       process_roles(run, server))

@@ -297,3 +297,15 @@ def test_a_stop_signal_interrupts_once_and_the_cleanup_is_not_interrupted_again(
         _stop_signal(signum, None)  # the second: no exception
         assert "already stopping" in capsys.readouterr().err
     server.STOPPING.clear()
+
+
+def test_status_json_is_the_runs_snapshot(finished_run):
+    """`status --json` is jobs.snapshot's: the stages as they stand, the serving port's server and the roles
+    of the box's processes — the same read model the console polls."""
+    from pipeline import jobs
+    shown = json.loads(cli("status", finished_run, "--json").stdout)
+    snap = jobs.snapshot(RunDir.open(finished_run))
+    assert shown["state"] == snap.state and [r["stage"] for r in shown["stages"]] == [s.name for s in snap.stages]
+    assert [r["status"] for r in shown["stages"]] == [s.status for s in snap.stages]
+    assert shown["server"]["state"] == snap.server["state"] and isinstance(shown["roles"], dict)
+    assert jobs.snapshot(RunDir.open(finished_run), stages=False).stages == ()
