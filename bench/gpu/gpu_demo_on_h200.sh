@@ -15,7 +15,7 @@
 # target (GPU_DEMO_WORK=DIR, PY=python): what CI-sized machines can check of it.
 set -uo pipefail
 PHASE=${1:-}
-case "$PHASE" in target|part|first|train|serve) ;; *) echo "usage: $0 target|part|first|train|serve" >&2; exit 2 ;; esac
+case "$PHASE" in target|part|first|train|serve|cost) ;; *) echo "usage: $0 target|part|first|train|serve|cost" >&2; exit 2 ;; esac
 OUT=${OUT:-$PWD/out}; mkdir -p "$OUT"
 W=${GPU_DEMO_WORK:-/tmp/gpudemo}; R=$W/run; mkdir -p "$W"
 T0=$(date +%s); el() { echo "[$(( $(date +%s) - T0 ))s]"; }
@@ -63,6 +63,15 @@ gpu_procs() { nvidia-smi --query-compute-apps=pid,used_memory --format=csv,nohea
 
 case "$PHASE" in
   part) ;;
+  cost)  # bench/gpu/step_cost.py alone, GPU_DEMO_REPEAT times (fresh servers each: the spread between instances);
+    # the tokenizer: GPU_DEMO_TOKENIZER (a built target's directory) or this run's target
+    tok=${GPU_DEMO_TOKENIZER:-$(ls -d "$W"/cache/demo-target-*/ 2>/dev/null | head -1)}
+    read -ra sizes <<< "${GPU_DEMO_SIZES:-0.8b}"
+    for i in $(seq "${GPU_DEMO_REPEAT:-1}"); do
+      timeout "${GPU_DEMO_COST_S:-320}" $PY -u bench/gpu/step_cost.py --tokenizer "$tok" --sizes "${sizes[@]}" --ks 3 \
+        --concurrency 1 8 --prompts 16 --tokens 128 --work "$W/step-cost-$i" 2>&1 | grep -v Traceback | cut -c1-400 \
+        | sed "s/^/[instance $i] /" | tee -a "$OUT/step-cost-repeat.txt"
+    done ;;
   target)
     run_until build-target 2>&1 | quiet | cut -c1-400
     $PY - "$R" <<'PY'
