@@ -7,6 +7,7 @@ import re
 from pathlib import Path
 
 from pipeline import atomicio
+from pipeline.matrix import level_of
 from pipeline.rundir import RunDir, now_iso
 
 # Secrets come from the environment; whatever their value, it never reaches a note.
@@ -204,14 +205,14 @@ def checkpoint_lines(picked: dict) -> list[str]:
 
 def production_lines(res: dict) -> list[str]:
     """The operator's production server on the same requests before the run and after its handover."""
-    before, after = res["before"]["row"]["levels"], res["after"]["row"]["levels"]
+    before, after = res["before"]["row"], res["after"]["row"]
     head = "with the new head" if res.get("with_draft") else "without a head (the run did not deploy one)"
     lines = ["## Production before and after", "", f"Before: {res['before']['server']}; after: "
              f"{res['after']['server']}, {head}. The same {len(res['before']['prompt_ids'])} held-out prompts, greedy.",
              "", "| concurrency | tok/s before | tok/s after | speedup | TTFT ms before | TTFT ms after "
              "| TPOT ms before | TPOT ms after |", "|---|---|---|---|---|---|---|---|"]
     for c in sorted(res.get("speedup", {}), key=int):
-        b, a = before.get(c) or before.get(int(c)), after.get(c) or after.get(int(c))
+        b, a = level_of(before, c), level_of(after, c)
         lines.append(f"| {c} | {b['output_tok_s']:.1f} | {a['output_tok_s']:.1f} | x{res['speedup'][c]:.2f} | "
                      f"{_fmt(b.get('ttft_ms'))} | {_fmt(a.get('ttft_ms'))} | "
                      f"{_fmt(b.get('decode_tpot_ms'))} | {_fmt(a.get('decode_tpot_ms'))} |")

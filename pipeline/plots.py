@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 from pipeline import atomicio
+from pipeline.matrix import level_of
 from pipeline.rundir import RunDir
 
 
@@ -44,9 +45,9 @@ def acceptance(run: RunDir, out: Path) -> Path | None:
     online_path = run.online_result
     if online_path.exists():
         res = json.loads(online_path.read_text())
-        low = str(min(res["concurrency"]))
+        low = min(res["concurrency"])
         for method, row in res["matrix"].items():
-            level = row.get("levels", {}).get(low, {})
+            level = level_of(row, low)
             if level.get("acceptance_per_position"):
                 series[f"{method} (vLLM)"] = level["acceptance_per_position"]
     if not series:

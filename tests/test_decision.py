@@ -88,3 +88,16 @@ def test_a_stream_that_ends_in_an_error_is_not_an_answer():
             online.stream_complete(f"http://127.0.0.1:{server.server_port}", "target", [1, 2], 8, {})
     finally:
         server.shutdown()
+
+
+def test_a_level_reads_the_same_before_and_after_json():
+    import json
+
+    from pipeline.matrix import level_of
+    row = {"levels": {1: {"output_tok_s": 2.0}, 8: {"output_tok_s": 9.0}}}
+    back = json.loads(json.dumps(row))  # keys are strings now
+    for r in (row, back):
+        assert level_of(r, 1) == {"output_tok_s": 2.0} and level_of(r, "8") == {"output_tok_s": 9.0}
+        assert level_of(r, 32) == {} and level_of(r, "x") == {}
+    assert level_of(None, 1) == {} and level_of({"error": "refused"}, 1) == {}
+    assert decide(back, 1, 1.1).line == "do not deploy: no speedup measured"  # a read-back row decides too

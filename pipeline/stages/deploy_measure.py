@@ -14,6 +14,7 @@ from pathlib import Path
 from pipeline import atomicio, box, conversations, diagnose, notes, online, portlock, procs, target, vllm_modes
 from pipeline.decision import Decision
 from pipeline.deploy import publish_draft
+from pipeline.matrix import level_of
 from pipeline.online import in_threads, send_all
 from pipeline.server import ServerError, explain_failure, port_in_use, port_owner
 from pipeline.stages.base import Stage, StageContext, StageError, argv_for, first_difference
@@ -211,9 +212,9 @@ def _measure_groups(ctx: StageContext, stage: str, methods: list[str], prompts: 
 
 
 def decide(eagle: dict | None, baseline_c: int, threshold: float) -> Decision:
-    if not eagle or eagle.get("error") or baseline_c not in eagle.get("levels", {}):
+    if not eagle or eagle.get("error") or not level_of(eagle, baseline_c):
         return Decision(False, "the new head was not measured")
-    speedup = eagle["levels"][baseline_c].get("speedup")
+    speedup = level_of(eagle, baseline_c).get("speedup")
     if speedup is None:
         return Decision(False, "no speedup measured")
     deploy = speedup >= threshold

@@ -11,6 +11,7 @@ import os
 from pathlib import Path
 
 from pipeline import atomicio, box, conversations, target
+from pipeline.matrix import level_of
 from pipeline.rundir import now_iso
 from pipeline.stages.base import Stage, StageContext, StageError
 from pipeline.stages.deploy_measure import measure_served
@@ -124,9 +125,8 @@ def against_matrix(online: dict | None, low: str, before_tok_s: float, productio
     head faster in the matrix but production slower with it, or the target alone measured more than `apart`
     (a share) differently as production before the run and as the matrix's baseline — two servers of one
     configuration, whose difference is the noise any speedup here stands in."""
-    levels = {m: (row.get("levels") or {}) for m, row in ((online or {}).get("matrix") or {}).items()}
-    base = levels.get("baseline", {}).get(low) or levels.get("baseline", {}).get(int(low)) or {}
-    head = levels.get("eagle3", {}).get(low) or levels.get("eagle3", {}).get(int(low)) or {}
+    rows = (online or {}).get("matrix") or {}
+    base, head = level_of(rows.get("baseline"), low), level_of(rows.get("eagle3"), low)
     lines = []
     if with_draft and head.get("speedup") and (head["speedup"] >= 1) != (production_speedup >= 1):
         lines.append(f"production with the new head ran at x{production_speedup:.2f} of production before the run "
