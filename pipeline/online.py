@@ -181,8 +181,12 @@ def send_all(base_url: str, model: str, prompts: list[list[int]], max_tokens: in
     seconds = time.perf_counter() - t0
     tokens = sum(r["completion_tokens"] for r in results)
     return {"outputs": [r["token_ids"] for r in results], "output_tokens": tokens, "seconds": round(seconds, 3),
-            "output_tok_s": round(tokens / seconds, 2) if seconds else 0.0,
-            "tpot_ms": _mean_ms(r["seconds"] / r["completion_tokens"] for r in results if r["completion_tokens"]),
+            "output_tok_s": round(tokens / seconds, 2) if seconds else 0.0, **stream_figures(results)}
+
+
+def stream_figures(results: list[dict]) -> dict:
+    """Per request averages of `stream_complete` answers (send_all's docstring says what each is)."""
+    return {"tpot_ms": _mean_ms(r["seconds"] / r["completion_tokens"] for r in results if r["completion_tokens"]),
             "ttft_ms": _mean_ms(r["ttft"] for r in results if r["ttft"] is not None),
             "decode_tpot_ms": _mean_ms(r["decode_seconds"] / (len(r["token_ids"]) - r["first_tokens"])
                                        for r in results if len(r["token_ids"]) > r["first_tokens"]),

@@ -41,15 +41,11 @@ def measure(base_url: str, prompts: list[list[int]], tokens: int, concurrency: i
                          prompts, concurrency)
     spec = online.scrape(base_url) - before
     n = [len(r["token_ids"]) for r in results]
-    ms = lambda xs: round(1000 * sum(xs) / len(xs), 3) if xs else None  # noqa: E731
-    wall = max(r["seconds"] for r in results)
+    figures = online.stream_figures(results)
     return {"tokens_mean": round(sum(n) / len(n), 1),
-            "ttft_ms": ms([r["ttft"] for r in results if r["ttft"] is not None]),
-            "decode_tpot_ms": ms([r["decode_seconds"] / (len(r["token_ids"]) - r["first_tokens"]) for r in results
-                                  if len(r["token_ids"]) > r["first_tokens"]]),
-            "chunk_ms": ms([r["decode_seconds"] / (r["chunks"] - 1) for r in results if r["chunks"] > 1]),
-            "request_ms": ms([r["seconds"] for r in results]),
-            "tok_s": round(sum(n) / sum(r["seconds"] for r in results) * concurrency, 1) if wall else None,
+            **{k: figures[k] for k in ("ttft_ms", "decode_tpot_ms", "chunk_ms")},
+            "request_ms": round(1000 * sum(r["seconds"] for r in results) / len(results), 3),
+            "tok_s": round(sum(n) / sum(r["seconds"] for r in results) * concurrency, 1),
             "tau": round(spec.mean_acceptance_length, 3) if spec.drafts else None}
 
 

@@ -141,8 +141,13 @@ def tokens_per_step(level: dict, requests: int, accepted: int, drafts: int = 0) 
     12-token answers gave 87 steps where 133 drafted) and the drafts (one per step at most); the larger
     is kept. evaluate-offline's replay counts the steps themselves."""
     decoded = level["output_tokens"] - requests  # the first token of each request comes from its prefill
-    steps = max(decoded - accepted, drafts)
+    steps = decode_steps(decoded, accepted, drafts)
     return round(decoded / steps, 4) if steps > 0 else 1.0
+
+
+def decode_steps(decoded: int, accepted: int, drafts: int) -> int:
+    """The decode steps behind `decoded` tokens: the larger of its two lower bounds (tokens_per_step)."""
+    return max(decoded - accepted, drafts)
 
 
 def side_by_side_ports(ctx: StageContext, count: int, stack: ExitStack) -> list:
@@ -300,7 +305,7 @@ class DeployMeasure(Stage):
                                                      "through vLLM", baseline_outputs)
         ngram = matrix.get("ngram", {}).get("levels", {}).get(low, {})
         if ngram.get("mean_acceptance_length") is not None:
-            steps = ngram["output_tokens"] - len(prompts) - ngram["accepted"]
+            steps = decode_steps(ngram["output_tokens"] - len(prompts), ngram["accepted"], ngram["drafts"])
             figures.update(ngram_tau=ngram["mean_acceptance_length"], ngram_tokens_per_step=ngram["tokens_per_step"],
                            ngram_draft_share=round(ngram["drafts"] / steps, 4) if steps > 0 else 1.0)
         return figures
