@@ -19,7 +19,7 @@ from pipeline.profile import DemoTargetSection
 def corpus(spec: DemoTargetSection, tokenizer) -> list[list[int]]:
     """Every demo conversation rendered through the chat template, one token row each; then each of the
     first corpus_source_files stdlib sources as plain text, one row each."""
-    convs = demo_data.conversations(spec.corpus_conversations, spec.corpus_seed)
+    convs = demo_data.conversations(spec.corpus_conversations, spec.corpus_seed, spec.corpus_answers)
     rows = [conversations.render_ids(tokenizer, c["messages"], False) for c in convs]
     if spec.corpus_source_files:
         files = demo_data.stdlib_tree(spec.corpus_source_files)

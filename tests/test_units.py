@@ -388,6 +388,29 @@ def test_side_by_side_falls_back_to_one_at_a_time_when_a_port_is_taken(tmp_path)
         assert len(side_by_side_ports(ctx, 1, stack)) == 1
 
 
+def test_a_side_by_side_start_lost_to_vllms_memory_profiling_is_started_again_alone(tmp_path, monkeypatch):
+    """The race needs servers sharing a GPU (one H200: the n-gram server of three started together failed
+    with "No available memory for the cache blocks"); here the starter stands in for the GPU, and what is
+    asserted is the stage's handling: only those failures start again, once, and the notes say so."""
+    from pipeline import notes
+    from pipeline.stages import deploy_measure
+    from tests.conftest import free_port
+    ctx = _measure_context(tmp_path, free_port(), 3)
+    calls = []
+    monkeypatch.setattr(deploy_measure, "start_method",
+                        lambda ctx, profile, method, **kw: calls.append(method) or ("lease", None))
+    race = ("vLLM (ngram) exited with 1 before becoming healthy: (EngineCore pid=7) ValueError: No available "
+            "memory for the cache blocks. Try increasing `gpu_memory_utilization`")
+    assert deploy_measure.again_alone(ctx, "deploy-measure", "ngram", ctx.profile, {}, None, race) == ("lease", None)
+    other = "vLLM (eagle3) exited with 1 before becoming healthy: (EngineCore pid=8) KeyError: 'draft_vocab_size'"
+    assert deploy_measure.again_alone(ctx, "deploy-measure", "eagle3", ctx.profile, {}, None, other) == (None, other)
+    assert deploy_measure.again_alone(ctx, "deploy-measure", "baseline", ctx.profile, {}, "up", None) == ("up", None)
+    assert calls == ["ngram"]
+    said = [n["text"] for n in notes.read(ctx.run)]
+    assert any("ngram: its side-by-side start failed on vLLM's memory profiling" in t and "started again alone: up"
+               in t for t in said), said
+
+
 def test_tokens_per_step_counts_every_decode_step():
     from pipeline.stages.deploy_measure import tokens_per_step
     # 2 requests × 11 tokens: 20 decoded after the prefills; 8 accepted drafts → 12 steps

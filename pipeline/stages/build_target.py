@@ -44,9 +44,10 @@ TEMPLATE_VERSIONS = {"kimi_k25": 1}  # part of the cache key of the architecture
 LLAMA_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
                 "max_position_embeddings", "tokenizer_source_files", "seed")
 CORPUS_FIELDS = ("corpus_conversations", "corpus_seed", "corpus_steps", "corpus_lr", "corpus_batch", "corpus_seq",
-                 "corpus_source_files", "corpus_dtype")
+                 "corpus_source_files", "corpus_dtype", "corpus_answers")
 # Fields added after targets were cached: at their defaults they leave a spec's key as it was.
-DEFAULTS_KEPT_OUT = {"corpus_source_files": 0, "corpus_dtype": "float32", "corpus_device": "auto"}
+DEFAULTS_KEPT_OUT = {"corpus_source_files": 0, "corpus_dtype": "float32", "corpus_device": "auto",
+                     "corpus_answers": "docstring"}
 PRETRAIN_RECORD = "pretrain.json"  # what teaching the target its corpus measured, kept with the weights
 
 
@@ -288,7 +289,8 @@ class BuildTarget(Stage):
                 figures.update(json.loads((target / PRETRAIN_RECORD).read_text()))
         if ctx.profile.data.uses_demo():
             try:
-                convs = demo_data.conversations(ctx.profile.data.num_conversations, ctx.profile.data.seed)
+                data = ctx.profile.data
+                convs = demo_data.conversations(data.num_conversations, data.seed, data.demo_answers)
             except demo_data.TooFewFunctions as exc:
                 raise StageError(f"data.num_conversations = {ctx.profile.data.num_conversations}: {exc}",
                                  resumable=False) from None

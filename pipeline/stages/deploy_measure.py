@@ -12,6 +12,7 @@ from functools import partial
 from pathlib import Path
 
 from pipeline import atomicio, box, conversations, diagnose, notes, online, portlock, procs, target, vllm_modes
+from pipeline.compat import vllm_errors
 from pipeline.decision import Decision
 from pipeline.deploy import publish_draft
 from pipeline.matrix import level_of
@@ -206,6 +207,8 @@ def _measure_groups(ctx: StageContext, stage: str, methods: list[str], prompts: 
         try:
             started = in_threads(lambda mp: start_method(ctx, mp[1], mp[0], **args.get(mp[0], {})), group,
                                  len(group), wait_on_error=True)
+            started = [again_alone(ctx, stage, method, profile, args, lease, why) if len(group) > 1 else (lease, why)
+                       for (method, profile), (lease, why) in zip(group, started, strict=True)]
             for (method, _), (lease, why) in zip(group, started, strict=True):
                 reference = (None if method == "baseline" else
                              matrix.get("baseline", {}).get("levels", {}).get(low, {}).get("outputs"))
@@ -214,6 +217,20 @@ def _measure_groups(ctx: StageContext, stage: str, methods: list[str], prompts: 
         finally:
             box.free_ports([p for _, p in group], ctx.log.info)
     return matrix
+
+
+def again_alone(ctx: StageContext, stage: str, method: str, profile, args: dict, lease, why: str | None):
+    """A server that failed its side-by-side start because a neighbour changed the GPU's memory while it
+    profiled (compat/vllm_errors.shared_gpu_race) is started once more, now that its neighbours hold their
+    memory; said in the notes either way."""
+    if lease is not None or why is None or not vllm_errors.shared_gpu_race(why):
+        return lease, why
+    lease, again = start_method(ctx, profile, method, **args.get(method, {}))
+    text = (f"{method}: its side-by-side start failed on vLLM's memory profiling ({why}); started again alone: "
+            + ("up" if lease is not None else f"failed again: {again}"))
+    ctx.log.info(text)
+    notes.add(ctx.run, text, source="auto", stage=stage)
+    return lease, again
 
 
 def decide(eagle: dict | None, baseline_c: int, threshold: float) -> Decision:
