@@ -132,7 +132,7 @@ def test_gpu_panel_na_field_lost_gpu_and_processes(run):
     async def check(app, pilot):
         await pilot.press("2")
         await pilot.pause(0.3)
-        rows = app.w.gpus.plain.splitlines()
+        rows = app.gpus.grid.plain.splitlines()
         assert "N/A" in rows[0] and "40%" in rows[0]
         assert "GPU LOST" in rows[1]
         assert "42%" in rows[2] and "22.0/141G" in rows[2]
@@ -150,7 +150,7 @@ def test_no_nvml_panel_says_so(run):
     async def check(app, pilot):
         await pilot.press("2")
         await pilot.pause(0.3)
-        assert "no NVIDIA GPU/driver found" in app.w.gpus.plain
+        assert "no NVIDIA GPU/driver found" in app.gpus.grid.plain
 
     import pynvml
     gpu.use_nvml(pynvml)

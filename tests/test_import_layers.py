@@ -70,3 +70,15 @@ def test_the_layer_map_knows_every_module_and_catches_an_upward_import():
     tree = ast.parse("def f():\n    from pipeline.runner import run_stages\n")
     assert imported(tree, set(known)) == {"pipeline.runner"}  # a lazy import counts
     assert layer("pipeline.runner") > layer("pipeline.stages.base")
+
+
+def test_the_console_commands_the_engine_through_one_module():
+    """console/commands.py alone imports what changes a run or a box (servers, port locks, notes, the runner);
+    the tabs and the app read (snapshots, views) and call it."""
+    known = modules()
+    commanding = {"pipeline.box", "pipeline.portlock", "pipeline.notes", "pipeline.runner", "pipeline.deploy"}
+    elsewhere = [f"{module} imports {target}" for module, path in sorted(known.items())
+                 if module.startswith("console") and module != "console.commands"
+                 for target in imported(ast.parse(path.read_text()), set(known)) & commanding]
+    assert not elsewhere, "\n".join(elsewhere)
+    assert imported(ast.parse(known["console.commands"].read_text()), set(known)) & commanding

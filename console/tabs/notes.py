@@ -1,0 +1,65 @@
+"""4 Notes: the run's timeline and the operator's notes; a note written here, the notes exported."""
+from __future__ import annotations
+
+from textual import on, work
+from textual.app import ComposeResult
+from textual.binding import Binding
+from textual.widgets import Input, Log, TabbedContent, TabPane
+
+from console import commands, views
+from console.messages import NotesExported
+from pipeline.rundir import RunDir
+from pipeline.runview import RunView
+
+
+class NotesTab(TabPane):
+    KEYS = (Binding("n", "note", "Note"),
+            Binding("e", "export", "Export", tooltip="Export the notes as Markdown into the run"))
+
+    def __init__(self, rundir: RunDir):
+        super().__init__("4 Notes", id="notes")
+        self.rundir = rundir
+        self.lines = Log(id="notes-log", max_lines=5000, auto_scroll=True)
+        self.input = Input(placeholder="write a note, Enter to append", id="note-input")
+
+    def compose(self) -> ComposeResult:
+        yield self.lines
+        yield self.input
+
+    def show(self, view: RunView) -> None:
+        if len(view.notes) > self.lines.line_count:
+            self.lines.write_lines([views.note_line(n) for n in view.notes[self.lines.line_count:]])
+
+    def note(self, text: str, **kw) -> bool:
+        """Appended, or the operator told why not (the console stays)."""
+        if (why := commands.add_note(self.rundir, text, **kw)) is not None:
+            self.notify(why, severity="error", timeout=8)
+        return why is None
+
+    def action_note(self) -> None:
+        next(a for a in self.ancestors if isinstance(a, TabbedContent)).active = "notes"
+        self.input.focus()
+
+    @on(Input.Submitted, "#note-input")
+    def add_note(self, event: Input.Submitted) -> None:
+        if event.value.strip() and self.note(event.value.strip()):
+            event.input.value = ""
+            self.notify("note appended")
+
+    def action_export(self) -> None:
+        self.notify("exporting the notes…")
+        self.export_notes()
+
+    @work(thread=True, exclusive=True, group="export", exit_on_error=False)
+    def export_notes(self) -> None:
+        """Off the UI thread: the report may render plots."""
+        try:
+            out = commands.export_notes(self.rundir)
+        except Exception as exc:  # a read-only run, a full disk, a plot that failed: a notification, not a traceback
+            self.post_message(NotesExported(f"notes export failed: {type(exc).__name__}: {exc}", False))
+        else:
+            self.post_message(NotesExported(f"notes exported to {out}", True))
+
+    @on(NotesExported)
+    def _exported(self, msg: NotesExported) -> None:
+        self.notify(msg.text, severity="information" if msg.ok else "error", timeout=8)
