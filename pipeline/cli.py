@@ -122,29 +122,27 @@ def _overrides(pairs: list[str]) -> dict:
 
 
 def _print_summary(run) -> None:
-    state = run.read_state()
-    ev = state["stages"].get("evaluate-offline", {}).get("figures")
-    if ev:
-        acc = " / ".join(f"{a:.2f}" for a in ev["acceptance_per_position"])
-        print(f"offline evaluation: tau = {ev['tau']:.3f} (k={len(ev['acceptance_per_position'])}, "
-              f"per-position acceptance {acc}), lossless = {ev['lossless']}")
-    online = state["stages"].get("deploy-measure", {}).get("figures")
-    if online and "mean_acceptance_length" in online:
-        acc = " / ".join(f"{a:.2f}" for a in online["acceptance_per_position"])
-        print(f"vLLM: mean acceptance length {online['mean_acceptance_length']:.3f} (per position {acc}), "
-              f"{online['speculative_tok_s']:.1f} vs {online['baseline_tok_s']:.1f} tok/s baseline "
-              f"(x{online['speedup']}), outputs identical to baseline = {online['identical_outputs']}")
     from pipeline import notes
+    from pipeline.results import DeployMeasureResult, EvaluateOfflineResult, HandoverResult
+    ev, online, hand = (run.result(EvaluateOfflineResult), run.result(DeployMeasureResult),
+                        run.result(HandoverResult))
+    if ev.tau is not None:
+        acc = " / ".join(f"{a:.2f}" for a in ev.acceptance_per_position)
+        print(f"offline evaluation: tau = {ev.tau:.3f} (k={len(ev.acceptance_per_position)}, "
+              f"per-position acceptance {acc}), lossless = {ev.lossless}")
+    if online.mean_acceptance_length is not None:
+        acc = " / ".join(f"{a:.2f}" for a in online.acceptance_per_position)
+        print(f"vLLM: mean acceptance length {online.mean_acceptance_length:.3f} (per position {acc}), "
+              f"{online.speculative_tok_s:.1f} vs {online.baseline_tok_s:.1f} tok/s baseline "
+              f"(x{online.speedup}), outputs identical to baseline = {online.identical_outputs}")
     if line := notes.ngram_comparison(ev, online):
         print(line)
-    if online:
-        if online.get("decision"):
-            print(f"decision: {online['decision']}")
-        if why := notes.economics(online):
-            print(f"why: {why}")
-    hand = state["stages"].get("handover", {}).get("figures")
-    if hand:
-        print(f"serving port after the run: {hand['server']} (server.after_run = {hand['after_run']})")
+    if online.decision:
+        print(f"decision: {online.decision}")
+    if why := notes.economics(online):
+        print(f"why: {why}")
+    if hand.server:
+        print(f"serving port after the run: {hand.server} (server.after_run = {hand.after_run})")
     print(f"all stages done: {run.root}")
     if run.profile().name == "demo":
         print(f"next: the report        eagle3-console notes export {run.root} -o report.md\n"

@@ -14,15 +14,3 @@ class Decision:
     @property
     def line(self) -> str:
         return f"{'deploy' if self.deploy else 'do not deploy'}: {self.reason}"
-
-    @classmethod
-    def from_figures(cls, figures: dict) -> Decision | None:
-        """The decision a run recorded (deploy-measure's figures `deploy` and `decision`); a run recorded
-        before `deploy` existed says it by its line's first word."""
-        line = figures.get("decision")
-        if not line:
-            return None
-        deploy = figures.get("deploy")
-        if deploy is None:
-            deploy = str(line).startswith("deploy:")
-        return cls(bool(deploy), str(line).split(": ", 1)[-1])

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from pipeline import atomicio
 from pipeline.matrix import level_of
+from pipeline.results import DeployMeasureResult, EvaluateOfflineResult
 from pipeline.rundir import RunDir, now_iso
 
 # Secrets come from the environment; whatever their value, it never reaches a note.
@@ -61,16 +62,14 @@ def _matrix_lines(res: dict) -> list[str]:
     return lines
 
 
-def ngram_comparison(offline: dict | None, online: dict | None) -> str | None:
+def ngram_comparison(offline: EvaluateOfflineResult | None, online: DeployMeasureResult | None) -> str | None:
     """n-gram prompt lookup next to the head: vLLM's figures when the matrix served it, else the offline
     replay of vLLM's proposer on the same greedy outputs. Its τ counts only the steps where it found a
     match; tokens per step counts them all, as the head's τ does."""
-    if online and online.get("ngram_tau") is not None:
-        source, tau, per_step, head = ("vLLM", online["ngram_tau"], online["ngram_tokens_per_step"],
-                                       online.get("tokens_per_step"))
-    elif offline and offline.get("ngram_tau") is not None:
-        source, tau, per_step, head = ("replayed offline", offline["ngram_tau"], offline["ngram_tokens_per_step"],
-                                       offline["tau"])
+    if online and online.ngram_tau is not None and online.ngram_tokens_per_step is not None:
+        source, tau, per_step, head = "vLLM", online.ngram_tau, online.ngram_tokens_per_step, online.tokens_per_step
+    elif offline and offline.ngram_tau is not None and offline.ngram_tokens_per_step is not None:
+        source, tau, per_step, head = "replayed offline", offline.ngram_tau, offline.ngram_tokens_per_step, offline.tau
     else:
         return None
     line = (f"n-gram (prompt lookup, {source}): mean acceptance length {tau:.3f} when it drafts; "
@@ -80,20 +79,21 @@ def ngram_comparison(offline: dict | None, online: dict | None) -> str | None:
     return line
 
 
-def economics(online: dict | None) -> str | None:
+def economics(online: DeployMeasureResult | None) -> str | None:
     """What the speed figures mean: a decode step's cost with and without the head, and the τ from which
     the head pays on this machine."""
-    if not online or not online.get("break_even_tau"):
+    if not online or not online.break_even_tau:
         return None
-    text = (f"a decode step with the head costs {online['step_ms']:.1f} ms here against "
-            f"{online['baseline_step_ms']:.1f} ms without it, so the head pays from tau {online['break_even_tau']:.2f} "
-            f"(it reached {online['tokens_per_step']:.2f}; deploy threshold x{online.get('deploy_speedup', 1.1):g})")
-    if online.get("decode_speedup") is not None:
-        text += (f"; streamed, the first token waits {online['ttft_ms']:.1f} ms ({online['baseline_ttft_ms']:.1f} "
-                 f"without the head), then a token comes every {online['decode_tpot_ms']:.2f} ms "
-                 f"({online['baseline_decode_tpot_ms']:.2f}) and a step every {online['chunk_ms']:.2f} ms "
-                 f"({online['baseline_chunk_ms']:.2f}): the decode alone is x{online['decode_speedup']:.2f}")
-    if not online.get("gpu"):
+    o = online
+    text = (f"a decode step with the head costs {o.step_ms:.1f} ms here against {o.baseline_step_ms:.1f} ms "
+            f"without it, so the head pays from tau {o.break_even_tau:.2f} (it reached {o.tokens_per_step:.2f}; "
+            f"deploy threshold x{o.deploy_speedup or 1.1:g})")
+    if o.decode_speedup is not None:
+        text += (f"; streamed, the first token waits {o.ttft_ms:.1f} ms ({o.baseline_ttft_ms:.1f} "
+                 f"without the head), then a token comes every {o.decode_tpot_ms:.2f} ms "
+                 f"({o.baseline_decode_tpot_ms:.2f}) and a step every {o.chunk_ms:.2f} ms "
+                 f"({o.baseline_chunk_ms:.2f}): the decode alone is x{o.decode_speedup:.2f}")
+    if not o.gpu:
         text += ("; on a CPU the head's draft forwards and the wider verification cost about as much as the small "
                  "target's own step, on a GPU the target's forward dominates a step and the head pays from a far "
                  "lower tau (NOTES.md \"The demo\")")
@@ -116,7 +116,7 @@ def to_markdown(run: RunDir, out_path: Path | None = None) -> str:
              f"- versions: {versions or 'not recorded'}",
              f"- target: {profile.target.model_path or 'demo target'}; k = {profile.evaluate.k}; "
              f"draft vocab {profile.vocab.draft_vocab_size}; epochs {profile.train.epochs}", ""]
-    measured = stages.get("deploy-measure", {}).get("figures")
+    measured = run.result(DeployMeasureResult) if "deploy-measure" in stages else None
     if online:
         lines += [f"**Decision: {online['decision']}**", ""]
         if why := economics(measured):
@@ -132,25 +132,25 @@ def to_markdown(run: RunDir, out_path: Path | None = None) -> str:
     picked = atomicio.read_json(run.checkpoints_result)
     if picked and picked.get("chosen"):
         lines += checkpoint_lines(picked)
-    offline = stages.get("evaluate-offline", {}).get("figures")
+    offline = run.result(EvaluateOfflineResult) if stages.get("evaluate-offline", {}).get("figures") else None
     gaps = [(name, f) for name, f in ((n, (e.get("figures") or {})) for n, e in stages.items())
             if f.get("acceptance_gap")]
     for name, f in gaps:
         lines += [f"**Warning ({name}): {f['acceptance_gap']}.** Likely: {'; '.join(f.get('likely_causes', []))}.", ""]
-    if offline:
-        acc = " / ".join(f"{a:.2f}" for a in offline["acceptance_per_position"])
+    if offline and offline.tau is not None:
+        acc = " / ".join(f"{a:.2f}" for a in offline.acceptance_per_position)
         lines += ["## Offline evaluation (transformers target + new head)", "",
-                  f"τ = {offline['tau']:.3f} over {offline['prompts']} held-out prompts, per-position acceptance "
-                  f"{acc}, lossless = {offline['lossless']}.", ""]
+                  f"τ = {offline.tau:.3f} over {offline.prompts} held-out prompts, per-position acceptance "
+                  f"{acc}, lossless = {offline.lossless}.", ""]
         if line := ngram_comparison(offline, measured):
             lines += [f"{line}.", ""]
-    elif measured and measured.get("mean_acceptance_length") is not None:
-        acc = " / ".join(f"{a:.2f}" for a in measured["acceptance_per_position"])
+    elif measured and measured.mean_acceptance_length is not None:
+        acc = " / ".join(f"{a:.2f}" for a in measured.acceptance_per_position)
         ties = (online or {}).get("matrix", {}).get("eagle3", {}).get("numeric_ties", 0)
         lines += ["## Evaluation through vLLM (the offline evaluator did not run)", "",
-                  f"τ from vLLM = {measured['mean_acceptance_length']:.3f} over {online and online.get('prompts')} "
+                  f"τ from vLLM = {measured.mean_acceptance_length:.3f} over {online and online.get('prompts')} "
                   f"held-out prompts (k = {profile.evaluate.k}), per-position acceptance {acc}; outputs identical "
-                  f"to the baseline's: {'yes' if measured.get('identical_outputs') else 'no'}"
+                  f"to the baseline's: {'yes' if measured.identical_outputs else 'no'}"
                   + (f" ({ties} numeric tie(s) of the target's own)" if ties else "")
                   + f". Why not offline: {offline_why(profile)}.", ""]
         if line := ngram_comparison(None, measured):

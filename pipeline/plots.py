@@ -7,6 +7,7 @@ from pathlib import Path
 
 from pipeline import atomicio
 from pipeline.matrix import level_of
+from pipeline.results import EvaluateOfflineResult
 from pipeline.rundir import RunDir
 
 
@@ -39,9 +40,8 @@ def training_curves(run: RunDir, out: Path) -> Path | None:
 
 def acceptance(run: RunDir, out: Path) -> Path | None:
     series: dict[str, list[float]] = {}
-    offline = run.stage_state("evaluate-offline").get("figures", {})
-    if offline.get("acceptance_per_position"):
-        series["eagle3 (offline)"] = offline["acceptance_per_position"]
+    if offline := run.result(EvaluateOfflineResult).acceptance_per_position:
+        series["eagle3 (offline)"] = offline
     online_path = run.online_result
     if online_path.exists():
         res = json.loads(online_path.read_text())

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 
-from pipeline import atomicio
+from pipeline import atomicio, results
 from pipeline.profile import Profile, ProfileError, dump_toml, load_profile
 
 PROFILE_FILE = "profile.toml"
@@ -154,7 +154,7 @@ class RunDir:
         """The served target: the profile's model path, or the demo target build-target recorded."""
         if profile.target.source == "path":
             return Path(profile.target.model_path)
-        recorded = self.stage_state("build-target").get("figures", {}).get("target_dir")
+        recorded = self.result(results.BuildTargetResult).target_dir
         if not recorded:
             raise NotBuilt("build-target has not run: no demo target recorded in state.json")
         return Path(recorded)
@@ -172,6 +172,10 @@ class RunDir:
             return json.loads(self.state_path.read_text())
         except FileNotFoundError:
             return {"stages": {}}
+
+    def result(self, model: type[results.R]) -> results.R:
+        """What `model`'s stage recorded, typed (every declared figure None before it ran)."""
+        return results.read(model, self.stage_state(model.STAGE).get("figures"))
 
     def stage_state(self, stage: str) -> dict:
         return self.read_state()["stages"].get(stage, {})

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import psutil
 
-from pipeline import box, gpu, notes, portlock, procs, server
+from pipeline import box, gpu, notes, portlock, procs, results, server
 from pipeline.compat import speculators_logs
 from pipeline.rundir import RunDir, RunDirError, now_iso
 from pipeline.stages import STAGES, stage_names
@@ -285,7 +285,7 @@ def _run_stages(run: RunDir, profile, stages: list[Stage], on_event: Callable[[d
             with monitor, speculators_logs.into(log):
                 stop_orphan_child(run, stage.name, log)  # first: a killed attempt's child would still be writing
                 require_inputs(stage, ctx)
-                figures = stage.run(ctx) or {}
+                figures = results.stored(stage.name, stage.run(ctx) or {})  # typed where others read it
             recorded = manifest(run, stage.outputs(ctx))
         except BaseException as exc:
             seconds = round(time.monotonic() - t0, 2)

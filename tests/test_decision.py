@@ -6,6 +6,7 @@ import itertools
 import pytest
 
 from pipeline.notes import economics
+from pipeline.results import DeployMeasureResult
 from pipeline.stages.deploy_measure import decide, step_economics
 
 TAUS = [1.0, 1.05, 1.5, 2.18, 3.164, 4.4]
@@ -23,7 +24,7 @@ def test_the_why_line_agrees_with_the_decision(tau, speedup, threshold):
     assert (figures["break_even_tau"] <= tau + 1e-9) == deploy or abs(figures["break_even_tau"] - tau) < 2e-3
     # the step costs it names give back the measured speedup: tau × plain step / step with the head
     assert tau * figures["baseline_step_ms"] / figures["step_ms"] == pytest.approx(speedup, rel=2e-3)
-    line = economics({**figures, "tokens_per_step": tau})
+    line = economics(DeployMeasureResult(**figures, tokens_per_step=tau))
     assert f"pays from tau {figures['break_even_tau']:.2f}" in line and f"it reached {tau:.2f}" in line
 
 

@@ -8,7 +8,8 @@ ROOT = Path(__file__).resolve().parent.parent
 TOP = ("console", "pipeline.cli", "pipeline.__main__")
 RUNNER = ("pipeline.runner", "pipeline.jobs", "pipeline.runview")
 STAGES = ("pipeline.stages",)
-BOTTOM = ("pipeline.compat", "pipeline.rundir", "pipeline.profile", "pipeline.atomicio")
+BOTTOM = ("pipeline.compat", "pipeline.rundir", "pipeline.profile", "pipeline.atomicio", "pipeline.results",
+          "pipeline.decision")
 NAMES = {4: "CLI/console", 3: "runner", 2: "stages", 1: "serving/planning", 0: "layout/profiles/compat"}
 
 

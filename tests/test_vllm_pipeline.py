@@ -105,9 +105,9 @@ def test_report_has_matrix_plots_and_decision(vllm_run, tmp_path):
     ({}, False),
 ])
 def test_production_gets_the_head_only_on_a_deploy_decision(figures, deploys):
-    from pipeline.decision import Decision
+    from pipeline.results import DeployMeasureResult
     from pipeline.stages.handover import draft_goes_to_production
-    decision = Decision.from_figures(figures)
+    decision = DeployMeasureResult.model_validate(figures).verdict()
     ok, why = draft_goes_to_production(decision)
     assert ok is deploys and why.startswith("deployed" if deploys else "not deployed")
     assert (figures.get("decision") or "no measured decision") in why

@@ -9,6 +9,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from pipeline import results
 from pipeline.decision import Decision
 from pipeline.profile import Profile
 from pipeline.rundir import RunDir, RunDirError
@@ -193,30 +194,27 @@ class StageContext:
         """offline / online: the profile's, or what preflight decided for `auto` on this run's disk."""
         if self.profile.extract.mode != "auto":
             return self.profile.extract.mode
-        decided = self.run.stage_state("preflight").get("figures", {}).get("extract_mode")
-        if decided not in ("offline", "online"):
+        decided = self.run.result(results.PreflightResult).extract_mode
+        if decided is None:
             raise StageError("extract.mode auto: preflight has not decided offline or online for this run")
         return decided
 
     def offline_tau(self) -> float | None:
         """τ that evaluate-offline measured for this run's head (None before it ran)."""
-        tau = self.run.stage_state("evaluate-offline").get("figures", {}).get("tau")
-        return float(tau) if tau is not None else None
+        return self.run.result(results.EvaluateOfflineResult).tau
 
     def deploy_decision(self) -> Decision | None:
         """deploy-measure's Decision (deploy or not, and why), None when it did not run."""
-        return Decision.from_figures(self.run.stage_state("deploy-measure").get("figures", {}))
+        return self.run.result(results.DeployMeasureResult).verdict()
 
     def draft_checkpoint(self) -> Path:
         """The head the run deploys: pick-checkpoint's choice (evaluate.checkpoints = "each"), else the last
         epoch's."""
         if self.profile.evaluate.checkpoints == "each":
-            picked = self.run.stage_state("pick-checkpoint").get("figures", {}).get("checkpoint")
-            if not picked:
+            if not (picked := self.run.result(results.PickCheckpointResult).checkpoint):
                 raise StageError("pick-checkpoint has not finished: no checkpoint chosen in state.json")
             return Path(picked)
-        recorded = self.run.stage_state("train").get("figures", {}).get("checkpoint")
-        if not recorded:
+        if not (recorded := self.run.result(results.TrainResult).checkpoint):
             raise StageError("train has not finished: no checkpoint recorded in state.json")
         return Path(recorded)
 

@@ -1,0 +1,121 @@
+"""Stage results as declared types: what each stage records in state.json and what later stages, the CLI, the
+report and the plots read of it. A model declares the figures others read (typed; absent = None) and keeps
+every other figure as the stage wrote it (`extra`): the runner stores a stage's figures through its model,
+so a figure of the wrong type fails where it is written, not where it is read."""
+from __future__ import annotations
+
+from typing import ClassVar, Literal, TypeVar
+
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from pipeline.decision import Decision
+
+
+class Result(BaseModel):
+    """A stage's figures: the declared ones typed, any other kept as it is."""
+    model_config = ConfigDict(extra="allow", frozen=True)
+    STAGE: ClassVar[str] = ""
+
+    def figures(self) -> dict:
+        """As state.json keeps them: what the stage set, declared or not."""
+        return self.model_dump(mode="json", exclude_unset=True)
+
+
+class PreflightResult(Result):
+    STAGE = "preflight"
+    extract_mode: Literal["offline", "online"] | None = None
+    """What preflight decided for extract.mode = "auto" on this run's disk."""
+
+
+class BuildTargetResult(Result):
+    STAGE = "build-target"
+    target_dir: str | None = None
+
+
+class TrainResult(Result):
+    STAGE = "train"
+    checkpoint: str | None = None
+    """The last epoch's head."""
+
+
+class PickCheckpointResult(Result):
+    STAGE = "pick-checkpoint"
+    checkpoint: str | None = None
+    """The chosen epoch's head."""
+
+
+class EvaluateOfflineResult(Result):
+    STAGE = "evaluate-offline"
+    tau: float | None = None
+    acceptance_per_position: list[float] = []
+    lossless: bool | None = None
+    prompts: int | None = None
+    ngram_tau: float | None = None
+    ngram_tokens_per_step: float | None = None
+
+
+class DeployMeasureResult(Result):
+    STAGE = "deploy-measure"
+    decision: str | None = None
+    """The decision's line: "deploy: …" or "do not deploy: …"."""
+    deploy: bool | None = None
+    offline_tau: float | None = None
+    baseline_tok_s: float | None = None
+    speculative_tok_s: float | None = None
+    speedup: float | None = None
+    mean_acceptance_length: float | None = None
+    acceptance_per_position: list[float] = []
+    identical_outputs: bool | None = None
+    tokens_per_step: float | None = None
+    # what a step costs with and without the head (deploy_measure.step_economics)
+    step_ms: float | None = None
+    baseline_step_ms: float | None = None
+    break_even_tau: float | None = None
+    deploy_speedup: float | None = None
+    gpu: bool | None = None
+    ttft_ms: float | None = None
+    baseline_ttft_ms: float | None = None
+    decode_tpot_ms: float | None = None
+    baseline_decode_tpot_ms: float | None = None
+    chunk_ms: float | None = None
+    baseline_chunk_ms: float | None = None
+    decode_speedup: float | None = None
+    ngram_tau: float | None = None
+    ngram_tokens_per_step: float | None = None
+
+    def verdict(self) -> Decision | None:
+        """The decision as a value; a run recorded before `deploy` existed says it by its line's first word."""
+        if not self.decision:
+            return None
+        deploy = self.deploy if self.deploy is not None else self.decision.startswith("deploy:")
+        return Decision(deploy, self.decision.split(": ", 1)[-1])
+
+
+class HandoverResult(Result):
+    STAGE = "handover"
+    after_run: str | None = None
+    server: str | None = None
+    production_before_tok_s: float | None = None
+    production_after_tok_s: float | None = None
+    production_speedup: float | None = None
+
+
+MODELS: dict[str, type[Result]] = {m.STAGE: m for m in (PreflightResult, BuildTargetResult, TrainResult,
+                                                          PickCheckpointResult, EvaluateOfflineResult,
+                                                          DeployMeasureResult, HandoverResult)}
+R = TypeVar("R", bound=Result)
+
+
+def stored(stage: str, figures: dict) -> dict:
+    """A stage's figures through its model, as state.json keeps them (ValueError naming the figure when
+    one is not of its declared type)."""
+    try:
+        return MODELS.get(stage, Result).model_validate(figures).figures()
+    except ValidationError as exc:
+        wrong = "; ".join(f"{'.'.join(map(str, e['loc']))} = {e['input']!r}: {e['msg']}" for e in exc.errors())
+        raise ValueError(f"{stage} recorded a figure of the wrong type: {wrong}") from None
+
+
+def read(model: type[R], figures: dict | None) -> R:
+    """The recorded figures of `model`'s stage as `model` (every declared figure None before it ran)."""
+    return model.model_validate(figures or {})

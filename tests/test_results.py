@@ -1,0 +1,40 @@
+"""Stage results as declared types (pipeline/results.py): stored through their models by the runner, read
+typed by later stages, the CLI, the report and the plots."""
+import pytest
+
+from pipeline import results
+from pipeline.profile import load_profile
+from pipeline.rundir import RunDir
+from tests.conftest import TINY
+
+
+def test_declared_figures_are_typed_and_the_others_kept_as_written():
+    stored = results.stored("deploy-measure", {"decision": "deploy: speedup x1.300", "deploy": True, "speedup": 1,
+                                               "ngram_draft_share": 0.03, "acceptance_per_position": [0.8, 0.7]})
+    assert stored == {"decision": "deploy: speedup x1.300", "deploy": True, "speedup": 1.0,
+                      "ngram_draft_share": 0.03, "acceptance_per_position": [0.8, 0.7]}
+    assert results.stored("vocab", {"coverage": 1.0}) == {"coverage": 1.0}  # no model: kept as it is
+
+
+def test_a_figure_of_the_wrong_type_is_named_in_one_line():
+    with pytest.raises(ValueError) as err:
+        results.stored("deploy-measure", {"deploy": "maybe", "speedup": 1.2})
+    line = str(err.value)
+    assert "\n" not in line and "deploy-measure" in line and "deploy = 'maybe'" in line
+    with pytest.raises(ValueError, match="extract_mode = 'sideways'"):
+        results.stored("preflight", {"extract_mode": "sideways"})
+
+
+def test_a_run_reads_what_a_stage_recorded_typed_and_none_before_it_ran(tmp_path):
+    run = RunDir.create(load_profile(TINY, overrides={"run.runs_dir": str(tmp_path / "runs")}), tmp_path / "run")
+    before = run.result(results.DeployMeasureResult)
+    assert before.verdict() is None and before.speedup is None and before.acceptance_per_position == []
+    run.update_stage("deploy-measure", figures=results.stored("deploy-measure", {
+        "decision": "do not deploy: speedup x1.013 < threshold x1.1 at concurrency 1", "deploy": False,
+        "speedup": 1.013}))
+    after = run.result(results.DeployMeasureResult)
+    assert after.verdict() is not None and after.verdict().deploy is False and after.speedup == 1.013
+    assert after.verdict().line == "do not deploy: speedup x1.013 < threshold x1.1 at concurrency 1"
+    # a run recorded before `deploy` existed says it by its line's first word
+    old = results.read(results.DeployMeasureResult, {"decision": "deploy: speedup x1.430 >= threshold x1.1"})
+    assert old.verdict().deploy is True
