@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pipeline import box, notes, portlock
+from pipeline import box, jobs, notes, portlock
 from pipeline.profile import Profile
 from pipeline.rundir import RunDir
 
@@ -48,5 +48,5 @@ def export_notes(rundir: RunDir) -> Path:
     from pipeline.atomicio import atomic_write_rendered
 
     out = rundir.notes_export
-    atomic_write_rendered(out, lambda: notes.export(rundir, "md", out).encode())
+    atomic_write_rendered(out, lambda: notes.export(rundir, "md", jobs.snapshot(rundir), out).encode())
     return out

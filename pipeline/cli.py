@@ -177,7 +177,7 @@ def cmd_status(args) -> int:
 
 
 def cmd_notes(args) -> int:
-    from pipeline import notes
+    from pipeline import jobs, notes
     from pipeline.atomicio import atomic_write_rendered
     from pipeline.rundir import RunDir, RunDirError
 
@@ -190,12 +190,12 @@ def cmd_notes(args) -> int:
             print(f"noted at {rec['ts']}")
             return 0
         if not args.output:
-            sys.stdout.write(notes.export(run, args.format))
+            sys.stdout.write(notes.export(run, args.format, jobs.snapshot(run)))
             return 0
         out = Path(args.output)
         notes.check_destination(out)
         try:
-            atomic_write_rendered(out, lambda: notes.export(run, args.format, out).encode())
+            atomic_write_rendered(out, lambda: notes.export(run, args.format, jobs.snapshot(run), out).encode())
         except OSError as exc:
             return _die(f"-o {out}: cannot write it: {exc.strerror or exc}", EXIT_FAILED)
         print(f"wrote {out}")

@@ -7,12 +7,12 @@ import json
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import psutil
 
 from pipeline import atomicio
+from pipeline.results import RunSnapshot, StageStatus
 from pipeline.rundir import RunDir
 
 
@@ -84,37 +84,6 @@ def process_roles(run: RunDir, server: dict) -> dict[int, str]:
     if pgid and run.stage_state("train").get("status") == "running":
         roles.update({p.pid: "train" for p in procs.group_members(pgid)})
     return roles
-
-
-@dataclass(frozen=True)
-class StageStatus:
-    name: str
-    status: str  # as it stands (live_status): n/a, pending, running, interrupted, done, stale, failed
-    seconds: float | None = None
-    attempts: int | None = None
-    figures: dict = field(default_factory=dict)
-    error: str | None = None
-    gpu: dict | None = None
-
-
-@dataclass(frozen=True)
-class RunSnapshot:
-    """A run as it stands, read in one place for whoever shows it (`status`, `status --json`, the console):
-    the job's state and pid, each stage's live status, the serving port's server and which processes of
-    the box serve or train this run."""
-    root: str
-    profile: str
-    state: str
-    pid: int | None
-    stages: tuple[StageStatus, ...]
-    server: dict
-    roles: dict[int, str]
-
-    def as_json(self) -> dict:
-        return {"run": self.root, "profile": self.profile, "state": self.state, "pid": self.pid,
-                "stages": [{"stage": s.name, **{k: v for k, v in asdict(s).items() if k != "name"}}
-                           for s in self.stages], "server": self.server,
-                "roles": {str(pid): role for pid, role in self.roles.items()}}
 
 
 def snapshot(run: RunDir, stages: bool = True) -> RunSnapshot:

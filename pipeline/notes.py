@@ -8,7 +8,7 @@ from pathlib import Path
 
 from pipeline import atomicio
 from pipeline.matrix import level_of
-from pipeline.results import DeployMeasureResult, EvaluateOfflineResult
+from pipeline.results import DeployMeasureResult, EvaluateOfflineResult, RunSnapshot
 from pipeline.rundir import RunDir, now_iso
 
 # Secrets come from the environment; whatever their value, it never reaches a note.
@@ -100,9 +100,10 @@ def economics(online: DeployMeasureResult | None) -> str | None:
     return text
 
 
-def to_markdown(run: RunDir, out_path: Path | None = None) -> str:
-    """The run report: profile and versions, the decision, stage timings, offline and online evaluation,
-    plots (written as PNG into RUN/report/), and every note in order."""
+def to_markdown(run: RunDir, snapshot: RunSnapshot, out_path: Path | None = None) -> str:
+    """The run report: profile and versions, the decision, the stages as they stand (`snapshot`: a stage
+    whose job is gone reads interrupted, as in `status`), offline and online evaluation, plots (written as
+    PNG into RUN/report/), and every note in order."""
     from pipeline import plots
 
     profile = run.profile()
@@ -121,13 +122,14 @@ def to_markdown(run: RunDir, out_path: Path | None = None) -> str:
         lines += [f"**Decision: {online['decision']}**", ""]
         if why := economics(measured):
             lines += [f"Why: {why}.", ""]
-    if stages:
-        lines += ["## Stages", "", "| stage | status | seconds | key figures |", "|---|---|---|---|"]
-        for name, entry in stages.items():
-            figs = ", ".join(f"{k}={_fmt(v)}" for k, v in (entry.get("figures") or {}).items()
+    if rows := [row for row in snapshot.stages if row.status != "n/a"]:
+        lines += [f"## Stages (the job: {snapshot.state})", "", "| stage | status | seconds | key figures |",
+                  "|---|---|---|---|"]
+        for row in rows:
+            figs = ", ".join(f"{k}={_fmt(v)}" for k, v in row.figures.items()
                              if not isinstance(v, (dict, list)) and not str(k).endswith(("_dir", "checkpoint")))
-            secs = entry.get("seconds")
-            lines.append(f"| {name} | {entry.get('status', '?')} | {_fmt(secs) if secs is not None else ''} | {figs} |")
+            secs = _fmt(row.seconds) if row.seconds is not None else ""
+            lines.append(f"| {row.name} | {row.status} | {secs} | {figs} |")
         lines.append("")
     picked = atomicio.read_json(run.checkpoints_result)
     if picked and picked.get("chosen"):
@@ -242,9 +244,10 @@ def check_destination(path: Path) -> None:
         raise ValueError(f"-o {path}: directory {parent} is not writable")
 
 
-def export(run: RunDir, fmt: str, out_path: Path | None = None) -> str:
+def export(run: RunDir, fmt: str, snapshot: RunSnapshot, out_path: Path | None = None) -> str:
     if fmt == "md":
-        return to_markdown(run, out_path)
+        return to_markdown(run, snapshot, out_path)
     if fmt == "json":
-        return json.dumps({"run": str(run.root), "state": run.read_state(), "notes": read(run)}, indent=2) + "\n"
+        return json.dumps({"run": str(run.root), "snapshot": snapshot.as_json(), "state": run.read_state(),
+                           "notes": read(run)}, indent=2) + "\n"
     raise ValueError(f"unknown notes format {fmt!r} (md or json)")

@@ -1,9 +1,12 @@
-"""Stage results as declared types: what each stage records in state.json and what later stages, the CLI, the
-report and the plots read of it. A model declares the figures others read (typed; absent = None) and keeps
-every other figure as the stage wrote it (`extra`): the runner stores a stage's figures through its model,
-so a figure of the wrong type fails where it is written, not where it is read."""
+"""A run's records as declared types. Stage results: what each stage records in state.json and what later
+stages, the CLI, the report and the plots read of it — a model declares the figures others read (typed;
+absent = None) and keeps every other figure as the stage wrote it (`extra`); the runner stores a stage's
+figures through its model, so a figure of the wrong type fails where it is written, not where it is read.
+The run's read model: `RunSnapshot`, computed by `jobs.snapshot` and shown by `status`, `status --json`,
+the console and the report."""
 from __future__ import annotations
 
+from dataclasses import asdict, dataclass, field
 from typing import ClassVar, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, ValidationError
@@ -119,3 +122,35 @@ def stored(stage: str, figures: dict) -> dict:
 def read(model: type[R], figures: dict | None) -> R:
     """The recorded figures of `model`'s stage as `model` (every declared figure None before it ran)."""
     return model.model_validate(figures or {})
+
+
+@dataclass(frozen=True)
+class StageStatus:
+    name: str
+    status: str  # as it stands (live_status): n/a, pending, running, interrupted, done, stale, failed
+    seconds: float | None = None
+    attempts: int | None = None
+    figures: dict = field(default_factory=dict)
+    error: str | None = None
+    gpu: dict | None = None
+
+
+@dataclass(frozen=True)
+class RunSnapshot:
+    """A run as it stands, read in one place for whoever shows it (`status`, `status --json`, the console,
+    the report):
+    the job's state and pid, each stage's live status, the serving port's server and which processes of
+    the box serve or train this run."""
+    root: str
+    profile: str
+    state: str
+    pid: int | None
+    stages: tuple[StageStatus, ...]
+    server: dict
+    roles: dict[int, str]
+
+    def as_json(self) -> dict:
+        return {"run": self.root, "profile": self.profile, "state": self.state, "pid": self.pid,
+                "stages": [{"stage": s.name, **{k: v for k, v in asdict(s).items() if k != "name"}}
+                           for s in self.stages], "server": self.server,
+                "roles": {str(pid): role for pid, role in self.roles.items()}}

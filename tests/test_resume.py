@@ -67,6 +67,8 @@ def test_sigkill_during_extract_then_resume(tmp_path, cache_dir):
     status = cli("status", run_dir)  # a dead run does not look alive
     assert "state: interrupted" in status.stdout and f"run --resume {run_dir}" in status.stdout
     assert "extract           interrupted" in status.stdout
+    report = cli("notes", "export", run_dir)  # the report reads the same snapshot as status
+    assert "| extract | interrupted |" in report.stdout and "## Stages (the job: interrupted)" in report.stdout
     survivors = {p.name: p.stat().st_ino for p in hs.glob("hs_*.safetensors")}
     total = RunDir.open(run_dir).stage_state("prepare")["figures"]["rows"]
     assert 5 <= len(survivors) < total
