@@ -33,6 +33,7 @@ from pipeline.stages import stage_names
 __all__ = ["ConfirmScreen", "ConsoleApp", "HelpScreen", "ModeScreen", "main"]
 
 TAB_IDS = {RunTab: "run", ServerTab: "server", NotesTab: "notes"}  # the tabs with keys of their own
+WRITES = ("stop_server", "restart_server", "start_mode", "note", "export")  # the actions a read-only console lacks
 
 
 def routed(tab) -> list[Binding]:
@@ -73,7 +74,7 @@ class ConsoleApp(App):
     # ---- layout: the tabs build themselves
     def compose(self) -> ComposeResult:
         yield Line(id="summary")
-        self.notes = NotesTab(self.rundir)
+        self.notes = NotesTab(self.rundir, self.readonly)
         self.run_tab = RunTab(self.profile, len(self.watcher.stage_names))
         self.gpus, self.eval = GpusTab(), EvalTab()
         self.server_tab = ServerTab(self.profile, self.rundir, self.readonly, self.notes.note)
@@ -168,6 +169,10 @@ class ConsoleApp(App):
         self.notify(msg.text, severity="error", timeout=8)
 
     # ---- keys: the app's own, and the tabs' routed to them
+    def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
+        """Read-only: no key that changes the box or the run is bound, or shown."""
+        return not (self.readonly and action == "on_tab" and parameters[1] in WRITES)
+
     def action_on_tab(self, tab: str, action: str) -> None:
         keyed = {"run": self.run_tab, "server": self.server_tab, "notes": self.notes}
         getattr(keyed[tab], f"action_{action}")()

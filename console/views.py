@@ -8,8 +8,9 @@ from rich.text import Text
 
 from console.formatting import BLOCKS, fmt_secs, human_bytes, na, spark
 from pipeline import gpu, jobs
+from pipeline.matrix import level_of
 from pipeline.profile import Profile
-from pipeline.runview import StageView
+from pipeline.runview import RunView, StageView
 
 LOSS_CURVE_WIDTH = 70
 
@@ -89,7 +90,17 @@ def matrix_rows(evaluation: dict) -> list[tuple]:
             rows.append((method, "", "", "", "", "", Text(f"✖ {row['error'][:60]}"), "", ""))
         for c, level in sorted(row.get("levels", {}).items(), key=lambda kv: int(kv[0])):
             rows.append(matrix_level_row(method, row, c, level))
-    return rows + [("decision", "", "", "", "", "", Text(evaluation.get("decision", "")), "", "")]
+    return rows
+
+
+def decision_text(evaluation: dict) -> str:
+    """The decision, whole (it wraps), and each method's tokens per decode step at the lowest concurrency:
+    n-gram's beside the head's (its τ counts only the steps where it drafted)."""
+    low = min(evaluation.get("concurrency") or [1])
+    per_step = [f"{method} {level['tokens_per_step']:.2f}" for method, row in evaluation["matrix"].items()
+                if (level := level_of(row, low)) and level.get("tokens_per_step") is not None]
+    return (f"decision: {evaluation.get('decision', 'not measured yet')}\n"
+            + (f"tokens per decode step at c = {low}: " + " · ".join(per_step) if per_step else ""))
 
 
 def server_text(server: dict, profile: Profile) -> str:
@@ -126,3 +137,11 @@ def note_line(note: dict) -> str:
 
 def holder_text(holder: dict) -> str:
     return f"Run {holder.get('run', '?')} (pid {holder.get('pid', '?')})"
+
+
+def outcome(view: RunView, job: dict) -> str:
+    """A run that has ended (or stopped): its decision, when it measured one, and what to do next."""
+    if job.get("state") in ("running", "not started", None):
+        return ""
+    decision = (view.evaluation or {}).get("decision")
+    return (f"decision: {decision}\n" if decision else "") + f"next: {jobs.next_step(job['state'], view.root)}"

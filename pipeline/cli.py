@@ -163,9 +163,7 @@ def cmd_status(args) -> int:
     if args.json:
         print(json.dumps(snap.as_json(), indent=2))
         return 0
-    hint = {"running": f"pid {snap.pid}; watch with: eagle3-console attach {run.root}",
-            "interrupted": f"its process is gone; resume with: eagle3-console run --resume {run.root}",
-            "stopped": f"resume with: eagle3-console run --resume {run.root}"}.get(snap.state, "")
+    hint = jobs.next_step(snap.state, run.root, snap.pid)
     print(f"run {run.root}  (profile {snap.profile})")
     print(f"state: {snap.state}" + (f" ({hint})" if hint else ""))
     for r in snap.stages:

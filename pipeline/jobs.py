@@ -74,6 +74,15 @@ def job_state(run: RunDir) -> dict:
     return {"state": state, "pid": pid}
 
 
+def next_step(state: str, root: str | Path, pid: int | None = None) -> str:
+    """What the operator does next with a run in `state` (status's hint, the console's Run tab)."""
+    return {"running": f"pid {pid}; watch with: eagle3-console attach {root}",
+            "interrupted": f"its process is gone; resume with: eagle3-console run --resume {root}",
+            "failed": f"the failed stage's log says why; resume with: eagle3-console run --resume {root}",
+            "stopped": f"resume with: eagle3-console run --resume {root}",
+            "finished": f"the report: eagle3-console notes export {root} -o report.md"}.get(state, "")
+
+
 def process_roles(run: RunDir, server: dict) -> dict[int, str]:
     """Which processes of the box serve and which train this run (the GPU view labels them): the port's
     vLLM server group, and the trainer's process group while it lives."""

@@ -206,6 +206,11 @@ def test_readonly_disables_every_control(run, fake_server):
         assert all(b.disabled for b in app.query(Button))
         assert fake_server.poll() is None
         assert "READ-ONLY" in str(app.query_one("#summary").text)
+        footer = screen_text(app).rstrip("\n").splitlines()[-1]
+        assert not any(k in footer for k in ("Stop server", "Restart", "Note", "Export")), footer
+        await pilot.press("n")  # no note field, and n does not open one
+        await pilot.pause(0.2)
+        assert not app.query_one("#note-input").display and app.tabs.active == "run"
 
     run_app(ConsoleApp(run.root, readonly=True), check)
 
@@ -260,11 +265,11 @@ def test_eval_tab_shows_matrix_decision_and_loss_curve(run):
     (run.eval_dir / "online.json").write_text(json.dumps({
         "k": 3, "concurrency": [1], "decision": "do not deploy: speedup x0.72 at concurrency 1 (threshold x1.10)",
         "matrix": {"baseline": {"levels": {"1": {"output_tok_s": 240.0, "tpot_ms": 4.1, "ttft_ms": 13.3,
-                                                  "decode_tpot_ms": 2.36, "speedup": 1.0}}},
+                                                  "decode_tpot_ms": 2.36, "speedup": 1.0, "tokens_per_step": 1.0}}},
                    "ngram": {"error": "ServerError: vLLM (ngram) exited with 1: numba missing"},
                    "eagle3": {"identical_outputs": True, "levels": {"1": {
                        "output_tok_s": 175.0, "tpot_ms": 5.7, "speedup": 0.729, "mean_acceptance_length": 1.8,
-                       "acceptance_per_position": [0.55, 0.19, 0.06]}}}}}))
+                       "acceptance_per_position": [0.55, 0.19, 0.06], "tokens_per_step": 1.74}}}}}))
     for i, loss in enumerate([0.2, 0.1, 0.05, 0.02]):
         run.emit("train", "metric", step=i, **{"train/loss": loss})
 
@@ -275,11 +280,33 @@ def test_eval_tab_shows_matrix_decision_and_loss_curve(run):
         assert rows[0].startswith("baseline | 1 | 240.0 | 13.3 | 2.36")  # TTFT, then TPOT after the first token
         assert "ngram" in rows[1] and "numba missing" in rows[1]  # a refused method is a row saying why
         assert "1.800" in rows[2] and "0.55" in rows[2] and "✔ yes" in rows[2]
-        assert "do not deploy" in rows[3]
+        assert len(rows) == 3  # the decision is not a table row (a cell cut it)
+        decision = str(app.query_one("#decision", Static).render())
+        assert "tokens per decode step at c = 1: baseline 1.00 · eagle3 1.74" in decision
+        shown = " ".join(screen_text(app).split())  # wrapped, never cut: every word on screen
+        assert "decision: do not deploy: speedup x0.72 at concurrency 1 (threshold x1.10)" in shown
         curve = str(app.query_one("#loss-curve", Static).render())
         assert "over 4 logged steps" in curve and "█" in curve
 
-    run_app(ConsoleApp(run.root), check)
+    run_app(ConsoleApp(run.root), check, size=(80, 24))
+    run_app(ConsoleApp(run.root), check, size=(120, 40))
+
+
+def test_the_run_tab_says_what_next_when_the_run_has_ended(run):
+    """prepare recorded running, and no runner process behind it: interrupted."""
+    state = json.loads(run.state_path.read_text())
+    state.pop("runner", None)
+    run.state_path.write_text(json.dumps(state))
+
+    async def check(app, pilot):
+        await pilot.pause(0.3)
+        outcome = app.query_one("#outcome", Static)
+        assert outcome.display and "next: its process is gone; resume with: eagle3-console run --resume" \
+            in str(outcome.render())
+        assert f"run --resume {run.root}" in " ".join(screen_text(app).split())
+
+    run_app(ConsoleApp(run.root), check, size=(80, 24))
+    run_app(ConsoleApp(run.root), check, size=(120, 40))
 
 
 # ---------------------------------------------------------------- what fits on screen

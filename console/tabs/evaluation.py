@@ -19,11 +19,13 @@ class EvalTab(TabPane):
         super().__init__("5 Eval", id="eval")
         self._shown: dict[str | None, object] = {}
         self.loss, self.checkpoints = Static(id="loss-curve"), Static(id="checkpoints", markup=False)
+        self.decision = Static(id="decision", markup=False)  # wraps: never cut at 80 columns
         self.matrix = DiffTable(id="matrix")
 
     def compose(self) -> ComposeResult:
         yield self.loss
         yield self.checkpoints
+        yield self.decision
         yield self.matrix
 
     def on_mount(self) -> None:
@@ -41,4 +43,5 @@ class EvalTab(TabPane):
         if view.checkpoints:
             self._set(self.checkpoints, views.checkpoints_text(view.checkpoints))
         if view.evaluation:
+            self._set(self.decision, views.decision_text(view.evaluation))
             self.matrix.fill(views.matrix_rows(view.evaluation))

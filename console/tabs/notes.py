@@ -16,11 +16,12 @@ class NotesTab(TabPane):
     KEYS = (Binding("n", "note", "Note"),
             Binding("e", "export", "Export", tooltip="Export the notes as Markdown into the run"))
 
-    def __init__(self, rundir: RunDir):
+    def __init__(self, rundir: RunDir, readonly: bool = False):
         super().__init__("4 Notes", id="notes")
         self.rundir = rundir
         self.lines = Log(id="notes-log", max_lines=5000, auto_scroll=True)
         self.input = Input(placeholder="write a note, Enter to append", id="note-input")
+        self.input.display = not readonly  # a read-only console writes nothing into the run
 
     def compose(self) -> ComposeResult:
         yield self.lines

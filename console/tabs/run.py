@@ -6,7 +6,7 @@ from collections import deque
 from textual import on
 from textual.app import ComposeResult
 from textual.binding import Binding
-from textual.widgets import Input, Log, TabPane
+from textual.widgets import Input, Log, Static, TabPane
 
 from console import views
 from console.messages import RunPolled
@@ -26,11 +26,14 @@ class RunTab(TabPane):
         self.log_buffer: deque[str] = deque(maxlen=10_000)  # every line, for a later filter
         self.log_filter = ""
         self.stages = StageTable(id="stages", stage_count=stage_count)
+        self.outcome = Static(id="outcome", markup=False)  # a run that has ended: its decision, what next
+        self._outcome: str | None = None
         self.filter = Input(placeholder="filter the log (Enter applies, empty = all)", id="filter")
         self.lines = Log(id="log", max_lines=10_000, auto_scroll=True)
 
     def compose(self) -> ComposeResult:
         yield self.stages
+        yield self.outcome
         yield self.filter
         yield self.lines
 
@@ -48,6 +51,11 @@ class RunTab(TabPane):
     def show(self, msg: RunPolled) -> None:
         applies = {s.name: s.applies(self.profile) for s in STAGES}
         self.stages.show(views.live_stages(msg.view.stages, msg.job), applies)
+        text = views.outcome(msg.view, msg.job)
+        if text != self._outcome:
+            self._outcome = text
+            self.outcome.update(text)
+            self.outcome.set_class(bool(text), "visible")
 
     def action_filter(self) -> None:
         self.filter.add_class("visible")
