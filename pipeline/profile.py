@@ -8,6 +8,7 @@ TOML library (`dump_toml`), so any string round-trips through a run directory.
 from __future__ import annotations
 
 import json
+import os
 import tomllib
 import types
 import typing
@@ -496,7 +497,15 @@ class HardwareSection(Section):
 
 class RunSection(Section):
     runs_dir: str = "runs"
-    cache_dir: str = "runs/.cache"
+    cache_dir: str = ""
+    """What runs share (built demo targets, vLLM's answers to preflight's probes); "" = the per-user cache,
+    $XDG_CACHE_HOME/eagle3-console (~/.cache/eagle3-console): the same from every working directory."""
+
+
+def user_cache() -> Path:
+    """The per-user cache (XDG base directories): $XDG_CACHE_HOME/eagle3-console, else ~/.cache/…"""
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base).resolve() / "eagle3-console"
 
 
 class Profile(Section):
@@ -698,7 +707,8 @@ def _resolve_inputs(p: Profile, source: Path, check: bool = True) -> Profile:
     # run's profile.toml then names the same runs/, server registry and locks for the detached job, the
     # console and `server stop`, wherever they are started from.
     run = p.run.model_copy(update={"runs_dir": str(Path(p.run.runs_dir).resolve()),
-                                   "cache_dir": str(Path(p.run.cache_dir).resolve())})
+                                   "cache_dir": str(Path(p.run.cache_dir).resolve() if p.run.cache_dir
+                                                    else user_cache())})
     return p.model_copy(update={"target": target, "data": data, "run": run})
 
 

@@ -11,6 +11,9 @@ TINY = ROOT / "tests" / "profiles" / "tiny.toml"
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["HF_DATASETS_OFFLINE"] = "1"
 os.environ.setdefault("TQDM_DISABLE", "1")
+# the per-user cache (built demo targets, vLLM's probe answers) inside this checkout's ignored runs/: shared
+# by the suite's runs, never the home directory's
+os.environ["XDG_CACHE_HOME"] = str(ROOT / "runs" / ".xdg-cache")
 
 
 def cli(*args, cwd=None, timeout=600, env=None) -> subprocess.CompletedProcess:

@@ -309,3 +309,23 @@ def test_status_json_is_the_runs_snapshot(finished_run):
     assert [r["status"] for r in shown["stages"]] == [s.status for s in snap.stages]
     assert shown["server"]["state"] == snap.server["state"] and isinstance(shown["roles"], dict)
     assert jobs.snapshot(RunDir.open(finished_run), stages=False).stages == ()
+
+
+def test_preflight_from_another_folder_writes_nothing_there(tmp_path):
+    """What runs share (vLLM's probe answers, built demo targets) lives in the per-user cache, the same from
+    every working directory; preflight leaves the folder it was started from as it was."""
+    here, xdg = tmp_path / "elsewhere", tmp_path / "xdg"
+    here.mkdir()
+    done = cli("preflight", ROOT / "profiles" / "demo.toml", cwd=here, env={"XDG_CACHE_HOME": str(xdg)})
+    assert done.returncode == 0, done.stdout[-1500:] + done.stderr[-1500:]
+    assert list(here.iterdir()) == []
+    assert list((xdg / "eagle3-console" / "vllm-answers").glob("*.json"))
+
+
+def test_the_shared_cache_is_the_users_wherever_the_operator_stands(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    monkeypatch.chdir(tmp_path)
+    assert load_profile(ROOT / "profiles" / "demo.toml").run.cache_dir == str(tmp_path / "xdg" / "eagle3-console")
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    assert load_profile(ROOT / "profiles" / "demo.toml").run.cache_dir == str(Path.home().resolve() / ".cache"
+                                                                                / "eagle3-console")
