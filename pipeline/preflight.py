@@ -438,11 +438,27 @@ def evaluation_findings(profile: Profile, snapshot: gpu.GpuSnapshot | None = Non
     return found
 
 
+def tracker_findings(profile: Profile) -> list[Finding]:
+    """Each of train.loggers needs its package where the trainer runs (this interpreter): speculators would
+    fail at its first metric otherwise, after the extraction."""
+    from importlib import metadata
+
+    found = []
+    for name in profile.train.loggers:
+        try:
+            found.append(Finding("ok", "trackers", f"train.loggers {name}: {name} {metadata.version(name)}, "
+                                                   f"written under RUN/logs/trackers"))
+        except metadata.PackageNotFoundError:
+            found.append(Finding("block", "trackers", f"train.loggers = {list(profile.train.loggers)}: the package "
+                                                      f"{name} is not installed for {sys.executable}"))
+    return found
+
+
 def preflight(profile: Profile, snapshot: gpu.GpuSnapshot | None = None, run_dir: Path | None = None) -> list[Finding]:
     """Every check; `run_dir`: the run directory in use (its disk is the one that fills)."""
     return (target_findings(profile) + version_findings(profile) + gpu_findings(profile, snapshot)
             + port_findings(profile, run_dir) + disk_findings(profile, run_dir)
-            + evaluation_findings(profile, snapshot))
+            + evaluation_findings(profile, snapshot) + tracker_findings(profile))
 
 
 def blocking(findings: list[Finding]) -> list[Finding]:

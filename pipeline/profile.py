@@ -351,6 +351,10 @@ class TrainSection(Section):
     """speculators --checkpoint-freq: a checkpoint every N epochs; below 1, sub-epoch (0.5 = every half
     epoch). speculators writes a sub-epoch checkpoint into its epoch's directory, so with
     evaluate.checkpoints = "each" the train stage keeps a copy of each one as it appears."""
+    loggers: list[Literal["tensorboard", "wandb", "trackio", "mlflow"]] = Field(default_factory=list)
+    """speculators' own metric loggers (--logger), beside the run's console and report; they write under
+    RUN/logs/trackers, the run's name their run name. Projects, servers and keys come from each one's own
+    environment (WANDB_PROJECT, WANDB_API_KEY, MLFLOW_TRACKING_URI, …), never from a profile."""
 
     @model_validator(mode="after")
     def _rules(self) -> TrainSection:
@@ -363,6 +367,8 @@ class TrainSection(Section):
             if arg.split("=", 1)[0] in ("--save-best", "--checkpoint-freq"):
                 raise rule("train.extra_args", arg,
                            "is set by the profile: train.checkpoint_freq, evaluate.checkpoints")
+            if arg.split("=", 1)[0] in ("--logger", "--log-dir", "--run-name"):
+                raise rule("train.extra_args", arg, "is set by the profile: train.loggers")
         if self.nnodes > 1 and not self.rdzv_endpoint:
             raise rule("train.rdzv_endpoint", self.rdzv_endpoint, f"is required when train.nnodes = {self.nnodes}")
         if not 0 <= self.node_rank < self.nnodes:

@@ -74,6 +74,8 @@ class RunDir:
     @property
     def job_log(self) -> Path: return self.logs_dir / "job.log"
     @property
+    def trackers_dir(self) -> Path: return self.logs_dir / "trackers"  # speculators' metric loggers (train.loggers)
+    @property
     def gpu_timeline(self) -> Path: return self.root / "gpu_timeline.jsonl"
     @property
     def preflight_result(self) -> Path: return self.root / "preflight.json"

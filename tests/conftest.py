@@ -30,10 +30,11 @@ def cache_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def finished_run(tmp_path_factory, cache_dir) -> Path:
     """One complete tiny pipeline run through the real CLI, shared by the read-only tests. On a free
-    serving port: a run holds its port's lock, and another run on this box may hold the profile's."""
+    serving port: a run holds its port's lock, and another run on this box may hold the profile's. Its
+    trainer also writes to TensorBoard (train.loggers), as an operator's would."""
     run_dir = tmp_path_factory.mktemp("runs") / "tiny-complete"
     proc = cli("run", TINY, "--no-tui", "--run-dir", run_dir, "--set", f'run.cache_dir="{cache_dir}"',
-               "--set", f"server.port={free_port()}")
+               "--set", f"server.port={free_port()}", "--set", 'train.loggers=["tensorboard"]')
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return run_dir
 

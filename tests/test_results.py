@@ -38,3 +38,32 @@ def test_a_run_reads_what_a_stage_recorded_typed_and_none_before_it_ran(tmp_path
     # a run recorded before `deploy` existed says it by its line's first word
     old = results.read(results.DeployMeasureResult, {"decision": "deploy: speedup x1.430 >= threshold x1.1"})
     assert old.verdict().deploy is True
+
+
+def test_the_trainer_writes_its_metrics_to_tensorboard_inside_the_run(finished_run):
+    """train.loggers = ["tensorboard"] reaches speculators' own --logger: the event file is under
+    RUN/logs/trackers/RUN_NAME and holds the same training losses the train stage recorded."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    run = RunDir.open(finished_run)
+    files = list(run.trackers_dir.glob(f"{run.root.name}/events.out.tfevents.*"))
+    assert files, list(run.trackers_dir.rglob("*"))
+    events = EventAccumulator(str(files[0].parent))
+    events.Reload()
+    tags = events.Tags()["scalars"]
+    loss = next(t for t in tags if t.endswith("train/loss") or t == "train/loss")
+    losses = [e.value for e in events.Scalars(loss)]
+    figures = run.stage_state("train")["figures"]
+    assert len(losses) == figures["logged_steps"]
+    assert losses[-1] == pytest.approx(figures["train_loss"], rel=1e-3, abs=1e-4)
+
+
+def test_a_tracker_that_is_not_installed_blocks_preflight(monkeypatch):
+    from importlib import metadata
+
+    from pipeline.preflight import tracker_findings
+    real = metadata.version
+    monkeypatch.setattr(metadata, "version", lambda name: real("no-such-dist") if name == "wandb" else real(name))
+    said = tracker_findings(load_profile(TINY, overrides={"train.loggers": ["tensorboard", "wandb"]}))
+    assert [f.severity for f in said] == ["ok", "block"]
+    assert "train.loggers = ['tensorboard', 'wandb']: the package wandb is not installed" in said[1].message

@@ -55,6 +55,9 @@ def build_command(ctx: StageContext, *, python: str = sys.executable, endpoint: 
         flags += online_training.trainer_flags(p, endpoint, ctx.run.hidden_states_dir)
     else:
         flags += ["--on-missing", "raise"]  # offline: every hidden-state file must already exist
+    if t.loggers:  # speculators' own trackers, written inside the run
+        flags += ["--logger", ",".join(t.loggers), "--log-dir", str(ctx.run.trackers_dir),
+                  "--run-name", ctx.run.root.name]
     if t.hidden_states_dtype != "auto":
         flags += ["--hidden-states-dtype", t.hidden_states_dtype]
     flags += list(t.extra_args)
