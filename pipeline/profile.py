@@ -308,6 +308,10 @@ class ExtractSection(Section):
         if self.transfer == "mooncake" and self.mode == "offline":
             raise rule("extract.transfer", self.transfer, "Mooncake carries states generated online: needs "
                                                           "extract.mode \"online\" or \"auto\"")
+        if self.transfer == "mooncake" and self.cache_gib:
+            # speculators' generate-offline-data writes files only, and its Mooncake reader caches nothing
+            raise rule("extract.cache_gib", self.cache_gib, "keeps leading rows' states as files: with "
+                                                            "extract.transfer = \"mooncake\" it must be 0")
         ids = self.layer_ids
         if ids and (sorted(set(ids)) != ids or ids[0] < 0 or len(ids) < 2):
             raise rule("extract.layer_ids", ids, "must be >= 2 strictly increasing layer ids >= 0")

@@ -60,7 +60,11 @@ def extraction_config(profile: Profile, layer_ids: list[int], storage: Path, cpu
             "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": list(layer_ids)}}}
     if profile.extract.transfer == "mooncake":  # online across nodes: hs_connectors' own config
         from pipeline.online_training import mooncake_kv_config
-        return spec, mooncake_kv_config(profile)
+        kv = mooncake_kv_config(profile)
+        if cpu:  # its streams and events need an accelerator (compat/vllm_cpu_mooncake_connector.py)
+            kv |= {"kv_connector": "CpuMooncakeHiddenStatesConnector",
+                   "kv_connector_module_path": "pipeline.compat.vllm_cpu_mooncake_connector"}
+        return spec, kv
     kv = {"kv_connector": "ExampleHiddenStatesConnector", "kv_role": "kv_producer",
           "kv_connector_extra_config": {"shared_storage_path": str(storage), "use_synchronization_lock": True}}
     if cpu:

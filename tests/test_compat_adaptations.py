@@ -310,6 +310,42 @@ def test_the_stock_hidden_states_connector_still_needs_the_cpu_copy(serve_parser
     assert ".query()" in inspect.getsource(stock.get_finished)
 
 
+# --- pipeline/compat/vllm_cpu_mooncake_connector.py ------------------------------------------------------------
+
+def test_the_stock_mooncake_connector_still_needs_an_accelerator_and_the_cpu_one_does_not():
+    import torch
+    if torch.accelerator.is_available():
+        pytest.skip("the CPU connector is only used without an accelerator")
+    from hs_connectors import device
+
+    from pipeline.compat import vllm_cpu_mooncake_connector as cpu
+    from tests.conftest import TINY
+    for cls, name in cpu.ADAPTED:
+        assert callable(getattr(getattr(cpu.stock, cls), name, None)), f"{cls}.{name} is gone"
+    with pytest.raises(RuntimeError, match="No accelerator is available"):
+        device.accelerator_module()  # what the stock connector asks at KV-cache registration
+    stock = cpu.stock.MooncakeHiddenStatesConnector
+    assert "self._device().Stream()" in inspect.getsource(stock.register_kv_caches)
+    assert "self._device().Event()" in inspect.getsource(stock.get_finished)
+    write = inspect.getsource(stock._write_sample)
+    assert "wait_event" in write and "self._device().stream(" in write
+    # the CPU connector answers those three calls without an accelerator, and is what a CPU server is given
+    host = cpu.CpuMooncakeHiddenStatesConnector._device(None)
+    host.Stream().wait_event(host.Event())
+    assert host.Event().query()
+    with host.stream(host.Stream()):
+        pass
+    from pipeline.profile import load_profile
+    from pipeline.vllm_modes import extraction_config
+    profile = load_profile(TINY, overrides={"extract.backend": "vllm", "extract.mode": "online",
+                                            "extract.transfer": "mooncake"})
+    _, kv = extraction_config(profile, [1, 2], Path("/nonexistent"), cpu=True)
+    assert kv["kv_connector"] == cpu.CONNECTOR and kv["kv_connector_module_path"] == cpu.__name__
+    assert kv["kv_connector_extra_config"]["mooncake"]["master_server_address"] == "127.0.0.1:50051"
+    _, stock_kv = extraction_config(profile, [1, 2], Path("/nonexistent"), cpu=False)
+    assert stock_kv["kv_connector"] == "MooncakeHiddenStatesConnector"
+
+
 # --- pipeline/compat/vllm_cpu_env.py ---------------------------------------------------------------------------
 
 def test_vllm_cpu_runs_one_worker_process_only_when_told():

@@ -23,6 +23,8 @@ def test_online_needs_the_vllm_backend_and_mooncake_needs_online(tmp_path):
     assert make_plan(auto, free=0).mode == "offline"  # auto cannot go online without a vLLM extraction server
     for sets, says in (({"extract.mode": "online", "extract.backend": "transformers"}, "extract.mode"),
                        ({"extract.transfer": "mooncake"}, "extract.transfer"),
+                       ({"extract.backend": "vllm", "extract.mode": "online", "extract.transfer": "mooncake",
+                         "extract.cache_gib": 0.5}, "extract.cache_gib"),
                        ({"train.cuda_visible_devices": "0;1"}, "train.cuda_visible_devices")):
         with pytest.raises(ProfileError, match=says):
             load_profile(TINY, sets)
@@ -39,7 +41,9 @@ def test_multi_node_argv_uses_hs_connectors_mooncake(tmp_path):
     assert pairs["--mooncake-device"] == "mlx5_0,mlx5_1" and "--hidden-states-path" not in pairs
     argv = vllm_modes.server_argv(p, "extraction", tmp_path, layer_ids=[1, 2], storage=tmp_path)
     kv = json.loads(argv[argv.index("--kv-transfer-config") + 1])
-    assert kv["kv_connector"] == "MooncakeHiddenStatesConnector"
+    # hs_connectors' own connector on a GPU, its CPU adaptation without one (compat/vllm_cpu_mooncake_connector)
+    gpu = vllm_modes.accelerator_available()
+    assert kv["kv_connector"] == ("MooncakeHiddenStatesConnector" if gpu else "CpuMooncakeHiddenStatesConnector")
     assert kv["kv_connector_extra_config"]["mooncake"]["master_server_address"] == "10.0.0.1:50051"
     assert vllm_modes.server_env(p, tmp_path)["CUDA_VISIBLE_DEVICES"] == "0,1,2,3"
     # speculators' online dataset checks the served model id against --verifier-name-or-path
