@@ -11,6 +11,11 @@ export HF_DATASETS_OFFLINE := 1
 venv: $(STAMP)
 
 $(STAMP): requirements/base.txt requirements/test.txt requirements/constraints.txt pyproject.toml
+	# Mooncake's CPU build links libibverbs (Debian libibverbs1, with libnl): the system's, as root with apt
+	@ldconfig -p | grep -q libibverbs.so.1 || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
+	  { apt-get install -y -q --no-install-recommends libibverbs1 >/dev/null || \
+	    { apt-get update -q >/dev/null && apt-get install -y -q --no-install-recommends libibverbs1 >/dev/null; }; }; } || \
+	  echo "make venv: libibverbs.so.1 missing (install libibverbs1): extract.transfer = mooncake will not work"
 	$(PY) -m venv $(VENV)
 	# torch 2.13.0 CPU under a constraint: speculators' unpinned torchvision/torchaudio would
 	# otherwise pull a CUDA torch (docs/reference.md §3.1). Nothing here imports those three.

@@ -454,11 +454,34 @@ def tracker_findings(profile: Profile) -> list[Finding]:
     return found
 
 
+def mooncake_findings(profile: Profile) -> list[Finding]:
+    """extract.transfer = "mooncake": the store must load where the server and the trainer run (its
+    store.so links libibverbs.so.1), and the run's own master needs the wheel's binary."""
+    from pipeline import mooncake
+
+    if profile.extract.transfer != "mooncake":
+        return []
+    found = []
+    for python in dict.fromkeys([profile.server.python or sys.executable, sys.executable]):
+        probe = subprocess.run([python, "-c", "import mooncake.store"], capture_output=True, text=True, timeout=60,
+                               check=False)
+        if probe.returncode:
+            why = (probe.stderr.strip().splitlines() or ["no output"])[-1]
+            found.append(Finding("block", "mooncake", f"extract.transfer = \"mooncake\": {python} cannot load "
+                                                      f"Mooncake's store: {why}"))
+    if mooncake.runs_here(profile) and not mooncake.binary().exists():
+        found.append(Finding("block", "mooncake", f"extract.mooncake_master = {profile.extract.mooncake_master!r} "
+                                                  f"is this host's, and there is no {mooncake.binary()} to start"))
+    return found or [Finding("ok", "mooncake", "Mooncake's store loads; the master: " + (
+        "started by the run on " + profile.extract.mooncake_master if mooncake.runs_here(profile)
+        else profile.extract.mooncake_master + " (not this run's)"))]
+
+
 def preflight(profile: Profile, snapshot: gpu.GpuSnapshot | None = None, run_dir: Path | None = None) -> list[Finding]:
     """Every check; `run_dir`: the run directory in use (its disk is the one that fills)."""
     return (target_findings(profile) + version_findings(profile) + gpu_findings(profile, snapshot)
             + port_findings(profile, run_dir) + disk_findings(profile, run_dir)
-            + evaluation_findings(profile, snapshot) + tracker_findings(profile))
+            + evaluation_findings(profile, snapshot) + tracker_findings(profile) + mooncake_findings(profile))
 
 
 def blocking(findings: list[Finding]) -> list[Finding]:

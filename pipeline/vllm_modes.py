@@ -9,6 +9,7 @@ import os
 import sys
 from pathlib import Path
 
+from pipeline import mooncake
 from pipeline.compat import vllm_cpu_env, vllm_flags
 from pipeline.procs import repo_on_path
 from pipeline.profile import Profile
@@ -61,6 +62,8 @@ def extraction_config(profile: Profile, layer_ids: list[int], storage: Path, cpu
     if profile.extract.transfer == "mooncake":  # online across nodes: hs_connectors' own config
         from pipeline.online_training import mooncake_kv_config
         kv = mooncake_kv_config(profile)
+        if mooncake.runs_here(profile):  # the server's store client on loopback, beside the run's master
+            kv["kv_connector_extra_config"]["mooncake"]["local_hostname"] = "127.0.0.1"
         if cpu:  # its streams and events need an accelerator (compat/vllm_cpu_mooncake_connector.py)
             kv |= {"kv_connector": "CpuMooncakeHiddenStatesConnector",
                    "kv_connector_module_path": "pipeline.compat.vllm_cpu_mooncake_connector"}

@@ -10,7 +10,7 @@ import sys
 import time
 from pathlib import Path
 
-from pipeline import online_training, procs
+from pipeline import mooncake, online_training, procs
 from pipeline.checkpoints import final_checkpoint, kept_sub_epoch, quarantine_incomplete
 from pipeline.compat import speculators_compat
 from pipeline.server import explain_failure
@@ -100,12 +100,16 @@ class Train(Stage):
 
         _, mode_args = box.mode_inputs(ctx.profile, ctx.run, "extraction")
         epochs = ctx.profile.train.epochs
-        with ctx.server("extraction", on_wait=lambda w: ctx.progress(self.name, 0, epochs, "epochs",
-                                                                     server_wait_s=round(w)), **mode_args) as srv:
-            watch = online_training.StatesWatch(mode_args["storage"], srv.base_url,
-                                                lambda **f: ctx.emit("metric", self.name, **f))
-            with watch:
-                figures = self.train(ctx, endpoint=f"{srv.base_url}/v1", server=srv.rec)
+        try:
+            master = mooncake.master(ctx.profile, ctx.run, self.name)  # Mooncake transfer: before both, after both
+            with master, ctx.server("extraction", on_wait=lambda w: ctx.progress(
+                    self.name, 0, epochs, "epochs", server_wait_s=round(w)), **mode_args) as srv:
+                watch = online_training.StatesWatch(mode_args["storage"], srv.base_url,
+                                                    lambda **f: ctx.emit("metric", self.name, **f))
+                with watch:
+                    figures = self.train(ctx, endpoint=f"{srv.base_url}/v1", server=srv.rec)
+        except mooncake.MasterError as exc:
+            raise StageError(str(exc)) from None
         seconds = ctx.run.stage_state(self.name).get("train_seconds") or 0
         figures.update(mode="online", states_disk_peak_bytes=watch.peak_bytes, states_peak_files=watch.peak_files,
                        generated_tokens=int(watch.generated_tokens),
@@ -148,6 +152,8 @@ class Train(Stage):
         env = procs.child_env(ctx.run.cache_root)
         if ctx.profile.train.cuda_visible_devices:  # training on some GPUs, serving on the others
             env["CUDA_VISIBLE_DEVICES"] = ctx.profile.train.cuda_visible_devices
+        if mooncake.runs_here(ctx.profile):  # the trainer's store client on loopback, beside the run's master
+            env["MOONCAKE_LOCAL_HOSTNAME"] = "127.0.0.1"
         t0 = time.monotonic()
         env.pop(speculators_compat.KEEP_ENV, None)  # only this profile's setting turns it on, not the shell's
         if ctx.profile.evaluate.checkpoints == "each" and ctx.profile.train.checkpoint_freq < 1:
