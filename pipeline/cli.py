@@ -151,6 +151,20 @@ def _print_summary(run) -> None:
               f"                        target.model_path, then: eagle3-console preflight YOUR.toml")
 
 
+def cmd_publish(args) -> int:
+    from pipeline.publish import PublishError, publish
+    from pipeline.rundir import RunDir, RunDirError
+
+    try:
+        out = publish(RunDir.open(Path(args.run_dir)), Path(args.out_dir), force=args.force)
+    except (RunDirError, PublishError) as exc:
+        return _die(str(exc))
+    except OSError as exc:
+        return _die(f"{args.out_dir}: cannot write it: {exc.strerror or exc}", EXIT_FAILED)
+    print(f"published {out}: serve with the --speculative-config in {out / 'README.md'}")
+    return 0
+
+
 def cmd_status(args) -> int:
     from pipeline import jobs
     from pipeline.rundir import RunDir, RunDirError
@@ -325,6 +339,11 @@ def build_parser() -> argparse.ArgumentParser:
     ne.add_argument("--format", choices=["md", "json"], default="md")
     ne.add_argument("-o", "--output")
     nt.set_defaults(func=cmd_notes)
+    pb = sub.add_parser("publish", help="the chosen head with its model card and evaluation, as vLLM loads it")
+    pb.add_argument("run_dir")
+    pb.add_argument("out_dir", help="a new or empty directory")
+    pb.add_argument("--force", action="store_true", help="publish a head whose run did not decide deploy")
+    pb.set_defaults(func=cmd_publish)
     sv = sub.add_parser("server", help="start, stop, adopt or inspect the vLLM server of a profile's port")
     ssub = sv.add_subparsers(dest="server_cmd", required=True)
     for name, text in (("start", "start vLLM in a mode (stops what serves the port first)"),

@@ -210,13 +210,13 @@ class StageContext:
     def draft_checkpoint(self) -> Path:
         """The head the run deploys: pick-checkpoint's choice (evaluate.checkpoints = "each"), else the last
         epoch's."""
-        if self.profile.evaluate.checkpoints == "each":
-            if not (picked := self.run.result(results.PickCheckpointResult).checkpoint):
-                raise StageError("pick-checkpoint has not finished: no checkpoint chosen in state.json")
-            return Path(picked)
-        if not (recorded := self.run.result(results.TrainResult).checkpoint):
-            raise StageError("train has not finished: no checkpoint recorded in state.json")
-        return Path(recorded)
+        from pipeline.publish import chosen_head
+
+        head, stage = chosen_head(self.run, self.profile)
+        if head is None:
+            raise StageError(f"{stage} has not finished: no checkpoint "
+                             f"{'chosen' if stage == 'pick-checkpoint' else 'recorded'} in state.json")
+        return head
 
 
 class Stage:
