@@ -79,7 +79,8 @@ def model_card(run: RunDir, profile: Profile, head: Path, target: Path, out: Pat
              f"Trained by eagle3-console (run `{run.root.name}`, profile `{profile.name}`) with speculators.",
              "", "**Decision: " + (decision.line if decision else "not measured") + "**"
              + (" — published with --force" if forced else ""), "",
-             "## Serve it", "", "```", f"vllm serve {shlex.quote(str(target))} --speculative-config {shlex.quote(spec)}", "```", "",
+             "## Serve it", "", "```",
+             f"vllm serve {shlex.quote(str(target))} --speculative-config {shlex.quote(spec)}", "```", "",
              "## Target", "", f"- `{target}` (config.json sha256 {revision})",
              "- versions: " + ", ".join(f"{k} {v}" for k, v in (state.get("versions") or {}).items()), "",
              "## Data", "", f"- sources: {sources}; held out {d.heldout}; sequence length {d.seq_length}",
