@@ -6,11 +6,11 @@ from collections import deque
 from textual import on
 from textual.app import ComposeResult
 from textual.binding import Binding
-from textual.widgets import Input, Log, Static, TabPane
+from textual.widgets import Input, Log, TabPane
 
 from console import views
 from console.messages import RunPolled
-from console.widgets import StageTable
+from console.widgets import QuietStatic, StageTable
 from pipeline.profile import Profile
 from pipeline.stages import STAGES
 
@@ -26,8 +26,7 @@ class RunTab(TabPane):
         self.log_buffer: deque[str] = deque(maxlen=10_000)  # every line, for a later filter
         self.log_filter = ""
         self.stages = StageTable(id="stages", stage_count=stage_count)
-        self.outcome = Static(id="outcome", markup=False)  # a run that has ended: its decision, what next
-        self._outcome: str | None = None
+        self.outcome = QuietStatic(id="outcome", markup=False)  # a run that has ended: its decision, what next
         self.filter = Input(placeholder="filter the log (Enter applies, empty = all)", id="filter")
         self.lines = Log(id="log", max_lines=10_000, auto_scroll=True)
 
@@ -52,9 +51,7 @@ class RunTab(TabPane):
         applies = {s.name: s.applies(self.profile) for s in STAGES}
         self.stages.show(views.live_stages(msg.view.stages, msg.job), applies)
         text = views.outcome(msg.view, msg.job)
-        if text != self._outcome:
-            self._outcome = text
-            self.outcome.update(text)
+        if self.outcome.show(text):
             self.outcome.set_class(bool(text), "visible")
 
     def action_filter(self) -> None:

@@ -6,11 +6,12 @@ from textual import on, work
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal
-from textual.widgets import Button, Static, TabPane
+from textual.widgets import Button, TabPane
 
 from console import commands, views
 from console.messages import PortHeldByRun, ServerActionDone
 from console.screens import ConfirmScreen, ModeScreen
+from console.widgets import QuietStatic
 from pipeline import gpu
 from pipeline.profile import Profile
 from pipeline.rundir import RunDir
@@ -27,8 +28,7 @@ class ServerTab(TabPane):
         self.note = note  # the notes tab's: a server command is written into the notes
         self.server: dict = {"state": "none"}
         self.snapshot: gpu.GpuSnapshot | None = None
-        self._text: str | None = None
-        self.info = Static(id="server-info", markup=False)  # argv, paths: "[" is not markup
+        self.info = QuietStatic(id="server-info", markup=False)  # argv, paths: "[" is not markup
 
     def compose(self) -> ComposeResult:
         yield self.info
@@ -39,10 +39,7 @@ class ServerTab(TabPane):
 
     def show(self, server: dict) -> None:
         self.server = server
-        text = views.server_text(server, self.profile)
-        if text != self._text:  # Static.update repaints even when nothing changed
-            self._text = text
-            self.info.update(text)
+        self.info.show(views.server_text(server, self.profile))
 
     def _gpus_of(self, pids: list[int]) -> str:
         if not self.snapshot or self.snapshot.unavailable:
