@@ -281,6 +281,10 @@ class ExtractSection(Section):
     """Split the rows over several extraction servers/machines: this one takes slice `rank` of
     `world_size` contiguous slices (speculators generate-offline-data's own split)."""
     rank: int = 0
+    enforce_eager: bool = False
+    """The extraction server without torch.compile and CUDA graphs (server.enforce_eager still applies to it):
+    it prefills only, one token out, where graphs buy little and their compile and capture lengthen its
+    start (123 s of a 0.8 B target's, H200; NOTES.md "A win on one GPU")."""
     mode: Literal["offline", "online", "auto"] = "offline"
     """offline: extract every state to disk, then train; online: the trainer asks the extraction server for
     each sample's states while it trains and deletes them after use (speculators --on-missing generate);

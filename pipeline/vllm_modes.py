@@ -101,6 +101,8 @@ def server_argv(profile: Profile, mode: str, target_dir: Path, *, layer_ids: lis
         argv += ["--speculative-config", json.dumps(spec), "--kv-transfer-config", json.dumps(kv),
                  *vllm_flags.EXTRACTION_FLAGS]
         argv += vllm_flags.render_endpoint_flags(profile.data.tokenize)
+        if profile.extract.enforce_eager and "--enforce-eager" not in argv:
+            argv.append("--enforce-eager")
     elif mode == "baseline":
         argv += vllm_flags.render_endpoint_flags(profile.data.tokenize)
     elif mode == "regenerate":  # the baseline that speculators' regenerate-responses asks by the target's path

@@ -60,6 +60,18 @@ def test_argv_follows_the_hardware_found():
     assert kv["kv_connector"] == ("ExampleHiddenStatesConnector" if gpu else "CpuHiddenStatesConnector")
 
 
+def test_extraction_server_eager_on_its_own():
+    """extract.enforce_eager makes the extraction server eager and no other; server.enforce_eager, all of them."""
+    t, hs = Path("/t"), Path("/hs")
+    p = profile(**{"server.enforce_eager": False, "extract.enforce_eager": True})
+    assert "--enforce-eager" in vllm_modes.server_argv(p, "extraction", t, layer_ids=[1, 2], storage=hs)
+    assert "--enforce-eager" not in vllm_modes.server_argv(p, "baseline", t)
+    both = profile(**{"server.enforce_eager": True, "extract.enforce_eager": True})
+    assert vllm_modes.server_argv(both, "extraction", t, layer_ids=[1, 2], storage=hs).count("--enforce-eager") == 1
+    off = profile(**{"server.enforce_eager": False})
+    assert "--enforce-eager" not in vllm_modes.server_argv(off, "extraction", t, layer_ids=[1, 2], storage=hs)
+
+
 def test_profile_values_stay_single_arguments():
     hostile = "x; rm -rf / #"
     p = profile(**{"server.served_model_name": hostile, "server.production_args": ["--tokenizer", hostile]})
