@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -23,20 +22,13 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
 def extract_copy(run_dir: Path, work: Path, backend: str):
+    """The extract stage again with `backend`, in a new run copied from the finished one (`run --copy-of`)."""
     from pipeline.rundir import RunDir
 
     copy = work / backend
-    shutil.copytree(run_dir, copy, symlinks=True,
-                    ignore=shutil.ignore_patterns("hidden_states", "hs_raw", "checkpoints", "deploy", "eval", "report"))
-    # A resumed run keeps its profile: the copy's resolved profile gets the backend under test.
-    import tomllib
-
-    from pipeline.profile import dump_toml
-    resolved = tomllib.loads((copy / "profile.toml").read_text())
-    resolved["extract"]["backend"] = backend
-    (copy / "profile.toml").write_text(dump_toml(resolved))
-    proc = subprocess.run([sys.executable, "-m", "pipeline", "run", "--resume", str(copy), "--no-tui",
-                           "--from", "extract", "--until", "extract"],
+    proc = subprocess.run([sys.executable, "-m", "pipeline", "run", "--copy-of", str(run_dir), "--run-dir", str(copy),
+                           "--from", "extract", "--until", "extract", "--no-tui",
+                           "--set", f'extract.backend="{backend}"'],
                           cwd=ROOT, capture_output=True, text=True, check=False)
     if proc.returncode != 0:
         sys.exit(f"{backend} extraction failed: {(proc.stderr.strip().splitlines() or ['no output'])[-1]}")

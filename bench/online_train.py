@@ -11,11 +11,9 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
 import subprocess
 import sys
 import tempfile
-import tomllib
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -23,29 +21,20 @@ sys.path.insert(0, str(ROOT))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
-def retrain_copy(src: Path, dest: Path, mode: str) -> Path:
-    """A copy of the run whose train stage (and only it) runs again in `mode`."""
-    from pipeline.profile import dump_toml
-
-    shutil.copytree(src, dest, symlinks=True)
-    shutil.rmtree(dest / "checkpoints", ignore_errors=True)
-    resolved = tomllib.loads((dest / "profile.toml").read_text())
-    resolved["extract"].update(backend="vllm", mode=mode, cache_gib=0.0)
-    (dest / "profile.toml").write_text(dump_toml(resolved))
-    if mode == "online":  # nothing extracted: every state is generated while training
-        for f in (dest / "data" / "prepared" / "hidden_states").glob("hs_*.safetensors"):
-            f.unlink()
-    return dest
-
-
-def train_once(run_dir: Path) -> dict:
+def train_once(src: Path, dest: Path, mode: str) -> dict:
+    """The train stage (and evaluate-offline) again in `mode`, in a new run copied from the finished one
+    (`run --copy-of`): offline from its states; online from extract on, which then extracts nothing
+    (extract.cache_gib = 0), so that every state is generated while the draft trains."""
     from pipeline.rundir import RunDir
 
-    proc = subprocess.run([sys.executable, "-m", "pipeline", "run", "--resume", str(run_dir), "--no-tui",
-                           "--from", "train", "--until", "evaluate-offline"], cwd=ROOT, capture_output=True, text=True)
+    sets = [f'extract.mode="{mode}"', 'extract.backend="vllm"', "extract.cache_gib=0.0"]
+    proc = subprocess.run([sys.executable, "-m", "pipeline", "run", "--copy-of", str(src), "--run-dir", str(dest),
+                           "--from", "train" if mode == "offline" else "extract", "--until", "evaluate-offline",
+                           "--no-tui", *(a for kv in sets for a in ("--set", kv))],
+                          cwd=ROOT, capture_output=True, text=True)
     if proc.returncode != 0:
-        sys.exit(f"train failed in {run_dir}: {proc.stderr.strip().splitlines()[-1]}")
-    run = RunDir.open(run_dir)
+        sys.exit(f"train failed in {dest}: {(proc.stderr.strip().splitlines() or ['no output'])[-1]}")
+    run = RunDir.open(dest)
     entry = run.stage_state("train")
     server = [e for e in run.events() if e["stage"] == "train" and e["kind"] == "server"]
     return {**entry["figures"], "stage_s": entry["seconds"], "train_s": entry.get("train_seconds"),
@@ -59,8 +48,8 @@ def main() -> None:
     args = parser.parse_args()
     states = sum(f.stat().st_size for f in (args.run_dir / "data" / "prepared" / "hidden_states").glob("hs_*"))
     with tempfile.TemporaryDirectory(prefix="online-bench-") as tmp:
-        offline = train_once(retrain_copy(args.run_dir, Path(tmp) / "offline", "offline"))
-        online = train_once(retrain_copy(args.run_dir, Path(tmp) / "online", "online"))
+        offline = train_once(args.run_dir, Path(tmp) / "offline", "offline")
+        online = train_once(args.run_dir, Path(tmp) / "online", "online")
     ratio = online["tokens_per_s"] / offline["tokens_per_s"] if offline.get("tokens_per_s") else None
     print(f"run: {args.run_dir}")
     print(f"{'':<34}{'offline':>14}{'online':>14}")

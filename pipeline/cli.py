@@ -38,11 +38,22 @@ def cmd_run(args) -> int:
         if args.resume:
             if args.profile:
                 return _die("give either PROFILE or --resume RUN_DIR, not both")
-            if args.set:
-                return _die(f"--set {args.set[0]}: a resumed run keeps the profile it was created with "
-                            f"({Path(args.resume) / 'profile.toml'}); start a new run to change it")
+            if args.set or args.copy_of:
+                what = f"--set {args.set[0]}" if args.set else f"--copy-of {args.copy_of}"
+                return _die(f"{what}: a resumed run keeps the profile and the files it was created with "
+                            f"({Path(args.resume) / 'profile.toml'}); start a new run to change it "
+                            f"(run --copy-of {args.resume} --from STAGE --set ...)")
             run = RunDir.open(Path(args.resume))
             profile = run.profile()
+        elif args.copy_of:
+            from pipeline.runcopy import copy_of
+            if not args.start:
+                return _die(f"--copy-of {args.copy_of}: say where the new run starts (--from STAGE)")
+            source = RunDir.open(Path(args.copy_of))
+            profile = load_profile(args.profile or source.profile_path, _overrides(args.set))
+            select(profile, args.start, args.until)
+            run, copied = copy_of(source.root, profile, args.start, Path(args.run_dir) if args.run_dir else None)
+            print(copied.line(source.root), flush=True)
         else:
             if not args.profile:
                 return _die("PROFILE is required (or --resume RUN_DIR)")
@@ -314,6 +325,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("profile", nargs="?", help="profile TOML file or name in profiles/")
     run.add_argument("--resume", metavar="RUN_DIR", help="finish an existing run")
     run.add_argument("--run-dir", help="where to create the run (default runs/<profile>-<UTC time>)")
+    run.add_argument("--copy-of", metavar="RUN_DIR",
+                     help="a new run starting from RUN_DIR's stages before --from (linked or copied); "
+                          "PROFILE defaults to RUN_DIR's, --set changes it")
     run.add_argument("--from", dest="start", metavar="STAGE", help=f"first stage ({', '.join(stage_names())})")
     run.add_argument("--until", metavar="STAGE", help="last stage")
     run.add_argument("--set", action="append", metavar="KEY=VALUE",

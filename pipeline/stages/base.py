@@ -237,6 +237,11 @@ class Stage:
     def outputs(self, ctx: StageContext) -> list[Path]:
         raise NotImplementedError
 
+    def fresh_paths(self, ctx: StageContext) -> list[Path]:
+        """What a fresh attempt starts without: its outputs, and the work a resumed attempt would continue
+        from (rows, states, checkpoints). A run copied from another (`--copy-of`) leaves these behind."""
+        return self.outputs(ctx)
+
     def run(self, ctx: StageContext) -> dict:
         raise NotImplementedError
 

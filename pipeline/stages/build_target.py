@@ -268,6 +268,9 @@ class BuildTarget(Stage):
             out.append(ctx.run.demo_conversations)
         return out
 
+    def fresh_paths(self, ctx: StageContext) -> list[Path]:
+        return [ctx.run.demo_conversations]  # the target lives in the shared cache, no run's to leave behind
+
     def run(self, ctx: StageContext) -> dict:
         figures: dict = {}
         if ctx.profile.target.source == "demo":

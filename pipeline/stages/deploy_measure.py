@@ -257,6 +257,9 @@ class DeployMeasure(Stage):
     def outputs(self, ctx: StageContext) -> list[Path]:
         return [ctx.run.online_result, ctx.run.draft_dir / "config.json"]
 
+    def fresh_paths(self, ctx: StageContext) -> list[Path]:
+        return [ctx.run.online_result, ctx.run.draft_dir]
+
     def server_argv(self, ctx: StageContext) -> list[str] | None:
         return argv_for(ctx, "baseline")  # the matrix starts with the baseline on the serving port
 

@@ -146,6 +146,9 @@ class Extract(Stage):
             return [ctx.run.online_cache_record]
         return [ctx.run.hidden_states_dir]
 
+    def fresh_paths(self, ctx: StageContext) -> list[Path]:
+        return [ctx.run.hidden_states_dir, ctx.run.hs_raw_dir]
+
     def server_argv(self, ctx: StageContext) -> list[str] | None:
         return argv_for(ctx, "extraction") if ctx.profile.extract.backend == "vllm" else None
 

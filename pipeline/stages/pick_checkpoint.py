@@ -63,6 +63,9 @@ class PickCheckpoint(Stage):
         from the file this attempt wrote, not from the state (whose figures are the last attempt's)."""
         return [ctx.run.checkpoints_result] + ([Path(chosen)] if (chosen := chosen_path(ctx.run)) else [])
 
+    def fresh_paths(self, ctx: StageContext) -> list[Path]:
+        return [ctx.run.checkpoints_result, ctx.run.checkpoint_drafts]
+
     def run(self, ctx: StageContext) -> dict:
         found = candidates(ctx.run.checkpoints_dir)
         if not found:

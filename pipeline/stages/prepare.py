@@ -33,6 +33,9 @@ class Prepare(Stage):
         return [ctx.run.prepared_dir / "dataset_info.json", ctx.run.prepared_dir / "state.json",
                 ctx.run.token_freq, ctx.run.heldout_prompts]
 
+    def fresh_paths(self, ctx: StageContext) -> list[Path]:
+        return [ctx.run.prepared_dir, ctx.run.heldout_prompts]
+
     def server_argv(self, ctx: StageContext) -> list[str] | None:
         if ctx.profile.data.tokenize != "render" or ctx.profile.data.regenerate:
             return None

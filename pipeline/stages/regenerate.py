@@ -35,6 +35,9 @@ class Regenerate(Stage):
     def outputs(self, ctx: StageContext) -> list[Path]:
         return [ctx.training_conversations()]
 
+    def fresh_paths(self, ctx: StageContext) -> list[Path]:
+        return [ctx.training_conversations(), ctx.run.regenerate_dir]
+
     def server_argv(self, ctx: StageContext) -> list[str] | None:
         return argv_for(ctx, "regenerate") if ctx.profile.data.regenerate_backend == "vllm" else None
 

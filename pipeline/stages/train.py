@@ -90,6 +90,9 @@ class Train(Stage):
         ckpt = final_checkpoint(ctx.run.checkpoints_dir)
         return [ckpt] if ckpt else [ctx.run.checkpoints_dir / "missing-final-epoch"]
 
+    def fresh_paths(self, ctx: StageContext) -> list[Path]:
+        return [ctx.run.checkpoints_dir]  # every epoch's: a resumed trainer continues from the last
+
     def server_argv(self, ctx: StageContext) -> list[str] | None:
         return argv_for(ctx, "extraction") if ctx.extract_mode() == "online" else None
 

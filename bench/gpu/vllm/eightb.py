@@ -3,7 +3,6 @@ pipeline's own stages and server controller. Each subcommand is one step the scr
 its result exists:
 
     build-target --out DIR --size 8b|tiny --dtype bfloat16|float32   # the random Llama target vLLM serves
-    clone SRC DST --from STAGE [--set KEY=VALUE ...]   # a run copy for `run --resume DST --from STAGE`
     prefill --run-dir RUN --out JSON                    # a baseline server; every prepared row, max_tokens 1
     compare --a RUN --b RUN --label TEXT --tol 0.02 --out JSON   # hidden-state files, per layer
     stop RUN ...                                        # whatever vLLM serves those runs' ports
@@ -152,51 +151,6 @@ def cmd_build_target(a) -> int:
     tmp.rename(out)
     print(f"target built at {out} on {device} in {rec['seconds']} s: {params / 1e9:.3g} B parameters, {a.dtype}, "
           f"{len(names)} file(s), {total / 1e9:.2f} GB; tokenizer {known} ids, model vocabulary {config.vocab_size}")
-    return 0
-
-
-# --------------------------------------------------------------------------- clone
-
-# Per-run outputs a stage writes again, caches and the run's own history: a clone starts them afresh
-CLONE_IGNORED = ("hidden_states", "hs_raw", "checkpoints", "deploy", "eval", "report", ".cache", "logs",
-                 "events.jsonl", "notes.jsonl", "gpu_timeline.jsonl", "job.json", "preflight.json",
-                 "server-handover.json", "notes.md")
-
-
-def cmd_clone(a) -> int:
-    """A copy of run SRC whose resolved profile gets the --set overrides (validated as a new run's would
-    be) and whose recorded stages from --from on are forgotten, for `run --resume DST --from STAGE`: a
-    resumed run refuses --set, and a fresh run directory lacks the earlier stages' records (the train
-    stage's checkpoint that deploy-measure serves)."""
-    from pipeline.atomicio import atomic_write_json, atomic_write_text
-    from pipeline.cli import _overrides
-    from pipeline.profile import dump_toml, load_profile
-    from pipeline.stages import stage_names
-
-    src, dst = Path(a.src).resolve(), Path(a.dst).resolve()
-    if (dst / "profile.toml").is_file():
-        print(f"clone {dst} exists: resumed as it is")
-        return 0
-    names = stage_names()
-    if a.start not in names:
-        sys.exit(f"--from {a.start!r}: not a stage ({', '.join(names)})")
-    try:
-        profile = load_profile(src / "profile.toml", _overrides(a.set))
-    except ValueError as exc:  # ProfileError: one line naming the key and value
-        sys.exit(f"clone {src} -> {dst}: {exc}")
-    tmp = dst.with_name(dst.name + ".cloning")
-    shutil.rmtree(tmp, ignore_errors=True)
-    shutil.copytree(src, tmp, symlinks=True, ignore=shutil.ignore_patterns(*CLONE_IGNORED))
-    (tmp / "logs").mkdir()
-    atomic_write_text(tmp / "profile.toml", dump_toml(profile.to_dict()))
-    state = json.loads((tmp / "state.json").read_text())
-    again = names[names.index(a.start):]
-    state["stages"] = {k: v for k, v in state.get("stages", {}).items() if k not in again}
-    state.pop("runner", None)
-    state["cloned_from"] = str(src)
-    atomic_write_json(tmp / "state.json", state)
-    tmp.rename(dst)
-    print(f"cloned {src.name} -> {dst} (stages from {a.start} on forgotten; set: {', '.join(a.set) or 'nothing'})")
     return 0
 
 
@@ -722,12 +676,6 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
     b.add_argument("--seed", type=int, default=0)
     b.set_defaults(func=cmd_build_target)
-    c = sub.add_parser("clone")
-    c.add_argument("src")
-    c.add_argument("dst")
-    c.add_argument("--from", dest="start", required=True)
-    c.add_argument("--set", action="append", default=[])
-    c.set_defaults(func=cmd_clone)
     p = sub.add_parser("prefill")
     p.add_argument("--run-dir", required=True)
     p.add_argument("--concurrency", type=int, default=0, help="default: the run's extract.concurrency")

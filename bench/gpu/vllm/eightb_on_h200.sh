@@ -103,6 +103,13 @@ step() {
   return "$rc"
 }
 pipe() { local name=$1 need=$2 limit=$3; shift 3; step "$name" "$need" "$limit" "$PY" -m pipeline "$@"; }
+# copied NAME NEED LIMIT SRC DST STAGE UNTIL [--set …]: a new run from SRC's stages before STAGE with the
+# settings given (`run --copy-of`), or, once it exists, that run resumed (a step cut by its budget)
+copied() {
+  local name=$1 need=$2 limit=$3 src=$4 dst=$5 from=$6 until=$7; shift 7
+  if [ -f "$dst/profile.toml" ]; then pipe "$name" "$need" "$limit" run --resume "$dst" --no-tui --from "$from" --until "$until"
+  else pipe "$name" "$need" "$limit" run --copy-of "$src" --run-dir "$dst" --from "$from" --until "$until" --no-tui "$@"; fi
+}
 status() {  # status RUN STAGE: the stage's recorded status, "none" without one
   "$PY" - "$1" "$2" <<'PY' 2>/dev/null || echo none
 import json, sys
@@ -137,9 +144,8 @@ phase_one() {
   fi
   # 3. the transformers backend on the same prepared rows: a copy of the run, extract stage only
   if want tf && ! is_done "$TF" extract && is_done "$MAIN" prepare; then
-    "$PY" "$EB" clone "$MAIN" "$TF" --from extract --set 'extract.backend="transformers"' \
-      --set "target.dtype=\"$TF_DTYPE\"" --set 'server.port=8792' \
-      && pipe tf 60 300 run --resume "$TF" --no-tui --from extract --until extract
+    copied tf 60 300 "$MAIN" "$TF" extract extract --set 'extract.backend="transformers"' \
+      --set "target.dtype=\"$TF_DTYPE\"" --set 'server.port=8792'
   fi
   # 4. the two backends' states, file by file
   if want compare && [ ! -f "$WORK/a-compare-tf.json" ] && is_done "$MAIN" extract && is_done "$TF" extract; then
@@ -172,8 +178,8 @@ phase_two() {
   # 4. extraction at TP 2 on a copy of phase one's run, then its files against phase one's TP 1 files (at most
   #    300 s: a TP 2 connector that never reports a request finished would otherwise hold the call)
   if want tp2-extract && ! is_done "$TP2X" extract; then
-    "$PY" "$EB" clone "$MAIN" "$TP2X" --from extract --set "server.tensor_parallel_size=$TP" --set 'server.port=8793' \
-      && pipe tp2-extract 150 300 run --resume "$TP2X" --no-tui --from extract --until extract
+    copied tp2-extract 150 300 "$MAIN" "$TP2X" extract extract --set "server.tensor_parallel_size=$TP" \
+      --set 'server.port=8793'
   fi
   if want tp2-extract && [ ! -f "$WORK/b-compare-tp2.json" ] && is_done "$TP2X" extract; then
     step compare-tp2 30 200 "$PY" "$EB" compare --a "$MAIN" --b "$TP2X" --label "TP $TP (b-tp2-extract) vs TP 1 (a-main)" \
@@ -181,9 +187,8 @@ phase_two() {
   fi
   # 5. serving at TP 2: phase one's head, baseline and eagle3 at c = 1, 8
   if want tp2-serve && [ ! -f "$TP2S/eval/online.json" ] && is_done "$MAIN" train; then
-    "$PY" "$EB" clone "$MAIN" "$TP2S" --from deploy-measure --set "server.tensor_parallel_size=$TP" \
-      --set 'evaluate.methods=["baseline", "eagle3"]' --set 'evaluate.concurrency=[1, 8]' --set 'server.port=8794' \
-      && pipe tp2-serve 240 540 run --resume "$TP2S" --no-tui --from deploy-measure --until deploy-measure
+    copied tp2-serve 240 540 "$MAIN" "$TP2S" deploy-measure deploy-measure --set "server.tensor_parallel_size=$TP" \
+      --set 'evaluate.methods=["baseline", "eagle3"]' --set 'evaluate.concurrency=[1, 8]' --set 'server.port=8794'
   fi
   # 6. online training: the extraction server on GPU 0 generates every state while the trainer on GPU 1 trains
   if want online && [ ! -f "$ONL/eval/offline.json" ] && is_done "$MAIN" train; then
@@ -192,10 +197,14 @@ phase_two() {
     # transformers target, device_map "auto") sees GPU 0 only, so the target is not spread over both GPUs
     [ "$DRY" = 1 ] || { split=(--set 'server.cuda_visible_devices="0"' --set 'train.cuda_visible_devices="1"')
                         gpu0=(env CUDA_VISIBLE_DEVICES=0); }
-    "$PY" "$EB" clone "$MAIN" "$ONL" --from train --set 'extract.mode="online"' --set 'extract.cache_gib=0' \
-      --set 'train.epochs=1' --set 'server.port=8795' "${split[@]}" \
-      && step online 200 540 "${gpu0[@]}" "$PY" -m pipeline run --resume "$ONL" --no-tui --from train \
-           --until evaluate-offline
+    # from extract on: online with nothing cached extracts nothing, every state is generated while training
+    if [ -f "$ONL/profile.toml" ]; then
+      step online 200 540 "${gpu0[@]}" "$PY" -m pipeline run --resume "$ONL" --no-tui --from extract --until evaluate-offline
+    else
+      step online 200 540 "${gpu0[@]}" "$PY" -m pipeline run --copy-of "$MAIN" --run-dir "$ONL" --from extract \
+        --until evaluate-offline --no-tui --set 'extract.mode="online"' --set 'extract.cache_gib=0' \
+        --set 'train.epochs=1' --set 'server.port=8795' "${split[@]}"
+    fi
   fi
 }
 
