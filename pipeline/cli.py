@@ -162,6 +162,38 @@ def _print_summary(run) -> None:
               f"                        target.model_path, then: eagle3-console preflight YOUR.toml")
 
 
+def cmd_exporter(args) -> int:
+    import signal
+    import threading
+
+    from pipeline import exporter
+    from pipeline.rundir import RunDir, RunDirError
+
+    try:
+        runs = [RunDir.open(Path(p)).root for p in args.run_dirs]
+    except RunDirError as exc:
+        return _die(str(exc))
+    if args.runs_dir and not Path(args.runs_dir).is_dir():
+        return _die(f"--runs-dir {args.runs_dir}: not a directory")
+    if not 0 <= args.port <= 65535:
+        return _die(f"--port {args.port}: not a port (0-65535; 0 picks a free one)")
+    try:
+        httpd, _ = exporter.serve(exporter.registry(runs, Path(args.runs_dir) if args.runs_dir else None),
+                                  args.host, args.port)
+    except (OSError, ValueError) as exc:  # in use, an address this host does not have
+        return _die(f"exporter on {args.host}:{args.port}: {getattr(exc, 'strerror', None) or exc}")
+    watched = [str(r) for r in runs] + ([f"every run under {Path(args.runs_dir).resolve()}"] if args.runs_dir else [])
+    print(f"metrics on http://{args.host}:{httpd.server_port}/metrics: {', '.join(watched) or 'the GPUs only'}"
+          + ("" if args.host in ("127.0.0.1", "localhost", "::1") else
+             f" (on {args.host}: anyone who reaches it reads the runs' paths and figures)"), flush=True)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, lambda *_: stop.set())
+    stop.wait()
+    httpd.shutdown()
+    return 0
+
+
 def cmd_publish(args) -> int:
     from pipeline.publish import PublishError, publish
     from pipeline.rundir import RunDir, RunDirError
@@ -358,6 +390,12 @@ def build_parser() -> argparse.ArgumentParser:
     pb.add_argument("out_dir", help="a new or empty directory")
     pb.add_argument("--force", action="store_true", help="publish a head whose run did not decide deploy")
     pb.set_defaults(func=cmd_publish)
+    ex = sub.add_parser("exporter", help="runs and GPUs as Prometheus metrics (docs/grafana-eagle3.json)")
+    ex.add_argument("run_dirs", nargs="*", metavar="RUN_DIR")
+    ex.add_argument("--runs-dir", help="also every run under this directory, as they appear")
+    ex.add_argument("--port", type=int, default=9401, help="default 9401; 0 picks a free one")
+    ex.add_argument("--host", default="127.0.0.1", help="the address to bind (default 127.0.0.1: this host only)")
+    ex.set_defaults(func=cmd_exporter)
     sv = sub.add_parser("server", help="start, stop, adopt or inspect the vLLM server of a profile's port")
     ssub = sv.add_subparsers(dest="server_cmd", required=True)
     for name, text in (("start", "start vLLM in a mode (stops what serves the port first)"),
