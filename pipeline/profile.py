@@ -349,6 +349,8 @@ class TrainSection(Section):
     """> 1: multi-node torchrun through a c10d rendezvous at rdzv_endpoint."""
     node_rank: int = 0
     rdzv_endpoint: str = ""
+    rdzv_id: str = ""
+    """The job's name at the rendezvous, the same on every node ("" = the profile's name)."""
     """host:port of node 0, reachable from every node."""
     num_workers: int = 0
     seed: int = 42
@@ -363,6 +365,12 @@ class TrainSection(Section):
     """speculators' own metric loggers (--logger), beside the run's console and report; they write under
     RUN/logs/trackers, the run's name their run name. Projects, servers and keys come from each one's own
     environment (WANDB_PROJECT, WANDB_API_KEY, MLFLOW_TRACKING_URI, …), never from a profile."""
+
+    @property
+    def first_node(self) -> bool:
+        """Node 0 of a multi-node job (or the only node): it keeps the checkpoints, measures and hands over;
+        another node's run ends with its share of the training."""
+        return self.node_rank == 0
 
     @model_validator(mode="after")
     def _rules(self) -> TrainSection:

@@ -66,6 +66,8 @@ class RunDir:
     def checkpoints_dir(self) -> Path: return self.root / "checkpoints"
     @property
     def eval_dir(self) -> Path: return self.root / "eval"
+    @property
+    def node_record(self) -> Path: return self.root / "train-node.json"  # another node's share of a training job
 
     @property
     def cache_root(self) -> Path: return self.root / ".cache"  # HF, vLLM, inductor, triton caches of this run

@@ -6,7 +6,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 TOP = ("console", "pipeline.cli", "pipeline.__main__")
-RUNNER = ("pipeline.runner", "pipeline.jobs", "pipeline.runview", "pipeline.runcopy")
+RUNNER = ("pipeline.runner", "pipeline.jobs", "pipeline.runview", "pipeline.runcopy", "pipeline.exporter")
 STAGES = ("pipeline.stages",)
 BOTTOM = ("pipeline.compat", "pipeline.rundir", "pipeline.profile", "pipeline.atomicio", "pipeline.results",
           "pipeline.decision")

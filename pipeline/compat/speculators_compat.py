@@ -51,6 +51,12 @@ METRICS_LOGGER = "speculators.metrics"
 METRICS_FILTERS = ("speculators.train.logger", ("IsMappingFilter", "IsRank0Filter", "_flatten_dict"))
 METRICS_MARK = "@eagle3-console:metrics "
 ALWAYS_ADAPTED.append(METRICS_SETUP)
+# Always, under torchrun across nodes: speculators 0.9.0 saves checkpoints on rank 0 only (checkpointer.py)
+# and every rank resumes from the newest numbered directory of its own --save-path; a node without node 0's
+# disk would start at epoch 0 while node 0 resumes, and the job would fall apart. After the process group is
+# up, rank 0 sends the checkpoint it resumes from to every node whose save path lacks it.
+NODE_SYNC = ("speculators.train.cli", "maybe_setup_distributed")
+ALWAYS_ADAPTED.append(NODE_SYNC)
 # With an accelerator: the fused loss kernels whose shared autotuner lists are split.
 FUSED_KERNELS = ("speculators.losses.fused", ("loss_forward_kernel", "loss_backward_kernel"))
 
@@ -287,11 +293,92 @@ def _number(value):
     return float(value.item()) if hasattr(value, "item") else str(value)
 
 
+def resume_point(save: Path) -> int | None:
+    """The epoch speculators' checkpointer resumes from in `save` (its newest numbered directory), None
+    for a fresh start."""
+    if not save.is_dir():
+        return None
+    epochs = [int(d.name) for d in save.iterdir() if d.is_dir() and not d.is_symlink() and d.name.isdigit()]
+    return max(epochs, default=None)
+
+
+def share_checkpoint_across_nodes() -> list[str]:
+    """Wrap speculators' distributed setup (whichever runs: gloo on a CPU, its own on an accelerator) so that,
+    once the process group is up, every node resumes from the epoch rank 0 resumes from."""
+    import importlib
+
+    module, name = NODE_SYNC
+    cli: Any = importlib.import_module(module)
+    original = getattr(cli, name, None)
+    if original is None:
+        raise RuntimeError(f"speculators changed: {module}.{name} no longer exists; "
+                           f"pipeline/compat/speculators_compat.py must be updated")
+
+    def setup(*args, **kwargs):  # after adapt(): on a CPU, original is the gloo setup
+        result = original(*args, **kwargs)
+        save = _flag_value("--save-path")
+        if save:
+            _sync_resume_point(Path(save))
+        return result
+
+    cli.maybe_setup_distributed = setup
+    return [f"{module}.{name}"]
+
+
+def _flag_value(flag: str) -> str | None:
+    argv = sys.argv
+    return argv[argv.index(flag) + 1] if flag in argv and argv.index(flag) + 1 < len(argv) else None
+
+
+def _sync_resume_point(save: Path) -> None:
+    import os
+    import shutil
+
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_world_size() < 2:
+        return
+    rank, local = dist.get_rank(), int(os.environ.get("LOCAL_RANK", "0"))
+    points: list = [None] * dist.get_world_size()
+    dist.all_gather_object(points, resume_point(save))
+    want = points[0]
+    if all(p == want for p in points):
+        return
+    needs = resume_point(save) != want and local == 0  # one writer per node (its ranks share the path)
+    if needs:  # a checkpoint of this node's own that node 0 does not resume from: kept aside, not used
+        for d in [d for d in save.iterdir() if d.name.isdigit()] if save.is_dir() else []:
+            d.rename(save / f"not-node-0-{d.name}")
+    if want is None:
+        dist.barrier()
+        return
+    listing = [sorted(str(f.relative_to(save / str(want))) for f in (save / str(want)).rglob("*") if f.is_file())
+               if rank == 0 else None]
+    dist.broadcast_object_list(listing, src=0)
+    files: list[str] = listing[0] or []
+    part = save / f".from-node-0-{want}"
+    if needs:
+        shutil.rmtree(part, ignore_errors=True)
+    size = 0
+    for rel in files:
+        blob: list = [(save / str(want) / rel).read_bytes() if rank == 0 else None]
+        dist.broadcast_object_list(blob, src=0)
+        if needs:
+            (part / rel).parent.mkdir(parents=True, exist_ok=True)
+            (part / rel).write_bytes(blob[0])
+            size += len(blob[0])
+    if needs:
+        part.rename(save / str(want))
+        print(f"[eagle3-console] resuming from node 0's epoch {want}: received {len(files)} files "
+              f"({size / 2**20:.1f} MiB) into {save / str(want)}", file=sys.stderr, flush=True)
+    dist.barrier()
+
+
 def main(argv: list[str] | None = None) -> None:
     tokenizer_when_no_processor()
     forward_metric_records()
     keep_sub_epoch_checkpoints()
     adapted = adapt()
+    share_checkpoint_across_nodes()
     if adapted:
         print(f"[eagle3-console] no accelerator: adapted {', '.join(adapted)} for CPU", file=sys.stderr,
               flush=True)

@@ -249,7 +249,7 @@ class DeployMeasure(Stage):
     name = "deploy-measure"
 
     def applies(self, profile) -> bool:
-        return profile.evaluate.online
+        return profile.train.first_node and profile.evaluate.online
 
     def inputs(self, ctx: StageContext) -> list[Path]:
         return [ctx.run.heldout_prompts]

@@ -24,6 +24,8 @@ class EvaluateOffline(Stage):
         from pipeline.plan import offline_evaluation
         from pipeline.targetinfo import TargetInfoError, target_info
 
+        if not profile.train.first_node:  # the head is node 0's
+            return False
         try:
             return offline_evaluation(profile, target_info(profile))[0]
         except TargetInfoError:

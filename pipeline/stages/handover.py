@@ -23,7 +23,8 @@ class Handover(Stage):
     name = "handover"
 
     def applies(self, profile) -> bool:
-        return profile.evaluate.online or profile.extract.backend == "vllm" or profile.server.after_run != "stop"
+        return profile.train.first_node and (profile.evaluate.online or profile.extract.backend == "vllm"
+                                             or profile.server.after_run != "stop")
 
     def outputs(self, ctx: StageContext) -> list[Path]:
         return [ctx.run.handover_record]

@@ -54,7 +54,7 @@ class MeasureProduction(Stage):
     name = "measure-production"
 
     def applies(self, profile) -> bool:
-        return profile.evaluate.production_before_after
+        return profile.train.first_node and profile.evaluate.production_before_after
 
     def outputs(self, ctx: StageContext) -> list[Path]:
         return [ctx.run.production_before]

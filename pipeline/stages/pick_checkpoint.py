@@ -53,7 +53,7 @@ class PickCheckpoint(Stage):
     name = "pick-checkpoint"
 
     def applies(self, profile) -> bool:
-        return profile.evaluate.checkpoints == "each"
+        return profile.train.first_node and profile.evaluate.checkpoints == "each"
 
     def inputs(self, ctx: StageContext) -> list[Path]:
         return [ctx.run.heldout_prompts]

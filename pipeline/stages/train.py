@@ -10,9 +10,9 @@ import sys
 import time
 from pathlib import Path
 
-from pipeline import mooncake, online_training, procs
+from pipeline import atomicio, mooncake, online_training, procs
 from pipeline.checkpoints import final_checkpoint, kept_sub_epoch, quarantine_incomplete
-from pipeline.compat import speculators_compat
+from pipeline.compat import speculators_compat, torch_distributed_errors
 from pipeline.server import explain_failure
 from pipeline.stages.base import Stage, StageContext, StageError, argv_for
 from pipeline.target import resolve_layer_ids
@@ -67,15 +67,17 @@ def build_command(ctx: StageContext, *, python: str = sys.executable, endpoint: 
     # accelerator assumptions and gloo; on a GPU the fused loss's shared autotuner lists).
     launch = ["-m", "pipeline.compat.speculators_compat", "train", *flags]
     if t.nproc_per_node * t.nnodes > 1:
-        return [python, "-m", "torch.distributed.run", *torchrun_args(t, ctx.run.root.name), *launch]
+        return [python, "-m", "torch.distributed.run", *torchrun_args(t, p.name), *launch]
     return [python, *launch]
 
 
-def torchrun_args(t, run_name: str) -> list[str]:
+def torchrun_args(t, job: str) -> list[str]:
+    """job: the rendezvous id every node gives (train.rdzv_id, else the profile's name: each node's run
+    directory has a name of its own)."""
     if t.nnodes == 1:
         return ["--standalone", f"--nproc-per-node={t.nproc_per_node}"]
     return [f"--nnodes={t.nnodes}", f"--node-rank={t.node_rank}", f"--nproc-per-node={t.nproc_per_node}",
-            "--rdzv-backend=c10d", f"--rdzv-endpoint={t.rdzv_endpoint}", f"--rdzv-id={run_name}"]
+            "--rdzv-backend=c10d", f"--rdzv-endpoint={t.rdzv_endpoint}", f"--rdzv-id={t.rdzv_id or job}"]
 
 
 class Train(Stage):
@@ -87,6 +89,8 @@ class Train(Stage):
                 *states]
 
     def outputs(self, ctx: StageContext) -> list[Path]:
+        if not ctx.profile.train.first_node:  # node 0's trainer (rank 0) writes the job's checkpoints
+            return [ctx.run.node_record]
         ckpt = final_checkpoint(ctx.run.checkpoints_dir)
         return [ckpt] if ckpt else [ctx.run.checkpoints_dir / "missing-final-epoch"]
 
@@ -161,12 +165,24 @@ class Train(Stage):
         env.pop(speculators_compat.KEEP_ENV, None)  # only this profile's setting turns it on, not the shell's
         if ctx.profile.evaluate.checkpoints == "each" and ctx.profile.train.checkpoint_freq < 1:
             env[speculators_compat.KEEP_ENV] = "1"  # each sub-epoch checkpoint copied to kept/ as it is saved
+        log = ctx.run.log_path(self.name)
+        this_attempt = log.stat().st_size if log.exists() else 0  # the log keeps every attempt's lines
         rc = ctx.run_child(cmd, env=env, on_line=on_line)
         ctx.run.update_stage(self.name, train_seconds=round(time.monotonic() - t0, 2))
         if rc != 0:
             failure = (f"speculators train exited with {rc}; see {ctx.run.log_path(self.name)}: "
                        f"{procs.last_error_line(ctx.run.log_path(self.name))}")
+            t = ctx.profile.train
+            if t.nnodes > 1 and (why := torch_distributed_errors.node_lost(procs.read_log(log, this_attempt) or "")):
+                raise StageError(f"the training job across {t.nnodes} nodes lost a node ({why}); resume every "
+                                 f"node's run (node 0 hands its last checkpoint to the others)")
             raise StageError(explain_failure(server, failure) if server else failure)
+        t = ctx.profile.train
+        if not t.first_node:
+            figures = {"node_rank": t.node_rank, "nnodes": t.nnodes, "rdzv_endpoint": t.rdzv_endpoint,
+                       "epochs": epochs, "checkpoints": "on node 0"}
+            atomicio.atomic_write_json(ctx.run.node_record, figures)
+            return figures
         ckpt = final_checkpoint(save)
         if ckpt is None or int(ckpt.name) != epochs - 1:
             raise StageError(f"speculators train exited 0 but the last complete epoch is "
