@@ -129,7 +129,7 @@ class ConsoleApp(App):
         server = dict(snap.server)
         if "uptime_s" in server:  # shown to 10 s, as the stages' elapsed: a finer figure repaints every tick
             server["uptime_s"] = server["uptime_s"] // 10 * 10
-        job = {"state": snap.state, "pid": snap.pid, "roles": snap.roles}
+        job = {"state": snap.state, "pid": snap.pid, "roles": snap.roles, "peers": [p.line() for p in snap.peers]}
         return RunPolled(view, lines, name, server, job)
 
     # ---- rendering: each message handed to the tabs that show it

@@ -228,6 +228,8 @@ def cmd_status(args) -> int:
         extra = r.error or ", ".join(f"{k}={v}" for k, v in r.figures.items()
                                      if isinstance(v, (int, float)) and not isinstance(v, bool))
         print(f"  {r.name:<17} {r.status:<11} {secs}  {extra}")
+    for peer in snap.peers:
+        print(peer.line())
     return 0
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import psutil
 
 from pipeline import atomicio
-from pipeline.results import RunSnapshot, StageStatus
+from pipeline.results import Peer, RunSnapshot, StageStatus
 from pipeline.rundir import RunDir
 
 
@@ -95,7 +95,7 @@ def process_roles(run: RunDir, server: dict) -> dict[int, str]:
     return roles
 
 
-def snapshot(run: RunDir, stages: bool = True) -> RunSnapshot:
+def snapshot(run: RunDir, stages: bool = True, peers: bool = True) -> RunSnapshot:
     """`stages` = False: no stage rows (the console, polling every second, has each stage's progress from
     the events and leaves out the output checks a row's "stale" needs)."""
     from pipeline import box
@@ -111,5 +111,9 @@ def snapshot(run: RunDir, stages: bool = True) -> RunSnapshot:
                                 entry.get("seconds"), entry.get("attempts"), entry.get("figures", {}),
                                 entry.get("error"), entry.get("gpu")))
     server = box.controller(profile).status()
+    others: tuple[Peer, ...] = ()
+    if peers and profile.train.node_exporters:
+        from pipeline import peers as peer_nodes
+        others = peer_nodes.read_all(list(profile.train.node_exporters))
     return RunSnapshot(str(run.root), profile.name, job["state"], job["pid"], tuple(rows), server,
-                       process_roles(run, server))
+                       process_roles(run, server), others)

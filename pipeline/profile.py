@@ -346,11 +346,14 @@ class TrainSection(Section):
     fsdp: bool = False
     """Shard the draft with FSDP2 (speculators --fsdp-shard) instead of DDP."""
     nnodes: Positive = 1
-    """> 1: multi-node torchrun through a c10d rendezvous at rdzv_endpoint."""
+    """> 1: multi-node torchrun, a static rendezvous at rdzv_endpoint (node 0's host:port; node_rank kept)."""
     node_rank: int = 0
     rdzv_endpoint: str = ""
     rdzv_id: str = ""
     """The job's name at the rendezvous, the same on every node ("" = the profile's name)."""
+    node_exporters: list[str] = Field(default_factory=list)
+    """The other nodes' `eagle3-console exporter` URLs (http://HOST:PORT/metrics): node 0's status and
+    console show their runs' stages, progress and ETA."""
     """host:port of node 0, reachable from every node."""
     num_workers: int = 0
     seed: int = 42
@@ -374,6 +377,9 @@ class TrainSection(Section):
 
     @model_validator(mode="after")
     def _rules(self) -> TrainSection:
+        for url in self.node_exporters:
+            if not url.startswith(("http://", "https://")):
+                raise rule("train.node_exporters", url, "must be an exporter's URL, http://HOST:PORT/metrics")
         if self.checkpoint_freq > 1 and not float(self.checkpoint_freq).is_integer():
             raise rule("train.checkpoint_freq", self.checkpoint_freq, "above 1 must be a whole number of epochs")
         if self.checkpoint_freq > 1 and self.epochs % int(self.checkpoint_freq):

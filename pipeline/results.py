@@ -136,6 +136,30 @@ class StageStatus:
 
 
 @dataclass(frozen=True)
+class Peer:
+    """Another node's run as its exporter serves it (train.node_exporters): what node 0 shows of it."""
+    url: str
+    run: str | None = None
+    host: str | None = None
+    state: str | None = None
+    stage: str | None = None  # the one running, else the last that ran
+    status: str | None = None
+    progress: float | None = None
+    eta_s: float | None = None
+    error: str | None = None  # unreachable, or not an exporter
+
+    def line(self) -> str:
+        if self.error:
+            return f"node {self.url}: {self.error}"
+        where = f"{self.run} on {self.host}"
+        if not self.stage:
+            return f"node {where}: {self.state}"
+        pct = f" {self.progress:.0%}" if self.progress is not None and self.status == "running" else ""
+        eta = f" ETA {int(self.eta_s // 60)}:{int(self.eta_s % 60):02d}" if self.eta_s is not None else ""
+        return f"node {where}: {self.state}; {self.stage} {self.status}{pct}{eta}"
+
+
+@dataclass(frozen=True)
 class RunSnapshot:
     """A run as it stands, read in one place for whoever shows it (`status`, `status --json`, the console,
     the report):
@@ -148,9 +172,11 @@ class RunSnapshot:
     stages: tuple[StageStatus, ...]
     server: dict
     roles: dict[int, str]
+    peers: tuple[Peer, ...] = ()  # the job's other nodes (train.node_exporters)
 
     def as_json(self) -> dict:
         return {"run": self.root, "profile": self.profile, "state": self.state, "pid": self.pid,
                 "stages": [{"stage": s.name, **{k: v for k, v in asdict(s).items() if k != "name"}}
                            for s in self.stages], "server": self.server,
-                "roles": {str(pid): role for pid, role in self.roles.items()}}
+                "roles": {str(pid): role for pid, role in self.roles.items()},
+                "peers": [asdict(p) for p in self.peers]}

@@ -255,7 +255,7 @@ def test_distributed_settings_that_cannot_work_are_refused(overrides, key):
 def test_distributed_train_settings_are_launched():
     t = load_profile(TINY, {"train.nnodes": 2, "train.node_rank": 1, "train.nproc_per_node": 8,
                             "train.rdzv_endpoint": "10.0.0.1:29500"}).train
-    assert torchrun_args(t, "run-x") == ["--nnodes=2", "--node-rank=1", "--nproc-per-node=8", "--rdzv-backend=c10d",
+    assert torchrun_args(t, "run-x") == ["--nnodes=2", "--node-rank=1", "--nproc-per-node=8", "--rdzv-backend=static",
                                          "--rdzv-endpoint=10.0.0.1:29500", "--rdzv-id=run-x"]
 
 

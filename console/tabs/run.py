@@ -27,11 +27,13 @@ class RunTab(TabPane):
         self.log_filter = ""
         self.stages = StageTable(id="stages", stage_count=stage_count)
         self.outcome = QuietStatic(id="outcome", markup=False)  # a run that has ended: its decision, what next
+        self.nodes = QuietStatic(id="nodes", markup=False)  # a multi-node job's other nodes (train.node_exporters)
         self.filter = Input(placeholder="filter the log (Enter applies, empty = all)", id="filter")
         self.lines = Log(id="log", max_lines=10_000, auto_scroll=True)
 
     def compose(self) -> ComposeResult:
         yield self.stages
+        yield self.nodes
         yield self.outcome
         yield self.filter
         yield self.lines
@@ -53,6 +55,9 @@ class RunTab(TabPane):
         text = views.outcome(msg.view, msg.job)
         if self.outcome.show(text):
             self.outcome.set_class(bool(text), "visible")
+        nodes = "\n".join(msg.job.get("peers", []))
+        if self.nodes.show(nodes):
+            self.nodes.set_class(bool(nodes), "visible")
 
     def action_filter(self) -> None:
         self.filter.add_class("visible")

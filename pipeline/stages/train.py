@@ -72,12 +72,14 @@ def build_command(ctx: StageContext, *, python: str = sys.executable, endpoint: 
 
 
 def torchrun_args(t, job: str) -> list[str]:
-    """job: the rendezvous id every node gives (train.rdzv_id, else the profile's name: each node's run
-    directory has a name of its own)."""
+    """A static rendezvous at node 0's endpoint: the only one that keeps --node-rank (c10d ranks nodes in the
+    order they join, so node 1 could become rank 0 and write the job's checkpoints into its own run; seen
+    on two nodes of one machine, 2026-12-02). job: the id every node gives (train.rdzv_id, else the
+    profile's name: each node's run directory has a name of its own)."""
     if t.nnodes == 1:
         return ["--standalone", f"--nproc-per-node={t.nproc_per_node}"]
     return [f"--nnodes={t.nnodes}", f"--node-rank={t.node_rank}", f"--nproc-per-node={t.nproc_per_node}",
-            "--rdzv-backend=c10d", f"--rdzv-endpoint={t.rdzv_endpoint}", f"--rdzv-id={t.rdzv_id or job}"]
+            "--rdzv-backend=static", f"--rdzv-endpoint={t.rdzv_endpoint}", f"--rdzv-id={t.rdzv_id or job}"]
 
 
 class Train(Stage):
