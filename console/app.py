@@ -41,6 +41,8 @@ def routed(tab) -> list[Binding]:
     return [dataclasses.replace(b, action=f"on_tab('{TAB_IDS[tab]}', '{b.action}')") for b in tab.KEYS]
 
 
+PEERS_EVERY_S = 5.0
+
 class ConsoleApp(App):
     TITLE = "eagle3-console"
     CSS_PATH = "app.tcss"
@@ -69,6 +71,8 @@ class ConsoleApp(App):
         self.log_name: str | None = None  # the stage whose log is shown (the feed thread's; the run tab's own)
         self.paused = False
         self.polled: RunPolled | None = None
+        self._peers: list[str] = []  # the job's other nodes (train.node_exporters), read every PEERS_EVERY_S
+        self._peers_read = -PEERS_EVERY_S
         self.snapshot: gpu.GpuSnapshot | None = None
 
     # ---- layout: the tabs build themselves
@@ -125,11 +129,14 @@ class ConsoleApp(App):
         if name and name != self.tailer_name:
             self.tailer, self.tailer_name = LogTailer(self.rundir.log_path(name)), name
         lines = self.tailer.new_lines() if self.tailer else []
-        snap = jobs.snapshot(self.rundir, stages=False)
+        snap = jobs.snapshot(self.rundir, stages=False, peers=False)
+        if time.monotonic() - self._peers_read > PEERS_EVERY_S:  # other nodes: HTTP, at most this often
+            self._peers_read = time.monotonic()
+            self._peers = [p.line() for p in jobs.other_nodes(self.profile)]
         server = dict(snap.server)
         if "uptime_s" in server:  # shown to 10 s, as the stages' elapsed: a finer figure repaints every tick
             server["uptime_s"] = server["uptime_s"] // 10 * 10
-        job = {"state": snap.state, "pid": snap.pid, "roles": snap.roles, "peers": [p.line() for p in snap.peers]}
+        job = {"state": snap.state, "pid": snap.pid, "roles": snap.roles, "peers": self._peers}
         return RunPolled(view, lines, name, server, job)
 
     # ---- rendering: each message handed to the tabs that show it

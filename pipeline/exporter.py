@@ -43,7 +43,8 @@ class RunsCollector(Collector):
     def _runs(self) -> list[Path]:
         found = list(self.run_dirs)
         if self.runs_dir and self.runs_dir.is_dir():
-            found += sorted(p.parent for p in self.runs_dir.glob("*/profile.toml") if p.parent not in found)
+            found += sorted(p.parent for p in self.runs_dir.glob("*/profile.toml")
+                            if p.parent not in found and not p.parent.name.endswith(".copying"))
         return found
 
     def collect(self) -> Iterator[Metric]:
@@ -52,7 +53,7 @@ class RunsCollector(Collector):
             try:
                 run = RunDir.open(root)
                 watcher = self._watchers.setdefault(root, RunWatcher(run, stage_names()))
-                view, snap = watcher.poll(), jobs.snapshot(run)
+                view, snap = watcher.poll(), jobs.snapshot(run, peers=False)  # never a scrape of a scrape
             except (RunDirError, OSError, ValueError):  # gone, or not (yet) a run: no sample but its up = 0
                 g.add("run_up", "1 while the run directory reads as a run", 0, run=root.name)
                 continue

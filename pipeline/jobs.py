@@ -111,9 +111,13 @@ def snapshot(run: RunDir, stages: bool = True, peers: bool = True) -> RunSnapsho
                                 entry.get("seconds"), entry.get("attempts"), entry.get("figures", {}),
                                 entry.get("error"), entry.get("gpu")))
     server = box.controller(profile).status()
-    others: tuple[Peer, ...] = ()
-    if peers and profile.train.node_exporters:
-        from pipeline import peers as peer_nodes
-        others = peer_nodes.read_all(list(profile.train.node_exporters))
     return RunSnapshot(str(run.root), profile.name, job["state"], job["pid"], tuple(rows), server,
-                       process_roles(run, server), others)
+                       process_roles(run, server), other_nodes(profile) if peers else ())
+
+
+def other_nodes(profile) -> tuple[Peer, ...]:
+    """What node 0 shows of a multi-node job's other nodes, from their exporters (train.node_exporters)."""
+    if not (profile.train.first_node and profile.train.node_exporters):
+        return ()
+    from pipeline import peers
+    return peers.read_all(list(profile.train.node_exporters))

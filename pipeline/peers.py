@@ -3,6 +3,7 @@ listed in train.node_exporters): node 0's `status` and console show each node's 
 progress and ETA, or why it cannot be read. Prometheus text, parsed by prometheus_client."""
 from __future__ import annotations
 
+import http.client
 import urllib.error
 import urllib.request
 
@@ -19,7 +20,7 @@ def read(url: str, timeout: float = TIMEOUT_S) -> list[Peer]:
     try:
         with urllib.request.urlopen(url, timeout=timeout) as resp:
             text = resp.read().decode(errors="replace")
-    except (urllib.error.URLError, OSError, ValueError) as exc:
+    except (urllib.error.URLError, http.client.HTTPException, OSError, ValueError) as exc:  # not HTTP there too
         reason = getattr(exc, "reason", None) or exc
         return [Peer(url, error=f"unreachable ({reason})")]
     runs: dict[str, dict] = {}

@@ -20,7 +20,7 @@ from pipeline import notes
 from pipeline.atomicio import atomic_write_json
 from pipeline.profile import Profile
 from pipeline.rundir import RunDir, RunDirError, utc_stamp
-from pipeline.runner import outputs_intact
+from pipeline.runner import manifest, outputs_intact
 from pipeline.stages import STAGES, stage_names
 from pipeline.stages.base import StageContext
 
@@ -76,9 +76,14 @@ def _rewrite(value, src: str, dst: str):
     return value
 
 
-def _bring(src: Path, dst: Path, skip: set[Path]) -> tuple[int, int, int]:
+REWRITTEN_MAX = 4 << 20  # a result file this small that names RUN's own paths is copied with them rewritten
+
+
+def _bring(src: Path, dst: Path, skip: set[Path], new_root: Path) -> tuple[int, int, int]:
     """Every file under src into dst (links, else copies), but for HISTORY at the top and the paths in skip
-    (relative): returns (linked, copied, bytes)."""
+    (relative); a small JSON file naming src's paths (a result such as pick-checkpoint's choice) is copied
+    with them pointing into new_root instead. Returns (linked, copied, bytes)."""
+    old = str(src).encode()
     linked = copied = size = 0
     for folder, dirs, files in os.walk(src):
         here = Path(folder).relative_to(src)
@@ -97,6 +102,11 @@ def _bring(src: Path, dst: Path, skip: set[Path]) -> tuple[int, int, int]:
             s, target = Path(folder) / name, dst / rel
             if s.is_symlink():
                 os.symlink(os.readlink(s), target)
+                continue
+            if name.endswith(".json") and s.stat().st_size <= REWRITTEN_MAX and old in (text := s.read_bytes()):
+                target.write_bytes(text.replace(old + b"/", str(new_root).encode() + b"/"))
+                copied += 1
+                size += target.stat().st_size
                 continue
             try:
                 os.link(s, target)
@@ -132,25 +142,50 @@ def copy_of(src_root: Path, profile: Profile, start: str, run_dir: Path | None =
         raise RunCopyError(f"{final}: already holds a run; use `run --resume {final}`")
     if final == src.root or src.root in final.parents or final in src.root.parents:
         raise RunCopyError(f"--run-dir {final}: inside {src.root} or around it; give a directory of its own")
+    if final.exists() and any(final.iterdir()):
+        raise RunCopyError(f"--run-dir {final}: not empty; give a new or empty directory")
     building = final.with_name(final.name + ".copying")
-    shutil.rmtree(building, ignore_errors=True)  # what an interrupted copy left
+    shutil.rmtree(building, ignore_errors=True)  # what an interrupted copy to this place left
+    try:
+        result = _build(src, state, profile, start, before, building, final)
+        if final.exists():
+            final.rmdir()  # empty (checked above)
+        building.rename(final)
+    except BaseException:  # a failed or interrupted copy leaves nothing that reads as a run
+        shutil.rmtree(building, ignore_errors=True)
+        raise
+    return RunDir(final), result
+
+
+def _build(src: RunDir, state: dict, profile: Profile, start: str, before: list, building: Path,
+           final: Path) -> Copied:
+    names = stage_names()
     new = RunDir.create(profile, building)
     ctx = StageContext(run=RunDir(final), profile=profile, log=logging.getLogger("eagle3.runcopy"))
+    inside = {Path(k) for stage in before for k in state["stages"][stage.name].get("outputs", {})
+              if not Path(k).is_absolute()}  # what a carried stage recorded stays, whoever else names it
     skip: set[Path] = set()
     for stage in STAGES[names.index(start):] + [s for s in STAGES if s.always_run]:
+        if not stage.applies(profile):
+            continue
         for path in stage.fresh_paths(ctx):
-            if final in Path(path).parents:
+            if final in Path(path).parents and Path(path).relative_to(final) not in inside:
                 skip.add(Path(path).relative_to(final))
-    linked, copied, size = _bring(src.root, building, skip)
+    linked, copied, size = _bring(src.root, building, skip, final)
     old_root, new_root = str(src.root), str(final)
     fresh = new.read_state()
     for stage in before:
-        entry = state["stages"][stage.name]
-        fresh["stages"][stage.name] = _rewrite({k: entry[k] for k in ENTRY_KEYS if k in entry}, old_root, new_root)
+        entry = _rewrite({k: v for k, v in state["stages"][stage.name].items() if k in ENTRY_KEYS},
+                         old_root, new_root)
+        here = [building / k for k in entry.get("outputs", {}) if not Path(k).is_absolute()]
+        # recorded anew on the new tree: RUN's directory times would never match, and each status would
+        # fall back to the full digest
+        entry["outputs"] = {**{k: v for k, v in entry.get("outputs", {}).items() if Path(k).is_absolute()},
+                            **manifest(RunDir(building), here)}
+        fresh["stages"][stage.name] = entry
     result = Copied([s.name for s in before], linked, copied, size, changed_settings(src.profile(), profile))
     fresh["copied_from"] = {"run": old_root, "from": start, "stages": result.stages, "linked": linked,
                             "copied": copied, "bytes": size, "changed": result.changed}
     atomic_write_json(new.state_path, fresh)
     notes.add(new, result.line(src.root), source="auto")
-    building.rename(final)
-    return RunDir(final), result
+    return result

@@ -43,6 +43,9 @@ def test_copy_reruns_from_its_stage_on_the_source_untouched(finished_run, tmp_pa
     assert all(os.path.samefile(x, y) for x, y in zip(a, b, strict=True)) or state["copied_from"]["copied"]
     assert any("copied from" in json.loads(line)["text"] for line in (dst / "notes.jsonl").read_text().splitlines())
     assert _fingerprint(finished_run) == before
+    named = [p for p in dst.rglob("*.json") if str(finished_run.resolve()) + "/" in p.read_text()
+             and "logs" not in p.parts and p.name not in ("state.json",)]
+    assert named == []  # results that named the source's files name the copy's (state.json: copied_from)
     status = json.loads(cli("status", dst, "--json").stdout)
     assert {s["stage"]: s["status"] for s in status["stages"]}["extract"] == "done"  # not stale: paths rewritten
 
@@ -63,6 +66,7 @@ def test_copy_refusals_write_nothing(finished_run, tmp_path):
             (("--copy-of", tmp_path, "--from", "train"), "not a run directory"),
             (("--copy-of", finished_run, "--from", "train", "--run-dir", finished_run / "inner"), "inside"),
             (("--copy-of", finished_run, "--from", "train", "--run-dir", half.root), "already holds a run"),
+            (("--copy-of", finished_run, "--from", "train", "--run-dir", half.root / "data"), "not empty"),
             (("--resume", half.root, "--copy-of", finished_run), "keeps the profile and the files"),
             (("--copy-of", finished_run, "--from", "nowhere"), "unknown stage")):
         proc = cli("run", *args, "--no-tui")

@@ -132,3 +132,27 @@ def test_a_node_that_does_not_answer_is_a_line_not_a_failure(tmp_path):
     assert json.loads(cli("status", run.root, "--json").stdout)["peers"][0]["error"].startswith("unreachable")
     with pytest.raises(ProfileError, match="train.node_exporters"):
         load_profile(TINY, {"train.node_exporters": ["host-b:9401"]})
+
+
+def test_nodes_with_different_rows_stop_in_one_line(tmp_path, cache_dir):
+    """Offline on both (each node extracts all its own rows), but node 1 prepared other rows: speculators'
+    sampler would pack different batches on each; the job stops before its first step, saying so."""
+    rdzv = free_port()
+
+    def node(rank, *extra):
+        sets = [f'run.cache_dir="{cache_dir}"', "train.nnodes=2", f"train.node_rank={rank}", "train.epochs=1",
+                f'train.rdzv_endpoint="127.0.0.1:{rdzv}"', f"server.port={free_port()}", *extra]
+        return popen("run", TINY, "--no-tui", "--run-dir", tmp_path / f"node{rank}",
+                     *(a for kv in sets for a in ("--set", kv)))
+    procs = [node(0), node(1, "data.num_conversations=30")]
+    try:
+        outs = [p.communicate(timeout=900) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    for p, (_out, err) in zip(procs, outs, strict=True):
+        assert p.returncode == 1 and "Traceback" not in err
+        line = next(x for x in err.splitlines() if x.startswith("eagle3-console: error:"))
+        assert "their prepared rows differ (node 0: " in line and ", node 1: " in line, line
+        assert "every node must prepare the same rows" in line

@@ -316,7 +316,9 @@ def share_checkpoint_across_nodes() -> list[str]:
 
     def setup(*args, **kwargs):  # after adapt(): on a CPU, original is the gloo setup
         result = original(*args, **kwargs)
-        save = _flag_value("--save-path")
+        data, save = _flag_value("--data-path"), _flag_value("--save-path")
+        if data:
+            _same_rows_everywhere(Path(data))
         if save:
             _sync_resume_point(Path(save))
         return result
@@ -328,6 +330,39 @@ def share_checkpoint_across_nodes() -> list[str]:
 def _flag_value(flag: str) -> str | None:
     argv = sys.argv
     return argv[argv.index(flag) + 1] if flag in argv and argv.index(flag) + 1 < len(argv) else None
+
+
+NODES_DISAGREE = "[eagle3-console] the nodes disagree: "
+
+
+def rows_digest(data: Path) -> str:
+    """sha256 of the prepared rows' files (speculators' sampler packs batches from every row's length: every
+    node must hold the same rows)."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for f in sorted(data.glob("data-*.arrow")):
+        with open(f, "rb") as fh:
+            while chunk := fh.read(1 << 24):
+                h.update(chunk)
+    return h.hexdigest()[:16]
+
+
+def _same_rows_everywhere(data: Path) -> None:
+    import os
+
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_world_size() < 2:
+        return
+    seen: list = [None] * dist.get_world_size()
+    dist.all_gather_object(seen, (int(os.environ.get("GROUP_RANK", "0")), rows_digest(data)))
+    if len({digest for _, digest in seen}) > 1:  # every rank sees the same list and stops alike
+        by_node = sorted({(node, digest) for node, digest in seen})
+        print(NODES_DISAGREE + "their prepared rows differ (" + ", ".join(f"node {n}: {d}" for n, d in by_node)
+              + "); every node must prepare the same rows: the same profile and data, or node 0's "
+              "data/prepared copied to the others", file=sys.stderr, flush=True)
+        raise SystemExit(1)
 
 
 def _sync_resume_point(save: Path) -> None:
@@ -346,8 +381,9 @@ def _sync_resume_point(save: Path) -> None:
         return
     needs = resume_point(save) != want and local == 0  # one writer per node (its ranks share the path)
     if needs:  # a checkpoint of this node's own that node 0 does not resume from: kept aside, not used
+        import time
         for d in [d for d in save.iterdir() if d.name.isdigit()] if save.is_dir() else []:
-            d.rename(save / f"not-node-0-{d.name}")
+            d.rename(save / f"not-node-0-{d.name}-{time.time_ns()}")
     if want is None:
         dist.barrier()
         return

@@ -29,6 +29,9 @@ class Handover(Stage):
     def outputs(self, ctx: StageContext) -> list[Path]:
         return [ctx.run.handover_record]
 
+    def fresh_paths(self, ctx: StageContext) -> list[Path]:
+        return [ctx.run.handover_record, ctx.run.production_result]  # production before and after it
+
     def run(self, ctx: StageContext) -> dict:
         after = ctx.profile.server.after_run
         if after == "stop":

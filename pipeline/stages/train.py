@@ -174,8 +174,10 @@ class Train(Stage):
         if rc != 0:
             failure = (f"speculators train exited with {rc}; see {ctx.run.log_path(self.name)}: "
                        f"{procs.last_error_line(ctx.run.log_path(self.name))}")
-            t = ctx.profile.train
-            if t.nnodes > 1 and (why := torch_distributed_errors.node_lost(procs.read_log(log, this_attempt) or "")):
+            t, said = ctx.profile.train, procs.read_log(log, this_attempt) or ""
+            if speculators_compat.NODES_DISAGREE in said:  # the launcher's own reason comes before its echoes
+                raise StageError(said.split(speculators_compat.NODES_DISAGREE, 1)[1].splitlines()[0])
+            if t.nnodes > 1 and (why := torch_distributed_errors.node_lost(said)):
                 raise StageError(f"the training job across {t.nnodes} nodes lost a node ({why}); resume every "
                                  f"node's run (node 0 hands its last checkpoint to the others)")
             raise StageError(explain_failure(server, failure) if server else failure)
