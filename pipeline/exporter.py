@@ -68,7 +68,7 @@ class RunsCollector(Collector):
             for stage in view.stages:
                 st = statuses[stage.name]
                 self._stage(g, name, stage, st.status, st.figures)
-            self._results(g, run, {s.name: s.figures for s in snap.stages})
+            self._results(g, run, {s.name: s.figures for s in snap.stages}, (view.metrics or {}).get("train", {}))
         self._gpus(g)
         yield from g.families.values()
 
@@ -100,15 +100,15 @@ class RunsCollector(Collector):
                       run=run, stage=s.name)
 
     @staticmethod
-    def _results(g: _Families, run: RunDir, figures: dict[str, dict]) -> None:
-        """Figures of a run as its stages recorded them, and the trainer's live loss and data wait."""
+    def _results(g: _Families, run: RunDir, figures: dict[str, dict], live: dict) -> None:
+        """Figures of a run as its stages recorded them, and the trainer's live loss and data wait (`live`:
+        its latest metric values, as the run's watcher read them from the events)."""
         train = figures.get("train") or {}
         name = run.root.name
         for split, key in (("train", "train_loss"), ("val", "val_loss_epoch")):
             if isinstance(train.get(key), (int, float)):
                 g.add("train_loss", "the draft's loss (train: the last logged; val: the last epoch's)", train[key],
                       run=name, split=split)
-        live = _last_values(run, ("train/loss", "profile/fetch_frac"))
         if "train/loss" in live and "train_loss" not in train:
             g.add("train_loss", "the draft's loss (train: the last logged; val: the last epoch's)",
                   live["train/loss"], run=name, split="train")
@@ -143,32 +143,6 @@ class RunsCollector(Collector):
                 if value is not None and not s.lost:
                     g.add(metric, doc, value, **labels)
             g.add("gpu_lost", "1 when NVML lost the GPU (fallen off the bus, reset)", int(s.lost), **labels)
-
-
-def _last_values(run: RunDir, keys: tuple[str, ...]) -> dict[str, float]:
-    """The train stage's latest value of each key among its metric records, read from the events' tail."""
-    import json
-
-    try:
-        with open(run.events_path, "rb") as fh:
-            fh.seek(0, 2)
-            fh.seek(max(0, fh.tell() - (256 << 10)))
-            tail = fh.read().splitlines()
-    except FileNotFoundError:
-        return {}
-    found: dict[str, float] = {}
-    for raw in reversed(tail):
-        if b'"metric"' not in raw:
-            continue
-        try:
-            record = json.loads(raw)
-        except json.JSONDecodeError:  # the first line of the tail, cut
-            continue
-        if record.get("kind") == "metric" and record.get("stage") == "train":
-            found |= {k: float(record[k]) for k in keys if k not in found and isinstance(record.get(k), (int, float))}
-        if len(found) == len(keys):
-            break
-    return found
 
 
 class _Families:

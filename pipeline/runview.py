@@ -46,6 +46,7 @@ class RunView:
     train_loss: tuple[float, ...] = ()  # every logged training loss, for a curve
     evaluation: dict | None = None  # eval/online.json when it exists
     checkpoints: dict | None = None  # eval/checkpoints.json (pick-checkpoint) when it exists
+    metrics: dict | None = None  # each stage's latest value of every figure its metric events carried
 
 
 class RunWatcher:
@@ -138,7 +139,8 @@ class RunWatcher:
         except (FileNotFoundError, json.JSONDecodeError):
             pass
         return RunView(str(self.run.root), full_state.get("profile", "?"), tuple(views), current,
-                       tuple(self._notes), tuple(self._loss), self._eval, self._picked[1])
+                       tuple(self._notes), tuple(self._loss), self._eval, self._picked[1],
+                       {stage: dict(m) for stage, m in self._metrics.items() if stage})
 
 
 class LogTailer:
