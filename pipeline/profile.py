@@ -349,13 +349,14 @@ class TrainSection(Section):
     """> 1: multi-node torchrun, a static rendezvous at rdzv_endpoint (node 0's host:port; node_rank kept)."""
     node_rank: int = 0
     rdzv_endpoint: str = ""
+    """host:port of node 0, reachable from every node."""
     rdzv_id: str = ""
     """The job's name at the rendezvous, the same on every node ("" = the profile's name)."""
     node_exporters: list[str] = Field(default_factory=list)
     """The other nodes' `eagle3-console exporter` URLs (http://HOST:PORT/metrics): node 0's status and
     console show their runs' stages, progress and ETA."""
-    """host:port of node 0, reachable from every node."""
     num_workers: int = 0
+    """speculators' data-loader workers (0: the trainer's own process reads every sample)."""
     seed: int = 42
     extra_args: list[str] = Field(default_factory=list)
     cuda_visible_devices: str = ""

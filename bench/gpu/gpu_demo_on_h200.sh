@@ -30,7 +30,7 @@ if [ -n "${GPU_DEMO_DRY:-}" ]; then
          --set demo_target.corpus_seq=256 --set demo_target.corpus_lr=3e-3 --set data.num_conversations=120
          --set data.heldout=8 --set data.regenerate_max_tokens=48 --set data.regenerate_concurrency=16
          --set data.seq_length=512 --set 'extract.layer_ids=[1, 2, 3, 4]' --set vocab.draft_vocab_size=1024
-         --set train.epochs=2 --set train.total_seq_len=1024 --set train.lr=3e-3 --set evaluate.num_prompts=8
+         --set train.epochs=2 --set train.num_workers=0 --set train.total_seq_len=1024 --set train.lr=3e-3 --set evaluate.num_prompts=8
          --set evaluate.max_new_tokens=32 --set 'evaluate.concurrency=[1, 4]' --set evaluate.start_together=1
          --set server.enforce_eager=true --set server.max_model_len=1024 --set server.port="${GPU_DEMO_PORT:-8795}"
          --set hardware.gpus=0 --set hardware.min_free_disk_gib=1)
