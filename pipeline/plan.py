@@ -6,9 +6,10 @@ from __future__ import annotations
 import json
 import shutil
 import tomllib
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
+from pipeline import calibration
 from pipeline.profile import Profile
 from pipeline.targetinfo import DraftPlan, TargetInfo, draft_plan, target_info
 
@@ -19,7 +20,7 @@ TRAIN_RATIO = 0.9  # speculators' train_data_ratio: the rest validates
 @dataclass(frozen=True)
 class Rate:
     tokens_per_s: float | None
-    source: str  # "measured: RUN" or "estimate: …" or "unknown: …"
+    source: str  # "measured: RUN", "calibrated (measured|extrapolated): …", "estimate: …" or "unknown: …"
 
 
 @dataclass(frozen=True)
@@ -99,6 +100,8 @@ class Plan:
     server_start: Rate  # tokens_per_s holds the seconds of one start of the target's server
     server_starts: dict  # offline / online: how many starts of the target each way
     totals: dict  # offline / online: wall seconds and GPU-hours of every stage together
+    guesses: dict = field(default_factory=dict)  # extraction / regeneration: the profile's estimate, where calibrated
+    break_even_tau: calibration.Figure | None = None  # the served target with a head at k, from hardware.calibration
 
     def disk_for(self, mode: str) -> int:
         states = self.disk_hidden_states if mode == "offline" else self.online.disk_states
@@ -205,10 +208,35 @@ def train_memory(draft: DraftPlan, profile: Profile, info: TargetInfo) -> int:
     return weights + logits + states + GIB
 
 
-def _rate(profile: Profile, stage: str, rate_of, hardware_key: str, gpus: int) -> Rate:
-    """What an earlier run of this profile measured for `stage`, else the profile's per-GPU estimate."""
+def calibrated_box(profile: Profile, tp: int) -> tuple[calibration.Calibration, calibration.Box] | None:
+    """hardware.calibration and the server it is carried to: the target's depth on `tp` GPUs of the box."""
+    hw = profile.hardware
+    if not hw.calibration:
+        return None
+    info = target_info(profile)
+    return calibration.load(Path(hw.calibration)), calibration.Box(
+        gpu_name=hw.gpu_name, layers=info.layers, tp=tp, bf16_tflops=hw.gpu_bf16_tflops,
+        memory_tb_s=hw.gpu_memory_tb_s, interconnect_gb_s=hw.interconnect_gb_s, allreduce_us=hw.allreduce_us)
+
+
+def _calibrated_rate(profile: Profile, tp: int, figure_of) -> Rate | None:
+    if (cb := calibrated_box(profile, tp)) is None:
+        return None
+    fig = figure_of(*cb)
+    return Rate(round(fig.value, 1), f"calibrated ({fig.how}): {Path(profile.hardware.calibration).name}, {fig.why}")
+
+
+def _rate(profile: Profile, stage: str, rate_of, hardware_key: str, gpus: int, calibrated=None) -> Rate:
+    """What an earlier run of this profile measured for `stage`, else the calibration's figure (`calibrated`:
+    a function of the calibration and the box), else the profile's per-GPU estimate."""
     if (m := _measured(profile, stage, rate_of)):
         return Rate(round(m[0], 1), f"measured: {m[1]}")
+    if calibrated is not None and (c := _calibrated_rate(profile, gpus, calibrated)):
+        return c
+    return _estimate(profile, hardware_key, gpus)
+
+
+def _estimate(profile: Profile, hardware_key: str, gpus: int) -> Rate:
     per_gpu = getattr(profile.hardware, hardware_key)
     if per_gpu:
         return Rate(per_gpu * gpus, f"estimate: hardware.{hardware_key} {per_gpu:g} × {gpus} GPU(s)")
@@ -268,15 +296,16 @@ def server_start_estimate(profile: Profile) -> Rate:
 
 def decode_rate(profile: Profile, gpus: int) -> Rate:
     """Batched decode tokens/s of the served target at data.regenerate_concurrency (an earlier regeneration
-    through vLLM; the transformers backend's rate says nothing about a server)."""
+    through vLLM; the transformers backend's rate says nothing about a server), else the calibration's,
+    else the profile's estimate."""
     for run_dir, state in _earlier_runs(profile):
         fig = state.get("stages", {}).get("regenerate", {}).get("figures") or {}
         if fig.get("backend") == "vllm" and fig.get("generated_tok_s"):
             return Rate(round(float(fig["generated_tok_s"]), 1), f"measured: {run_dir}")
-    per_gpu = profile.hardware.decode_tokens_per_s
-    if per_gpu:
-        return Rate(per_gpu * gpus, f"estimate: hardware.decode_tokens_per_s {per_gpu:g} × {gpus} GPU(s)")
-    return Rate(None, "unknown: no earlier regeneration, no hardware.decode_tokens_per_s")
+    concurrency = profile.data.regenerate_concurrency
+    if (c := _calibrated_rate(profile, gpus, lambda cal, box: calibration.decode_rate(cal, box, concurrency))):
+        return c
+    return _estimate(profile, "decode_tokens_per_s", gpus)
 
 
 def regenerate_plan(profile: Profile, info: TargetInfo, samples: int, tokens: int, serve_gpus: int) -> StepPlan:
@@ -383,7 +412,7 @@ def make_plan(profile: Profile, run_dir: Path | None = None, free: int | None = 
     if profile.evaluate.checkpoints == "each" and t.checkpoint_freq < 1:  # kept sub-epoch copies: weights only
         checkpoints += (checkpoint_count(profile) - t.epochs) * (draft.trainable_params + draft.frozen_params) * 2
 
-    extract = _rate(profile, "extract", _extract_rate, "extract_tokens_per_s", extract_gpus)
+    extract = _rate(profile, "extract", _extract_rate, "extract_tokens_per_s", extract_gpus, calibration.extract_rate)
     train = _rate(profile, "train", lambda f: f.get("tokens_per_s"), "train_tokens_per_s", train_gpus)
     extract_s = tokens / extract.tokens_per_s if extract.tokens_per_s else None
     train_s = tokens * TRAIN_RATIO * t.epochs / train.tokens_per_s if train.tokens_per_s else None
@@ -398,6 +427,12 @@ def make_plan(profile: Profile, run_dir: Path | None = None, free: int | None = 
     matrix = matrix_plan(profile, extract_gpus)
     picks = checkpoints_plan(profile, runs_offline_eval, extract_gpus)
     start = server_start_estimate(profile)
+    guesses = {}
+    if extract.source.startswith("calibrated"):
+        guesses["extraction"] = _estimate(profile, "extract_tokens_per_s", extract_gpus)
+    if regen.rate.source.startswith("calibrated"):
+        guesses["regeneration"] = _estimate(profile, "decode_tokens_per_s", extract_gpus)
+    cb = calibrated_box(profile, extract_gpus)
     vllm_picks = checkpoint_count(profile) if picks.runs and not runs_offline_eval else 0
     starts = dict.fromkeys(("offline", "online"), count_server_starts(profile) + vllm_picks)
     totals = {}
@@ -416,7 +451,8 @@ def make_plan(profile: Profile, run_dir: Path | None = None, free: int | None = 
                 extract_s=extract_s, train_s=train_s, gpu_hours=gpu_hours, online=online,
                 mode=profile.extract.mode, mode_why=f"extract.mode = {profile.extract.mode}", regenerate=regen,
                 evaluate_offline=evaluate_offline, matrix=matrix, checkpoints=picks, server_start=start,
-                server_starts=starts, totals=totals)
+                server_starts=starts, totals=totals, guesses=guesses,
+                break_even_tau=calibration.break_even_tau(*cb) if cb else None)
     if profile.extract.mode == "auto" and profile.extract.backend != "vllm":
         plan = replace(plan, mode="offline", mode_why="auto: online needs extract.backend = \"vllm\"")
     elif profile.extract.mode == "auto":
@@ -463,19 +499,26 @@ def online_plan(profile: Profile, tokens: int, samples: int, state_bytes_per_tok
 def candidate_splits(profile: Profile, generate_tokens: float, train_tokens: float, train_mem: int) -> list[Split]:
     """Each way one node of the profile's hardware could serve and train at once: a power-of-two
     server (tensor parallel) on some GPUs and the trainer on the rest, or both on all GPUs taking
-    turns (vLLM keeps server.gpu_memory_utilization of each GPU, the trainer needs the rest). Rates
-    scale the profile's per-GPU rates with the GPU count: an estimate until a run measures them."""
+    turns (vLLM keeps server.gpu_memory_utilization of each GPU, the trainer needs the rest). Generation:
+    the calibration carried to a server of that many GPUs, else the profile's per-GPU rate × the count;
+    training: the per-GPU rate × the count (estimates until a run measures them)."""
     hw, weights = profile.hardware, profile.target.weights_gib * GIB
     per_gpu = hw.gpu_memory_gib * GIB
-    if not (hw.gpus and hw.extract_tokens_per_s and hw.train_tokens_per_s and weights and per_gpu):
+    if not (hw.gpus and (hw.extract_tokens_per_s or hw.calibration) and hw.train_tokens_per_s and weights
+            and per_gpu):
         return []
+
+    def generation(serve: int) -> float:
+        rate = _calibrated_rate(profile, serve, calibration.extract_rate)
+        return rate.tokens_per_s if rate and rate.tokens_per_s else hw.extract_tokens_per_s * serve
+
     util = profile.server.gpu_memory_utilization
     out = []
     serve = 1
     while serve <= hw.gpus:
         # weights plus a sixth for the KV cache and activations must fit the server's share
         holds = serve * per_gpu * util >= weights * 1.15
-        gen = hw.extract_tokens_per_s * serve
+        gen = generation(serve)
         if serve < hw.gpus:
             trn = hw.train_tokens_per_s * (hw.gpus - serve)
             wall = max(generate_tokens / gen, train_tokens / trn)
@@ -572,7 +615,7 @@ def table(plans: list[Plan]) -> str:
         row("disk: checkpoints", lambda p: human(p.disk_checkpoints)),
         row("disk: total", lambda p: human(p.disk_total)),
         row("train GPU memory / GPU (est.)", lambda p: f"{p.train_gpu_memory / GIB:.1f} GiB"),
-        row("extraction rate", lambda p: f"{p.extract.tokens_per_s:,.0f} tok/s" if p.extract.tokens_per_s else "?"),
+        row("extraction rate", lambda p: _with_guess(p.extract, p.guesses.get("extraction"))),
         row("training rate", lambda p: f"{p.train.tokens_per_s:,.0f} tok/s" if p.train.tokens_per_s else "?"),
         row("extraction time", lambda p: duration(p.extract_s)),
         row("training time", lambda p: duration(p.train_s)),
@@ -588,7 +631,10 @@ def table(plans: list[Plan]) -> str:
         row("mode", lambda p: p.mode),
         row("regeneration: answer tokens", lambda p: f"{p.regenerate.tokens / 1e6:,.1f} M" if p.regenerate.runs
             else "–"),
-        row("regeneration rate", lambda p: _rate_text(p.regenerate) if p.regenerate.runs else "–"),
+        row("regeneration rate", lambda p: _with_guess(p.regenerate.rate, p.guesses.get("regeneration"))
+            if p.regenerate.runs else "–"),
+        row("break-even τ (head, c = 1)", lambda p: f"{p.break_even_tau.value:.2f} ({p.break_even_tau.how})"
+            if p.break_even_tau else "–"),
         row("regeneration time", lambda p: f"{duration(p.regenerate.seconds)} "
             f"({_hours(_step_gpu_hours(p.regenerate))} GPU-h)" if p.regenerate.runs else "–"),
         row("offline evaluator", lambda p: "runs" if p.evaluate_offline.runs else "vLLM only"),
@@ -607,7 +653,8 @@ def table(plans: list[Plan]) -> str:
     sources = [f"{p.profile}: tokens {p.tokens_source}; extraction {p.extract.source}; training {p.train.source}; "
                f"mode: {p.mode_why}; regeneration: {p.regenerate.why} ({p.regenerate.rate.source or '-'}); "
                f"offline evaluator: {p.evaluate_offline.why}; matrix: {p.matrix.why}; "
-               f"checkpoints: {p.checkpoints.why}; server start: {p.server_start.source}" for p in plans]
+               f"checkpoints: {p.checkpoints.why}; server start: {p.server_start.source}"
+               + (f"; {p.break_even_tau.why}" if p.break_even_tau else "") for p in plans]
     return "\n".join(lines + [""] + sources + [""] + [line for p in plans for line in split_lines(p)])
 
 
@@ -637,8 +684,15 @@ def _checkpoints_text(step: StepPlan) -> str:
     return f"{n} offline" if "offline" in step.why else f"{n} through vLLM ({duration(step.seconds)} + their starts)"
 
 
-def _rate_text(step: StepPlan) -> str:
-    return f"{step.rate.tokens_per_s:,.0f} tok/s" if step.rate.tokens_per_s else "?"
+def _with_guess(rate: Rate, guess: Rate | None) -> str:
+    """A rate, marked calibrated with the profile's guess beside it where the calibration replaced one."""
+    if not rate.tokens_per_s:
+        return "?"
+    text = f"{rate.tokens_per_s:,.0f} tok/s"
+    if rate.source.startswith("calibrated"):
+        was = f"{guess.tokens_per_s:,.0f}" if guess and guess.tokens_per_s else "none"
+        text += f" ({rate.source.split('(')[1].split(')')[0]}; guess {was})"
+    return text
 
 
 def _hours(h: float | None) -> str:

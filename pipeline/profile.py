@@ -522,6 +522,27 @@ class HardwareSection(Section):
     """Headroom kept free beyond the plan."""
     disk_gib: float = 0.0
     """Local disk for runs on the box planned for (plan; preflight measures the real one)."""
+    calibration: str = ""
+    """A calibration file (pipeline/calibration.py; relative to this profile's directory): the rates a
+    slice of the target measured on one GPU, carried to this box by the four figures below. The plan
+    uses them where no earlier run measured the rate, and shows the profile's guesses beside them."""
+    gpu_bf16_tflops: float = 0.0
+    """The box GPU's dense bf16 peak (its datasheet): prefill and extraction scale with it."""
+    gpu_memory_tb_s: float = 0.0
+    """The box GPU's memory bandwidth: decode scales with it."""
+    interconnect_gb_s: float = 0.0
+    """Bandwidth between the box's GPUs, one direction (NVLink, or PCIe where there is none)."""
+    allreduce_us: float = 0.0
+    """The latency of one small all-reduce across the server's GPUs (a decode step does two a layer)."""
+
+    @model_validator(mode="after")
+    def _calibrated_box(self) -> HardwareSection:
+        if self.calibration:
+            for name in ("gpu_bf16_tflops", "gpu_memory_tb_s", "interconnect_gb_s", "allreduce_us"):
+                if not getattr(self, name) > 0:
+                    raise rule(f"hardware.{name}", getattr(self, name),
+                               "must be > 0 with hardware.calibration: the box's side of the ratios")
+        return self
 
 
 class RunSection(Section):
@@ -717,6 +738,12 @@ def _resolve_inputs(p: Profile, source: Path, check: bool = True) -> Profile:
         if check and not (model / "config.json").is_file():
             raise ProfileError(f"{source}: key 'target.model_path': no model (config.json) at {str(model)!r}")
         target = target.model_copy(update={"model_path": str(model), "config": str(config) if config else ""})
+    hardware = p.hardware
+    if hardware.calibration:
+        calibration = (base / hardware.calibration).resolve()
+        if not calibration.is_file():
+            raise ProfileError(f"{source}: key 'hardware.calibration': file not found {str(calibration)!r}")
+        hardware = hardware.model_copy(update={"calibration": str(calibration)})
     resolved = []
     for i, src in enumerate(data.sources()):
         if source_kind(src.source) == "file":
@@ -738,7 +765,7 @@ def _resolve_inputs(p: Profile, source: Path, check: bool = True) -> Profile:
     run = p.run.model_copy(update={"runs_dir": str(Path(p.run.runs_dir).resolve()),
                                    "cache_dir": str(Path(p.run.cache_dir).resolve() if p.run.cache_dir
                                                     else user_cache())})
-    return p.model_copy(update={"target": target, "data": data, "run": run})
+    return p.model_copy(update={"target": target, "data": data, "run": run, "hardware": hardware})
 
 
 def load_profile(path: str | Path, overrides: dict | None = None, check_inputs: bool = True) -> Profile:
