@@ -152,3 +152,45 @@ def test_plan_cli_with_a_calibration(tmp_path):
     assert "extrapolated; guess 20,000" in proc.stdout
     bad = cli("plan", "kimi-k2.5-b300x8-full", "--set", f'hardware.calibration="{tmp_path}/no.toml"')
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "hardware.calibration" in bad.stderr
+
+
+def test_the_kimi_slice_is_kimis_width_with_fewer_layers_and_calibrate_writes_what_the_planner_reads(tmp_path):
+    """bench/gpu/kimi_slice.py without a server: the slice's config and the calibration file from two depths."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from pipeline import targetinfo
+
+    bench = Path(__file__).resolve().parent.parent / "bench" / "gpu"
+    sys.path[:0] = [str(bench)]
+    try:
+        import kimi_slice
+    finally:
+        del sys.path[0]
+    tok = tmp_path / "tok"
+    tok.mkdir()
+    (tok / "config.json").write_text(json.dumps({"vocab_size": 2048, "bos_token_id": 1, "eos_token_id": 2}))
+    text = kimi_slice.write_slice(tmp_path / "slice", 6, tok, small=False)
+    p = load_profile("kimi-k2.5-rtx6000x8-lowered", {"target.config": str(tmp_path / "slice" / "config.json")},
+                     check_inputs=False)
+    info = targetinfo.target_info(p)
+    assert (info.hidden, info.layers, info.vocab, info.attention, info.experts) == (7168, 6, 163840, "MLA", 384)
+    assert info.int4_group_size == 32 and text["architectures"] == ["DeepseekV3ForCausalLM"]
+    results = []
+    for layers in (6, 11):
+        r = {"layers": layers, "gpu": True, "row_tokens": 2048, "prefill_tokens_per_s": 1e5 / layers,
+             "decode_tokens_per_s": {"1": 100.0 / layers, "64": 3000.0 / layers}, "step_ms": 1.0 + layers,
+             "step_ms_with_head": 2.0 + layers}
+        results.append(tmp_path / f"depth-{layers}.json")
+        results[-1].write_text(json.dumps(r))
+    out = tmp_path / "kimi.toml"
+    script = [sys.executable, str(bench / "kimi_slice.py"), "calibrate", *map(str, results), "-o", str(out)]
+    missing = subprocess.run([*script, "--extract", "6=9000"], capture_output=True, text=True)
+    assert missing.returncode != 0 and "layers 11: no --extract 11=TOK_S" in missing.stderr and not out.exists()
+    done = subprocess.run([*script, "--extract", "6=9000", "11=5000"], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    cal = calibration.load(out)
+    assert [d.layers for d in cal.depths] == [6, 11] and cal.depths[1].extract_tokens_per_s == 5000.0
+    assert cal.hidden == 7168 and cal.gpu_name == "H200"
