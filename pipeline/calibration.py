@@ -21,18 +21,20 @@ from __future__ import annotations
 
 import tomllib
 from dataclasses import dataclass
+from functools import lru_cache
 from pathlib import Path
 from typing import Annotated
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from pipeline.profile import rule
+from pipeline.profile import ProfileError, rule
 
 PositiveFloat = Annotated[float, Field(gt=0)]
 
 
-class CalibrationError(ValueError):
-    """A calibration file that cannot be used: the message is one line naming the file and key."""
+class CalibrationError(ProfileError):
+    """A calibration file that cannot be used (a profile's input, hardware.calibration): the message is one line
+    naming the file and key, reported wherever a bad profile is."""
 
 
 class _Model(BaseModel):
@@ -88,6 +90,15 @@ class Calibration(_Model):
 
 
 def load(path: Path) -> Calibration:
+    """The file as the planner reads it; read once while it is unchanged (a plan asks for it per rate)."""
+    try:
+        return _load(path, path.stat().st_mtime_ns)
+    except OSError as exc:
+        raise CalibrationError(f"{path}: {exc.strerror or exc}") from None
+
+
+@lru_cache(maxsize=8)
+def _load(path: Path, mtime_ns: int) -> Calibration:
     try:
         data = tomllib.loads(path.read_text(encoding="utf-8"))
     except OSError as exc:

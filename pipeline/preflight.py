@@ -14,6 +14,7 @@ from pathlib import Path
 from packaging.version import InvalidVersion, Version
 
 from pipeline import gpu
+from pipeline.calibration import CalibrationError
 from pipeline.compat import vllm_cpu_env
 from pipeline.compat.versions import KNOWN, RAN_HERE, VLLM_EXTRACTION_MIN, VLLM_EXTRACTION_WHY
 from pipeline.plan import GIB, disk_verdict, human, make_plan
@@ -381,6 +382,8 @@ def disk_findings(profile: Profile, run_dir: Path | None = None, free: int | Non
         plan = make_plan(profile, run_dir, free)
     except TargetInfoError:
         return []  # reported by the target check
+    except CalibrationError as exc:  # the plan cannot be made: nothing to check the disk against
+        return [Finding("block", "calibration", f"hardware.calibration: {exc}")]
     fits, text = disk_verdict(plan, profile, run_dir, free)
     from pipeline.plan import time_summary
     timing = Finding("info", "time", time_summary(plan))

@@ -194,3 +194,23 @@ def test_the_kimi_slice_is_kimis_width_with_fewer_layers_and_calibrate_writes_wh
     cal = calibration.load(out)
     assert [d.layers for d in cal.depths] == [6, 11] and cal.depths[1].extract_tokens_per_s == 5000.0
     assert cal.hidden == 7168 and cal.gpu_name == "H200"
+
+
+def test_a_bad_calibration_file_is_one_line_in_plan_and_a_block_in_preflight(tmp_path):
+    bad = tmp_path / "bad.toml"
+    bad.write_text("depths = [")
+    proc = cli("plan", "kimi-k2.5-b300x8-full", "--set", f'hardware.calibration="{bad}"')
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and f"{bad}: not valid TOML" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    pre = cli("preflight", "kimi-k2.5-b300x8-full", "--set", f'hardware.calibration="{bad}"')
+    assert pre.returncode != 0 and "Traceback" not in pre.stderr
+    assert f"BLOCK calibration hardware.calibration: {bad}: not valid TOML" in pre.stdout
+
+
+def test_the_calibration_is_read_again_once_it_changes(tmp_path):
+    path = calibration_file(tmp_path)
+    assert calibration.load(path).row_tokens == 2048
+    path.write_text(path.read_text().replace("row_tokens = 2048", "row_tokens = 1024"))
+    import os
+    os.utime(path, ns=(path.stat().st_atime_ns, path.stat().st_mtime_ns + 1_000_000))
+    assert calibration.load(path).row_tokens == 1024
