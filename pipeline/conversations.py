@@ -78,9 +78,10 @@ def load(path: Path) -> Loaded:
     return out
 
 
-def split_heldout(conversations: list[dict], heldout: int) -> tuple[list[dict], list[dict]]:
-    """The last `heldout` conversations never reach training: they are the evaluation prompts."""
-    if heldout >= len(conversations):
+def split_heldout(conversations: list[dict], heldout: int, token_rows: int = 0) -> tuple[list[dict], list[dict]]:
+    """The last `heldout` conversations never reach training: they are the evaluation prompts (all of them
+    may be, where the file's pre-tokenized rows are the training data)."""
+    if heldout > len(conversations) or (heldout == len(conversations) and not token_rows):
         raise ValueError(f"{len(conversations)} valid conversations leave none for training "
                          f"after holding out {heldout}")
     cut = len(conversations) - heldout

