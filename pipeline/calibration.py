@@ -176,8 +176,11 @@ def _compute_bound(cal: Calibration, box: Box, rate_of, what: str) -> Figure:
         depth = next(d for d in cal.depths if d.layers == box.layers)
         return Figure(rate_of(depth), "measured", f"{what}: {cal.gpu_name}, {box.layers} layers ({cal.date})")
     fixed, per_layer = fit([(d.layers, 1 / rate_of(d)) for d in cal.depths])
-    t = fixed + per_layer * box.layers * (cal.gpu_bf16_tflops / box.bf16_tflops) / box.tp + _comm_per_token(cal, box)
-    return Figure(1 / t, "extrapolated", f"{what}: {_ratios(cal, box)}")
+    layers = per_layer * box.layers * (cal.gpu_bf16_tflops / box.bf16_tflops) / box.tp
+    comm = _comm_per_token(cal, box)
+    return Figure(1 / (fixed + layers + comm), "extrapolated",
+                  f"{what}: {_ratios(cal, box)}; a token {fixed * 1e6:.1f} µs fixed (as measured) + "
+                  f"{layers * 1e6:.1f} µs its layers + {comm * 1e6:.1f} µs all-reduce")
 
 
 def prefill_rate(cal: Calibration, box: Box) -> Figure:

@@ -1,6 +1,8 @@
 """A slice's measured rates carried to the whole target on a box (pipeline/calibration.py) and the plans that
 use them: measured where the box is what measured, extrapolated (and said so) elsewhere, the profile's guess
 beside, an earlier run's measurement still first, one line for every bad file or missing box figure."""
+from pathlib import Path
+
 import pytest
 import tomli_w
 
@@ -117,7 +119,7 @@ def test_a_calibrated_profile_needs_the_box_figures_and_the_file(tmp_path):
 def test_kimi_plans_carry_the_calibration_and_show_the_guess_beside(tmp_path):
     path = calibration_file(tmp_path)
     names = ("kimi-k2.5-rtx6000x8-lowered", "kimi-k2.5-b300x8-full")
-    guessed = [plan.make_plan(load_profile(n, check_inputs=False)) for n in names]
+    guessed = [plan.make_plan(load_profile(n, {"hardware.calibration": ""}, check_inputs=False)) for n in names]
     calibrated = [plan.make_plan(load_profile(n, {"hardware.calibration": str(path)}, check_inputs=False))
                   for n in names]
     for before, after in zip(guessed, calibrated, strict=True):
@@ -136,6 +138,20 @@ def test_kimi_plans_carry_the_calibration_and_show_the_guess_beside(tmp_path):
     assert serve4.generate_tok_s != pytest.approx(serve8.generate_tok_s / 2)
     text = plan.table(calibrated)
     assert "(extrapolated; guess 3,200)" in text and "break-even τ" in text
+
+
+def test_the_kimi_profiles_plan_from_the_committed_slice_calibration():
+    """profiles/calibration/kimi-k2.5-h200.toml (bench/gpu/kimi_slice_on_h200.sh on one H200) is what both Kimi
+    boxes plan from; the extraction figure says how much of a token's time is the stage's own fixed cost."""
+    committed = Path(__file__).resolve().parents[1] / "profiles" / "calibration" / "kimi-k2.5-h200.toml"
+    cal = calibration.load(committed)
+    assert cal.gpu_name == "H200" and sorted(d.layers for d in cal.depths) == [6, 12]
+    for name in ("kimi-k2.5-rtx6000x8-lowered", "kimi-k2.5-b300x8-full"):
+        p = load_profile(name, check_inputs=False)
+        assert Path(p.hardware.calibration) == committed
+        made = plan.make_plan(p)
+        assert made.extract.source.startswith("calibrated (extrapolated): kimi-k2.5-h200.toml, extraction:")
+        assert "µs fixed (as measured)" in made.extract.source and made.break_even_tau.how == "extrapolated"
 
 
 def test_an_earlier_runs_measurement_still_comes_first(tmp_path, monkeypatch):

@@ -41,7 +41,7 @@ def test_plan_follows_the_kimi_config():
         assert (p.target.hidden, p.target.layers, p.target.vocab, p.target.attention) == (7168, 61, 163840, "MLA")
         # tokens × (3 aux + final) × hidden × 2 bytes (bf16)
         assert p.disk_hidden_states == p.tokens * 4 * 7168 * 2
-        assert p.extract.source.startswith("estimate") and p.train.source.startswith("estimate")
+        assert p.extract.source.startswith("calibrated") and p.train.source.startswith("estimate")
     assert low.tokens == 20_000 * 2048 and full.tokens == 500_000 * 4096
     assert full.disk_hidden_states > 100e12 > low.disk_hidden_states > 1e12  # tens of TB only at full size
     assert full.gpu_hours > low.gpu_hours
@@ -290,7 +290,9 @@ def test_the_kimi_plans_count_regeneration_evaluation_and_every_server_start():
     low, full = (plan.make_plan(load_profile(n, check_inputs=False)) for n in KIMI)
     for p, concurrency in ((low, 64), (full, 256)):
         assert p.regenerate.runs and p.regenerate.tokens == p.tokens // 2  # data.answer_share 0.5
-        assert p.regenerate.rate.source.startswith("estimate: hardware.decode_tokens_per_s")
+        # the committed slice calibration's decode, carried to the box (the guess kept beside it)
+        assert p.regenerate.rate.source.startswith("calibrated (extrapolated): kimi-k2.5-h200.toml, decode")
+        assert p.guesses["regeneration"].source.startswith("estimate: hardware.decode_tokens_per_s")
         assert f"concurrency {concurrency}" in p.regenerate.why
         assert p.regenerate.seconds == p.regenerate.tokens / p.regenerate.rate.tokens_per_s
         assert not p.evaluate_offline.runs and "do not fit" in p.evaluate_offline.why  # 2.1 TB dense
