@@ -11,15 +11,15 @@ import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from packaging.version import InvalidVersion, Version
+from packaging.version import Version
 
 from pipeline import gpu
 from pipeline.calibration import CalibrationError
 from pipeline.compat import vllm_cpu_env
-from pipeline.compat.versions import KNOWN, RAN_HERE, VLLM_EXTRACTION_MIN, VLLM_EXTRACTION_WHY
+from pipeline.compat.versions import KNOWN, RAN_HERE, VLLM_EXTRACTION_MIN, VLLM_EXTRACTION_WHY, installed, served_vllm
+from pipeline.compat.versions import parse as _version
 from pipeline.plan import GIB, disk_verdict, human, make_plan
 from pipeline.profile import Profile
-from pipeline.rundir import package_versions
 from pipeline.target import resolve_layer_ids
 from pipeline.targetinfo import TargetInfoError, draft_plan, target_info
 
@@ -40,29 +40,6 @@ class Finding:
         return f"{GLYPHS[self.severity]} {self.check:<10} {self.message}"
 
 
-def _version(v: str) -> Version:
-    """The public version (a local tag such as +cpu or +cu130 dropped: the same release, built elsewhere);
-    pre-releases keep their order (0.9.0rc1 < 0.9.0 < 0.9.1). An unreadable one sorts first."""
-    try:
-        return Version(v.split("+")[0])
-    except InvalidVersion:
-        return Version("0")
-
-
-@functools.lru_cache(maxsize=32)
-def installed(name: str, python: str = "") -> str | None:
-    """Version of a distribution in this interpreter (the versions every run records), or in
-    `python` (argv, never a shell)."""
-    if not python:
-        return package_versions().get(name)
-    code = f"import importlib.metadata as m\ntry: print(m.version({name!r}))\nexcept Exception: pass"
-    try:
-        out = subprocess.run([python, "-c", code], capture_output=True, text=True, timeout=60, check=False)
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    return out.stdout.strip() or None
-
-
 def version_findings(profile: Profile) -> list[Finding]:
     found = []
     for name in ("speculators", "transformers", "torch"):
@@ -79,7 +56,7 @@ def version_findings(profile: Profile) -> list[Finding]:
             tag = "ran with this project" if (name, v.split("+")[0]) in RAN_HERE else "inside the declared range"
             found.append(Finding("ok", "versions", f"{name} {v} ({tag})"))
     py = profile.server.python
-    vllm = next(((n, v) for n in ("vllm", "vllm-cpu") if (v := installed(n, py))), None)
+    vllm = served_vllm(py)
     where = f" in {py}" if py else ""
     if vllm is None:
         found.append(Finding("block" if uses_vllm(profile) else "info", "vllm",
@@ -105,7 +82,7 @@ def ask_vllm(profile: Profile, question: str) -> dict:
     from pipeline import atomicio
 
     python = profile.server.python
-    version = next((f"{n}=={v}" for n in ("vllm", "vllm-cpu") if (v := installed(n, python))), None)
+    version = f"{served[0]}=={served[1]}" if (served := served_vllm(python)) else None
     if version is None:
         return {"error": f"no vllm or vllm-cpu in {python or sys.executable}"}
     key = hashlib.sha256(json.dumps([os.path.realpath(python or sys.executable), version, question]).encode())

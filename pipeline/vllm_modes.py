@@ -11,6 +11,7 @@ from pathlib import Path
 
 from pipeline import mooncake
 from pipeline.compat import vllm_cpu_env, vllm_flags
+from pipeline.compat.versions import served_vllm
 from pipeline.procs import repo_on_path
 from pipeline.profile import Profile
 
@@ -76,6 +77,11 @@ def extraction_config(profile: Profile, layer_ids: list[int], storage: Path, cpu
     return spec, kv
 
 
+def _render_flags(profile: Profile) -> list[str]:
+    served = served_vllm(profile.server.python) if profile.data.tokenize == "render" else None
+    return vllm_flags.render_endpoint_flags(profile.data.tokenize, served[1] if served else None)
+
+
 def eagle3_config(profile: Profile, draft_dir: Path) -> dict:
     # Always name the method: a path without "eagle3" in it would be served as draft_model (§2.5).
     return vllm_flags.eagle3_speculative_config(draft_dir, profile.evaluate.k)
@@ -100,11 +106,11 @@ def server_argv(profile: Profile, mode: str, target_dir: Path, *, layer_ids: lis
         # No prefix caching (vllm-project/vllm#44485); the render endpoint needs scale-out (compat/vllm_flags.py)
         argv += ["--speculative-config", json.dumps(spec), "--kv-transfer-config", json.dumps(kv),
                  *vllm_flags.EXTRACTION_FLAGS]
-        argv += vllm_flags.render_endpoint_flags(profile.data.tokenize)
+        argv += _render_flags(profile)
         if profile.extract.enforce_eager and "--enforce-eager" not in argv:
             argv.append("--enforce-eager")
     elif mode == "baseline":
-        argv += vllm_flags.render_endpoint_flags(profile.data.tokenize)
+        argv += _render_flags(profile)
     elif mode == "regenerate":  # the baseline that speculators' regenerate-responses asks by the target's path
         at = argv.index("--served-model-name")
         argv[at + 1: at + 2] = vllm_flags.regenerate_served_names(profile.server.served_model_name, target_dir)

@@ -251,8 +251,17 @@ def test_render_endpoint_is_forbidden_without_scale_out(serve_parser):
         client = TestClient(app, raise_server_exceptions=False)
         status[scale_out] = client.post("/v1/chat/completions/render", json={"model": "m", "messages": []}).status_code
     assert status[False] == 403 and status[True] != 403
-    assert vllm_flags.render_endpoint_flags("render") == ["--enable-scale-out"]
-    assert vllm_flags.render_endpoint_flags("local") == []
+    from pipeline.compat.versions import served_vllm
+    assert vllm_flags.render_endpoint_flags("render", served_vllm()[1]) == ["--enable-scale-out"]
+    assert vllm_flags.render_endpoint_flags("local", served_vllm()[1]) == []
+
+
+@pytest.mark.parametrize("version,flags", [("0.26.0", []), ("0.26.0+cu130", []), ("0.32.0", ["--enable-scale-out"]),
+                                           ("0.33.0", ["--enable-scale-out"]), (None, ["--enable-scale-out"])])
+def test_the_render_flag_goes_only_to_a_vllm_that_gates_the_endpoint(version, flags):
+    """vLLM 0.26.0 serves /v1/chat/completions/render ungated and refuses --enable-scale-out at start (the H200)."""
+    assert vllm_flags.render_endpoint_flags("render", version) == flags
+    assert vllm_flags.render_endpoint_flags("local", version) == []
 
 
 def _literal_values(tp) -> set:

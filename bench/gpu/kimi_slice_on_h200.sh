@@ -40,8 +40,8 @@ R=$W/run-$N; rm -rf "$R" "$W/runs"
 # where the stage's time goes: the busiest processes every 5 s (vLLM's engine core, speculators' client)
 (while sleep 5; do echo "$(el) $(top -b -n1 -w 200 | sed -n 8,11p | awk '{printf "%s %s%% ", $12, $9}')"; done) \
   > "$OUT/top-$N.txt" & TOP=$!
-# data.tokenize "local": vLLM 0.26.0 has no --enable-scale-out (the render endpoint's flag in 0.32); the rows
-# pass through either way
+# data.tokenize "local": the rows pass through either way, and no server is started for rendering (its first
+# run here, before compat/vllm_flags.py knew, gave vLLM 0.26.0 the --enable-scale-out it does not have)
 timeout 540 python3 -m pipeline run bench/gpu/kimi-slice.toml --until extract --no-tui --run-dir "$R" \
   --set "target.model_path=\"$W/slice-$N\"" --set "data.conversations=\"$W/rows.jsonl\"" \
   --set "extract.layer_ids=[$IDS]" --set data.tokenize=\"local\" --set "run.runs_dir=\"$W/runs\"" --set "run.cache_dir=\"$W/cache\"" \

