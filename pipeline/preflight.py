@@ -16,7 +16,15 @@ from packaging.version import Version
 from pipeline import gpu
 from pipeline.calibration import CalibrationError
 from pipeline.compat import vllm_cpu_env
-from pipeline.compat.versions import KNOWN, RAN_HERE, VLLM_EXTRACTION_MIN, VLLM_EXTRACTION_WHY, installed, served_vllm
+from pipeline.compat.versions import (
+    KNOWN,
+    RAN_HERE,
+    SAFETENSORS_UNLOCKED,
+    VLLM_EXTRACTION_MIN,
+    VLLM_EXTRACTION_WHY,
+    installed,
+    served_vllm,
+)
 from pipeline.compat.versions import parse as _version
 from pipeline.plan import GIB, disk_verdict, human, make_plan
 from pipeline.profile import Profile
@@ -71,6 +79,12 @@ def version_findings(profile: Profile) -> list[Finding]:
             found.append(Finding(sev, "vllm", f"{name} {v}{where}: {why}"))
         else:
             found.append(Finding("ok", "vllm", f"{name} {v}{where}"))
+        st = installed("safetensors", py) if profile.extract.backend == "vllm" else None
+        if st and _version(st) < _version(SAFETENSORS_UNLOCKED):
+            found.append(Finding("warn", "vllm", f"safetensors {st}{where}: vLLM's hidden-states writer holds the GIL "
+                                                 f"for each file below {SAFETENSORS_UNLOCKED} and stalls the engine "
+                                                 f"(bench/save_gil.py); install safetensors>={SAFETENSORS_UNLOCKED} "
+                                                 f"beside vLLM"))
     return found
 
 

@@ -483,3 +483,21 @@ def test_versions_are_compared_as_versions():
     assert _version("0.19.1") < _version(versions.VLLM_EXTRACTION_MIN) <= _version("0.20.1+cpu")
     assert _version("0.20.0.dev3+g1234") < _version(versions.VLLM_EXTRACTION_MIN)  # a dev build before the release
     assert _version("not a version") < _version("0.0.1")
+
+
+def test_preflight_warns_of_a_safetensors_that_holds_the_gil_beside_an_extracting_vllm(monkeypatch):
+    """Below 0.8.0 safetensors' save_file holds the GIL, and vLLM's hidden-states writer threads stall its engine
+    (bench/save_gil.py): preflight says so where the run extracts through vLLM, and only there."""
+    from pipeline import preflight
+    from pipeline.profile import load_profile
+    from tests.conftest import TINY
+
+    real = preflight.installed
+    for st, extracts, warned in (("0.7.0", "vllm", True), ("0.8.0", "vllm", False), ("0.7.0", "transformers", False)):
+        monkeypatch.setattr(preflight, "installed", lambda n, py="", st=st: st if n == "safetensors" else real(n, py))
+        said = [f for f in preflight.version_findings(load_profile(TINY, {"extract.backend": extracts}))
+                if "safetensors" in f.message]
+        assert bool(said) is warned, (st, extracts, said)
+        if warned:
+            assert said[0].severity == "warn" and f"safetensors {st}" in said[0].message
+            assert "safetensors>=0.8.0" in said[0].message

@@ -37,6 +37,9 @@ IDS=${3:?extract layer ids, e.g. 1,3,4,6}
 [ -f "$W/rows.jsonl" ] || python3 bench/gpu/kimi_slice.py rows --tokenizer "$TOK" --rows "${KIMI_ROWS:-96}" \
   -o "$W/rows.jsonl"
 R=$W/run-$N; rm -rf "$R" "$W/runs"
+for pp in "$PYTHONPATH" "$PWD:/tmp/site"; do  # the safetensors the servers load, and the image's own
+  PYTHONPATH=$pp python3 -c "import safetensors as s; print('safetensors', s.__version__, s.__file__)"
+done
 # where the stage's time goes: the busiest processes every 5 s (vLLM's engine core, speculators' client)
 (while sleep 5; do echo "$(el) $(top -b -n1 -w 200 | sed -n 8,11p | awk '{printf "%s %s%% ", $12, $9}')"; done) \
   > "$OUT/top-$N.txt" & TOP=$!
@@ -64,6 +67,7 @@ f = s.get("extract", {}).get("figures", {})
 if f.get("tokens") and f.get("seconds"):
     print(f"extract_tokens_per_s {f['tokens'] / f['seconds']:.1f}")
 PY
+grep -a "safetensors" "$R/logs/server-extraction.log" 2>/dev/null | cut -c1-300 | tail -2
 du -sh "$R" 2>/dev/null; rm -rf "$R"  # its states ≈ 57 KiB a token: the disk is 64 GiB
 nvidia-smi --query-compute-apps=pid,used_memory --format=csv,noheader | wc -l | sed 's/^/GPU processes after: /'
 echo "$(el) depth $N done"

@@ -32,6 +32,11 @@ RAN_HERE = {("speculators", "0.9.0"), ("transformers", "5.19.0"), ("transformers
 # Extraction through vLLM: the hidden-states connector exists from 0.17; 0.18–0.19.1 crash on penalty sampling.
 VLLM_EXTRACTION_MIN = "0.20.0"
 VLLM_EXTRACTION_WHY = "extraction needs vLLM ≥ 0.20 (connector from 0.17; 0.18–0.19.1 crash on penalty sampling)"
+# vLLM's hidden-states connector writes from a thread pool inside the engine process; below 0.8.0 safetensors'
+# save_file holds the GIL for the whole write (vLLM's own warning, vLLM 0.26.0 and 0.32.0), stalling the
+# engine's scheduler: bench/save_gil.py measures the main thread at 0.10–0.11 of its rate during 0.7.0's
+# writes and 0.98 during 0.8.0's (one writer, 2 cores).
+SAFETENSORS_UNLOCKED = "0.8.0"
 
 
 def parse(v: str) -> Version:
