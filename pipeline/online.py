@@ -211,3 +211,19 @@ def in_threads(fn, items: list, workers: int, wait_on_error: bool = False) -> li
         raise
     finally:
         pool.shutdown(wait=False)
+
+
+def _counter(base_url: str, name: str) -> float | None:
+    code, text = http_get(f"{base_url}/metrics", timeout=2)
+    return counter_total(text, name) if code == 200 else None
+
+
+def prompt_tokens(base_url: str) -> float | None:
+    """The server's prompt-token counter on /metrics (None when it cannot be read): it moves when the
+    client's first request arrives."""
+    return _counter(base_url, "vllm:prompt_tokens_total")
+
+
+def generation_tokens(base_url: str) -> float | None:
+    """The server's generated-token counter: a server that answers /health but never moves it is stuck."""
+    return _counter(base_url, "vllm:generation_tokens_total")

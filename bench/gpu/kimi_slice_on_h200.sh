@@ -64,8 +64,9 @@ except OSError as exc:
 for name in ("prepare", "extract"):
     print(name, s.get(name, {}).get("status"), s.get(name, {}).get("figures"))
 f = s.get("extract", {}).get("figures", {})
-if f.get("tokens") and f.get("seconds"):
-    print(f"extract_tokens_per_s {f['tokens'] / f['seconds']:.1f}")
+if f.get("tokens") and f.get("seconds"):  # the calibration's: from the server's first prompt (the CLI's start apart)
+    print(f"extract_tokens_per_s {f.get('tokens_per_s') or f['tokens'] / f['seconds']:.1f} "
+          f"(client start {f.get('client_start_s')} s; with it {f['tokens'] / f['seconds']:.1f})")
 PY
 grep -a "safetensors" "$R/logs/server-extraction.log" 2>/dev/null | cut -c1-300 | tail -2
 du -sh "$R" 2>/dev/null; rm -rf "$R"  # its states ≈ 57 KiB a token: the disk is 64 GiB

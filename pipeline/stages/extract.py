@@ -6,6 +6,7 @@ resumed run skips them."""
 from __future__ import annotations
 
 import os
+import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -207,6 +208,30 @@ def state_bytes_per_token(ctx: StageContext) -> int:
     return n * info.hidden * (4 if wide else 2)
 
 
+class FirstPrompt(threading.Thread):
+    """When the server's prompt-token counter first moves past where it stood: the client's first request
+    was answered, its start (imports, the dataset) is over."""
+
+    def __init__(self, base_url: str):
+        super().__init__(daemon=True, name="first-prompt")
+        from pipeline.online import prompt_tokens
+
+        self.count, self.base_url = prompt_tokens, base_url
+        self.before = prompt_tokens(base_url) or 0.0
+        self.at: float | None = None
+        self.ended = threading.Event()
+
+    def run(self) -> None:
+        while not self.ended.wait(0.25):
+            if (n := self.count(self.base_url)) is not None and n > self.before:
+                self.at = time.perf_counter()
+                return
+
+    def stop(self) -> None:
+        self.ended.set()
+        self.join(timeout=5)
+
+
 def extract_with_vllm(ctx: StageContext, stage: str, world_size: int, rank: int, keep_server: bool = False) -> dict:
     """Through a vLLM extraction server and speculators' own `generate-offline-data` (resumable: it
     skips the hs files that exist; each is renamed into place once complete). Rows: slice `rank` of
@@ -227,6 +252,8 @@ def extract_with_vllm(ctx: StageContext, stage: str, world_size: int, rank: int,
     def have_files() -> int:
         return sum(hs_path(ctx.run.hidden_states_dir, i).exists() for i in rows)
 
+    had = {i for i in rows if hs_path(ctx.run.hidden_states_dir, i).exists()}  # a resume skips them
+
     _, mode_args = box.mode_inputs(ctx.profile, ctx.run, "extraction")
     with ctx.server("extraction", on_wait=lambda s: ctx.progress(stage, 0, total, "samples", server_wait_s=round(s)),
                     **mode_args) as srv:
@@ -238,8 +265,11 @@ def extract_with_vllm(ctx: StageContext, stage: str, world_size: int, rank: int,
             cmd += ["--world-size", str(world_size), "--rank", str(rank)]
         ctx.log.info("command: %s", " ".join(cmd))
         t1 = time.perf_counter()
+        first = FirstPrompt(srv.base_url)
+        first.start()
         rc = ctx.run_child(cmd)
         seconds = time.perf_counter() - t1
+        first.stop()
         if rc != 0:
             raise StageError(explain_failure(srv.rec, f"speculators generate-offline-data exited with {rc}: "
                                                       f"{procs.last_error_line(ctx.run.log_path(stage))}"))
@@ -249,7 +279,13 @@ def extract_with_vllm(ctx: StageContext, stage: str, world_size: int, rank: int,
                              f"{rank}/{world_size}")
         if keep_server:
             srv.hand_on("train")  # online training asks this server next
+    # the rate from the first prompt the server saw to the end: the CLI's start (imports, the dataset: 10 s or
+    # more, once a run) is not a cost per token, and a slice's calibration would carry it as one
+    start = first.at - t1 if first.at is not None else None
+    extracted = sum(seq_len[i] for i in rows if i not in had) if start is not None else 0
+    timed = {"client_start_s": round(start, 1),
+             "tokens_per_s": round(extracted / (seconds - start), 1)} if start is not None and seconds > start else {}
     return {"backend": "vllm", "samples": total, "extracted": total - before, "resumed_from": before,
-            "tokens": tokens, "server_start_s": srv.start_s, "seconds": round(seconds, 3),
+            "tokens": tokens, "server_start_s": srv.start_s, "seconds": round(seconds, 3), **timed,
             "samples_per_s": round((total - before) / seconds, 2) if seconds else 0.0,
             "layer_ids": mode_args["layer_ids"], "shard": f"{rank}/{world_size}"}

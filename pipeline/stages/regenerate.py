@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 from pipeline import atomicio, conversations, procs, target
+from pipeline.online import generation_tokens, prompt_tokens
 from pipeline.stages.base import Stage, StageContext, StageError, argv_for
 
 
@@ -186,25 +187,6 @@ def read_errors(path: Path) -> dict[str, str]:
             except (json.JSONDecodeError, KeyError, TypeError):
                 continue
     return errors
-
-
-def _counter(base_url: str, name: str) -> float | None:
-    from pipeline import online
-    from pipeline.server import http_get
-
-    code, text = http_get(f"{base_url}/metrics", timeout=2)
-    return online.counter_total(text, name) if code == 200 else None
-
-
-def prompt_tokens(base_url: str) -> float | None:
-    """The server's prompt-token counter on /metrics (None when it cannot be read): it moves when the
-    client's first request arrives."""
-    return _counter(base_url, "vllm:prompt_tokens_total")
-
-
-def generation_tokens(base_url: str) -> float | None:
-    """The server's generated-token counter: a server that answers /health but never moves it is stuck."""
-    return _counter(base_url, "vllm:generation_tokens_total")
 
 
 def regenerate_command(ctx: StageContext, endpoint: str, dataset: Path, outfile: Path) -> list[str]:
