@@ -257,7 +257,7 @@ def extract_with_vllm(ctx: StageContext, stage: str, world_size: int, rank: int,
     _, mode_args = box.mode_inputs(ctx.profile, ctx.run, "extraction")
     with ctx.server("extraction", on_wait=lambda s: ctx.progress(stage, 0, total, "samples", server_wait_s=round(s)),
                     **mode_args) as srv:
-        before = have_files()
+        before = len(had)
         cmd = [sys.executable, "-m", "speculators", "generate-offline-data", "--endpoint", f"{srv.base_url}/v1",
                "--preprocessed-data", str(prepared), "--concurrency", str(ctx.profile.extract.concurrency),
                "--validate-outputs", "--fail-on-error"]
