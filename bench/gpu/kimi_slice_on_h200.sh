@@ -9,7 +9,8 @@
 #   bash bench/gpu/kimi_slice_on_h200.sh measure 12; … extract 12 2,6,9,12
 # KIMI_TOKENIZER: a directory in the working tree with a built demo target's tokenizer files (config.json,
 # tokenizer.json, tokenizer_config.json, chat_template.jinja; the slice keeps Kimi's 163,840-row vocabulary).
-# KIMI_ROWS (96) rows of 2,048 tokens for extraction. Results to $OUT: depth-N.json, the run's state.json,
+# KIMI_ROWS (96) rows of 2,048 tokens for extraction; KIMI_SETS more KEY=VALUE for the stage's run;
+# KIMI_CLIENT ("validate plain c64"): speculators' client alone after the stage (below). Results to $OUT: depth-N.json, the run's state.json,
 # the servers' logs' tails. Then, here: python bench/gpu/kimi_slice.py calibrate depth-*.json --extract N=TOK_S …
 set -uo pipefail
 PHASE=${1:-}; N=${2:?layers}
@@ -36,39 +37,56 @@ IDS=${3:?extract layer ids, e.g. 1,3,4,6}
   -o "$W/slice-$N"
 [ -f "$W/rows.jsonl" ] || python3 bench/gpu/kimi_slice.py rows --tokenizer "$TOK" --rows "${KIMI_ROWS:-96}" \
   -o "$W/rows.jsonl"
-R=$W/run-$N; rm -rf "$R" "$W/runs"
-for pp in "$PYTHONPATH" "$PWD:/tmp/site"; do  # the safetensors the servers load, and the image's own
-  PYTHONPATH=$pp python3 -c "import safetensors as s; print('safetensors', s.__version__, s.__file__)"
-done
+XSETS=(); for kv in ${KIMI_SETS:-}; do XSETS+=(--set "$kv"); done  # more KEY=VALUE for the run, space-separated
+ST=st$(python3 -c "import safetensors as s; print(s.__version__)")  # below 0.8.0 vLLM's writers hold the GIL
+R=$W/run-$N-$ST; rm -rf "$R" "$W/runs"
 # where the stage's time goes: the busiest processes every 5 s (vLLM's engine core, speculators' client)
 (while sleep 5; do echo "$(el) $(top -b -n1 -w 200 | sed -n 8,11p | awk '{printf "%s %s%% ", $12, $9}')"; done) \
-  > "$OUT/top-$N.txt" & TOP=$!
+  > "$OUT/top-$N-$ST.txt" & TOP=$!
 # data.tokenize "local": the rows pass through either way, and no server is started for rendering (its first
 # run here, before compat/vllm_flags.py knew, gave vLLM 0.26.0 the --enable-scale-out it does not have)
-timeout 540 python3 -m pipeline run bench/gpu/kimi-slice.toml --until extract --no-tui --run-dir "$R" \
+timeout "${KIMI_RUN_S:-270}" python3 -m pipeline run bench/gpu/kimi-slice.toml --until extract --no-tui --run-dir "$R" \
   --set "target.model_path=\"$W/slice-$N\"" --set "data.conversations=\"$W/rows.jsonl\"" \
   --set "extract.layer_ids=[$IDS]" --set data.tokenize=\"local\" --set "run.runs_dir=\"$W/runs\"" --set "run.cache_dir=\"$W/cache\"" \
+  "${XSETS[@]}" \
   2>&1 | grep -vE '^\[[a-z-]+\] [0-9]+/[0-9]+ ' | cut -c1-400
-echo "$(el) run --until extract: exit ${PIPESTATUS[0]}"
+echo "$(el) [$ST] run --until extract: exit ${PIPESTATUS[0]}"
 kill "$TOP" 2>/dev/null
-cp "$R/state.json" "$OUT/state-$N.json" 2>/dev/null
+cp "$R/state.json" "$OUT/state-$N-$ST.json" 2>/dev/null
 # speculators' own account per sample (its progress bar: the request's ms in vLLM, the move's ms)
-tr '\r' '\n' < "$R/logs/extract.log" 2>/dev/null | grep -aE "rps|vllm=|write=" | tail -3 > "$OUT/extract-$N.tail"
-cat "$OUT/extract-$N.tail"
-python3 - "$R/state.json" <<'PY'
+tr '\r' '\n' < "$R/logs/extract.log" 2>/dev/null | grep -aE "rps|vllm=|write=" | tail -3 > "$OUT/extract-$N-$ST.tail"
+cat "$OUT/extract-$N-$ST.tail"
+python3 - "$R/state.json" "$ST" <<'PY'
 import json, sys
 try:
     s = json.load(open(sys.argv[1]))["stages"]
 except OSError as exc:
     sys.exit(f"no state: {exc}")
 for name in ("prepare", "extract"):
-    print(name, s.get(name, {}).get("status"), s.get(name, {}).get("figures"))
+    print(f"[{sys.argv[2]}]", name, s.get(name, {}).get("status"), s.get(name, {}).get("figures"))
 f = s.get("extract", {}).get("figures", {})
 if f.get("tokens") and f.get("seconds"):  # the calibration's: from the server's first prompt (the CLI's start apart)
-    print(f"extract_tokens_per_s {f.get('tokens_per_s') or f['tokens'] / f['seconds']:.1f} "
+    print(f"[{sys.argv[2]}] extract_tokens_per_s {f.get('tokens_per_s') or f['tokens'] / f['seconds']:.1f} "
           f"(client start {f.get('client_start_s')} s; with it {f['tokens'] / f['seconds']:.1f})")
 PY
 grep -a "safetensors" "$R/logs/server-extraction.log" 2>/dev/null | cut -c1-300 | tail -2
+# KIMI_CLIENT ("validate plain c64 c8"): speculators' client alone, one run each against one extraction server
+# of this run (the stage's own argv: validate = --validate-outputs at concurrency 32; plain = without it;
+# cN = validated at concurrency N): what the client's checks and its concurrency cost, the CLI's start timed
+if [ -n "${KIMI_CLIENT:-}" ] && [ -d "$R/data/prepared" ]; then
+  timeout 240 python3 -m pipeline server start --run-dir "$R" --mode extraction 2>&1 | tail -1 | cut -c1-300
+  for v in $KIMI_CLIENT; do
+    case "$v" in validate) c=32; val=(--validate-outputs) ;; plain) c=32; val=() ;;
+                 c[0-9]*) c=${v#c}; val=(--validate-outputs) ;; *) echo "KIMI_CLIENT: $v?"; continue ;; esac
+    rm -rf "$W/hs-$v"; t=$(date +%s%N)
+    timeout 150 python3 -m speculators generate-offline-data --endpoint "http://127.0.0.1:8811/v1" \
+      --preprocessed-data "$R/data/prepared" --output "$W/hs-$v" --concurrency "$c" "${val[@]}" --fail-on-error \
+      2>&1 | tr '\r' '\n' | grep -aE "rps=" | tail -1 | cut -c1-200
+    echo "[client $v] $(( ($(date +%s%N) - t) / 1000000 )) ms, $(ls "$W/hs-$v" 2>/dev/null | wc -l) files"
+    rm -rf "$W/hs-$v"
+  done
+  python3 -m pipeline server stop --run-dir "$R" 2>&1 | tail -1
+fi
 du -sh "$R" 2>/dev/null; rm -rf "$R"  # its states ≈ 57 KiB a token: the disk is 64 GiB
 nvidia-smi --query-compute-apps=pid,used_memory --format=csv,noheader | wc -l | sed 's/^/GPU processes after: /'
 echo "$(el) depth $N done"

@@ -204,8 +204,8 @@ def cmd_prefill(a) -> int:
     profile = run.profile()
     target_dir, mode_args = box.mode_inputs(profile, run, "baseline")
     t0 = time.perf_counter()
-    rec = box.start_mode(profile, "baseline", target_dir, run.log_path("server-baseline"), run.cache_root,
-                         lambda m: print(m[:300], flush=True), **mode_args)
+    rec = box.start_mode(profile, "baseline", target_dir, log_path=run.log_path("server-baseline"),
+                         cache_root=run.cache_root, say=lambda m: print(m[:300], flush=True), **mode_args)
     start_s = round(time.perf_counter() - t0, 1)
     print(f"baseline server healthy after {start_s} s: pid {rec.pid}, {rec.base_url}", flush=True)
     status = box.controller(profile).status()
