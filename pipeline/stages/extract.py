@@ -12,6 +12,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 from pipeline import target
+from pipeline.compat.offline_clients import shard
 from pipeline.stages.base import Stage, StageContext, StageError, argv_for
 
 
@@ -63,14 +64,6 @@ class _PinnedRing:
         ready = torch.cuda.Event()
         ready.record()
         return host, ready, self.readers[i]
-
-
-def shard(total: int, world_size: int, rank: int) -> range:
-    """Rank `rank`'s contiguous slice of `total` rows, sizes differing by at most one: the split
-    speculators' generate-offline-data makes with --world-size/--rank, so both backends agree."""
-    chunk, extra = divmod(total, world_size)
-    start = rank * chunk + min(rank, extra)
-    return range(start, start + chunk + (1 if rank < extra else 0))
 
 
 def plan_batches(lengths: dict[int, int], batch_size: int, batch_tokens: int) -> list[list[int]]:
@@ -158,7 +151,9 @@ class Extract(Stage):
             return extract_cache(ctx, self.name)
         if ctx.profile.extract.backend == "vllm":
             ex = ctx.profile.extract
-            return extract_with_vllm(ctx, self.name, ex.world_size, ex.rank)
+            from pipeline.plan import extraction_clients
+
+            return extract_with_vllm(ctx, self.name, ex.world_size, ex.rank, clients=extraction_clients(ctx.profile))
         from datasets import load_from_disk
 
         ds = load_from_disk(str(ctx.run.prepared_dir))
@@ -232,20 +227,23 @@ class FirstPrompt(threading.Thread):
         self.join(timeout=5)
 
 
-def extract_with_vllm(ctx: StageContext, stage: str, world_size: int, rank: int, keep_server: bool = False) -> dict:
+def extract_with_vllm(ctx: StageContext, stage: str, world_size: int, rank: int, keep_server: bool = False,
+                      clients: int = 1) -> dict:
     """Through a vLLM extraction server and speculators' own `generate-offline-data` (resumable: it
     skips the hs files that exist; each is renamed into place once complete). Rows: slice `rank` of
-    `world_size` (its own split). keep_server: hand the server on to online training, which asks it next."""
+    `world_size` (its own split), over `clients` client processes (pipeline/compat/offline_clients.py).
+    keep_server: hand the server on to online training, which asks it next."""
     import sys
 
     from datasets import load_from_disk
 
     from pipeline import box, procs
+    from pipeline.compat import offline_clients
     from pipeline.server import explain_failure
 
     prepared = ctx.run.prepared_dir
     ds = load_from_disk(str(prepared))
-    rows = shard(len(ds), world_size, rank)
+    rows = offline_clients.rows(len(ds), world_size, rank, clients)
     seq_len = ds.with_format(None)["seq_len"]
     total, tokens = len(rows), int(sum(seq_len[i] for i in rows))
 
@@ -261,8 +259,11 @@ def extract_with_vllm(ctx: StageContext, stage: str, world_size: int, rank: int,
         cmd = [sys.executable, "-m", "speculators", "generate-offline-data", "--endpoint", f"{srv.base_url}/v1",
                "--preprocessed-data", str(prepared), "--concurrency", str(ctx.profile.extract.concurrency),
                "--validate-outputs", "--fail-on-error"]
-        if world_size > 1:
-            cmd += ["--world-size", str(world_size), "--rank", str(rank)]
+        if clients > 1:
+            cmd = [sys.executable, "-m", "pipeline.compat.offline_clients", str(clients), str(world_size),
+                   str(rank), "--", *cmd]
+        else:
+            cmd = offline_clients.client_argv(cmd, world_size, rank)
         ctx.log.info("command: %s", " ".join(cmd))
         t1 = time.perf_counter()
         first = FirstPrompt(srv.base_url)
@@ -288,4 +289,4 @@ def extract_with_vllm(ctx: StageContext, stage: str, world_size: int, rank: int,
     return {"backend": "vllm", "samples": total, "extracted": total - before, "resumed_from": before,
             "tokens": tokens, "server_start_s": srv.start_s, "seconds": round(seconds, 3), **timed,
             "samples_per_s": round((total - before) / seconds, 2) if seconds else 0.0,
-            "layer_ids": mode_args["layer_ids"], "shard": f"{rank}/{world_size}"}
+            "layer_ids": mode_args["layer_ids"], "shard": f"{rank}/{world_size}", "clients": clients}
