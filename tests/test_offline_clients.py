@@ -24,6 +24,15 @@ def test_the_clients_of_every_node_take_each_row_once(world, clients):
                        for r in range(world))
 
 
+def test_the_split_is_speculators_own():
+    """speculators 0.9.0's generate-offline-data picks its rows by get_indices_to_process: the stage's count
+    of a node's files (and the launcher's slices) must be the same rows."""
+    from speculators.data_generation.offline import get_indices_to_process
+
+    for total, world, rank in ((10, 3, 0), (10, 3, 2), (31, 4, 3), (5, 8, 6)):
+        assert get_indices_to_process(total, None, [], world, rank) == list(offline_clients.shard(total, world, rank))
+
+
 def test_each_client_gets_its_slice_and_its_output_is_labelled():
     echo = [sys.executable, "-c", "import sys; print(' '.join(sys.argv[1:]))", "--concurrency", "8"]
     proc = subprocess.run([*LAUNCH, "3", "2", "1", "--", *echo], capture_output=True, text=True, timeout=60)
