@@ -38,10 +38,8 @@ def coarse_secs(s: float | None) -> str:
 def eta_text(s: float | None) -> str:
     """An estimate, shown as one: whole minutes (it moves faster than the clock, so seconds would
     repaint the table every tick)."""
-    if s is None:
-        return ""
-    m = int(s // 60)
-    return "<1m" if m == 0 else (f"~{m}m" if m < 60 else f"~{m // 60}h{m % 60:02d}m")
+    t = coarse_secs(s)
+    return t if t in ("", "<1m") else f"~{t}"
 
 
 def count(n: float) -> str:

@@ -94,6 +94,25 @@ def read_json(path: Path) -> Any:
         return None
 
 
+def read_jsonl_from(path: Path, offset: int) -> tuple[list, int]:
+    """The records appended since byte `offset`, and where the next read starts: complete lines only (a
+    torn tail waits for the next poll), unreadable ones skipped; nothing while the file is missing."""
+    try:
+        with open(path, "rb") as fh:
+            fh.seek(offset)
+            data = fh.read()
+    except FileNotFoundError:
+        return [], offset
+    end = data.rfind(b"\n") + 1
+    records = []
+    for raw in data[:end].splitlines():
+        try:
+            records.append(json.loads(raw))
+        except json.JSONDecodeError:
+            continue
+    return records, offset + end
+
+
 def read_jsonl(path: Path) -> Iterator[dict]:
     """Complete records only: a torn line (crash mid-append) is skipped, never raised."""
     path = Path(path)

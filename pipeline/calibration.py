@@ -183,10 +183,6 @@ def _compute_bound(cal: Calibration, box: Box, rate_of, what: str) -> Figure:
                   f"{layers * 1e6:.1f} µs its layers + {comm * 1e6:.1f} µs all-reduce")
 
 
-def prefill_rate(cal: Calibration, box: Box) -> Figure:
-    return _compute_bound(cal, box, lambda d: d.prefill_tokens_per_s, "prefill")
-
-
 def extract_rate(cal: Calibration, box: Box) -> Figure:
     return _compute_bound(cal, box, lambda d: d.extract_tokens_per_s, "extraction")
 

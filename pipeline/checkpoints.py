@@ -6,11 +6,11 @@ with evaluate.checkpoints = "each" the trainer's launcher copies each as it is s
 what evaluation and vLLM read."""
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from pipeline import atomicio
 from pipeline.compat.speculators_compat import KEPT_DIR as KEPT
 
 
@@ -22,10 +22,7 @@ def epoch_dirs(save_path: Path) -> list[Path]:
 
 
 def training_state(path: Path) -> dict | None:
-    try:
-        state = json.loads((path / "training_state.json").read_text())
-    except (OSError, ValueError):
-        return None
+    state = atomicio.read_json(path / "training_state.json")
     return state if isinstance(state, dict) and "epoch" in state else None
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import threading
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
@@ -227,3 +228,28 @@ def prompt_tokens(base_url: str) -> float | None:
 def generation_tokens(base_url: str) -> float | None:
     """The server's generated-token counter: a server that answers /health but never moves it is stuck."""
     return _counter(base_url, "vllm:generation_tokens_total")
+
+
+class FirstPrompt(threading.Thread):
+    """When the server's prompt-token counter first moves past where it stood (a reused server has answered
+    others already): the client's first request was answered, its start (imports, the dataset) is over.
+    `check()` from a watcher's own loop, or `start()` to poll every 0.25 s until `stop()`."""
+
+    def __init__(self, base_url: str):
+        super().__init__(daemon=True, name="first-prompt")
+        self.base_url, self.before = base_url, prompt_tokens(base_url) or 0.0
+        self.at: float | None = None
+        self.ended = threading.Event()
+
+    def check(self) -> float | None:
+        if self.at is None and (n := prompt_tokens(self.base_url)) is not None and n > self.before:
+            self.at = time.perf_counter()
+        return self.at
+
+    def run(self) -> None:
+        while self.check() is None and not self.ended.wait(0.25):
+            pass
+
+    def stop(self) -> None:
+        self.ended.set()
+        self.join(timeout=5)

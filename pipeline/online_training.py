@@ -15,7 +15,6 @@ from pathlib import Path
 
 from pipeline import online
 from pipeline.profile import Profile
-from pipeline.server import http_get
 
 
 def mooncake_args(profile: Profile) -> argparse.Namespace:
@@ -77,7 +76,7 @@ class StatesWatch:
         self._thread = threading.Thread(target=self._loop, name="states-watch", daemon=True)
 
     def __enter__(self) -> StatesWatch:
-        self._start_tokens = self._prompt_tokens() or 0.0
+        self._start_tokens = online.prompt_tokens(self.base_url) or 0.0
         self._thread.start()
         return self
 
@@ -85,10 +84,6 @@ class StatesWatch:
         self._stop.set()
         self._thread.join(timeout=10)
         self._sample_disk()
-
-    def _prompt_tokens(self) -> float | None:
-        code, text = http_get(f"{self.base_url}/metrics", timeout=5)
-        return online.counter_total(text, "vllm:prompt_tokens_total") if code == 200 else None
 
     def _sample_disk(self) -> None:
         sizes = []
@@ -107,7 +102,7 @@ class StatesWatch:
             self._sample_disk()
             if time.monotonic() < next_rate:
                 continue
-            tokens, now = self._prompt_tokens(), time.monotonic()
+            tokens, now = online.prompt_tokens(self.base_url), time.monotonic()
             if tokens is not None:
                 self.generated_tokens = tokens - self._start_tokens
                 self.report(generate_tok_s=round((tokens - last_tokens) / (now - last_t), 1),

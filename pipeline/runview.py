@@ -9,6 +9,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from pipeline import atomicio
 from pipeline.rundir import RunDir
 
 _ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]|\r")
@@ -66,24 +67,8 @@ class RunWatcher:
         self._eval: dict | None = None
         self._picked: tuple[float, dict | None] = (0.0, None)
 
-    def _read_new(self, path: Path, offset: int) -> tuple[list[dict], int]:
-        try:
-            with open(path, "rb") as fh:
-                fh.seek(offset)
-                data = fh.read()
-        except FileNotFoundError:
-            return [], offset
-        end = data.rfind(b"\n") + 1  # complete lines only; a torn tail waits for the next poll
-        records = []
-        for raw in data[:end].splitlines():
-            try:
-                records.append(json.loads(raw))
-            except json.JSONDecodeError:
-                continue
-        return records, offset + end
-
     def poll(self) -> RunView:
-        events, self._offset = self._read_new(self.run.events_path, self._offset)
+        events, self._offset = atomicio.read_jsonl_from(self.run.events_path, self._offset)
         for e in events:
             stage, kind = e.get("stage"), e.get("kind")
             if kind == "start":
@@ -96,7 +81,7 @@ class RunWatcher:
                     self._loss.append(e["train/loss"])
                 self._metrics.setdefault(stage, {}).update(
                     {k: v for k, v in e.items() if isinstance(v, (int, float)) and k not in ("t",)})
-        notes, self._notes_offset = self._read_new(self.run.notes_path, self._notes_offset)
+        notes, self._notes_offset = atomicio.read_jsonl_from(self.run.notes_path, self._notes_offset)
         self._notes += notes
         full_state = self.run.read_state()
         state = full_state.get("stages", {})

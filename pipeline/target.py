@@ -12,7 +12,6 @@ from pathlib import Path
 from pipeline.compat import prenorm
 
 # torch is imported where it is used: the console imports the stage modules and must stay light.
-DTYPE_NAMES = ("float32", "bfloat16", "float16")
 
 
 def load_tokenizer(path: Path):

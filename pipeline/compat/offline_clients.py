@@ -21,7 +21,6 @@ import threading
 
 CLIENT_ROWS_PER_S = 120.0
 """What one client keeps up with, rows a second (H200, vLLM 0.26.0, speculators 0.9.0: 105–144 measured)."""
-MAX_CLIENTS = 8
 
 
 def slices(world_size: int, rank: int, clients: int) -> list[tuple[int, int]]:

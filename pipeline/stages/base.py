@@ -25,14 +25,6 @@ class StageError(RuntimeError):
         self.resumable = resumable
 
 
-def target_dir(run: RunDir, profile: Profile) -> Path:
-    """The served target (RunDir.target_dir), a stage's failure when the demo target is not built yet."""
-    try:
-        return run.target_dir(profile)
-    except RunDirError as exc:
-        raise StageError(str(exc)) from None
-
-
 def clear_raw_states(raw: Path) -> int:
     """Empty the extraction connector's storage: each file there is a state in flight, or one a killed
     attempt left with its lock; generate-offline-data moves every finished one out. Returns the files cleared."""
@@ -151,7 +143,11 @@ class StageContext:
 
     # What earlier stages produced, typed (one place decides where a stage's inputs are).
     def target_dir(self) -> Path:
-        return target_dir(self.run, self.profile)
+        """The served target (RunDir.target_dir), a stage's failure when the demo target is not built yet."""
+        try:
+            return self.run.target_dir(self.profile)
+        except RunDirError as exc:
+            raise StageError(str(exc)) from None
 
     def source_conversations(self) -> Path:
         """Where the conversations are read: the one local file, the demo's, or the run's gathered mix

@@ -6,7 +6,6 @@ resumed run skips them."""
 from __future__ import annotations
 
 import os
-import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -193,38 +192,13 @@ def extract_cache(ctx: StageContext, stage: str) -> dict:
 def state_bytes_per_token(ctx: StageContext) -> int:
     """Bytes of one token's states as the extraction server writes them: the aux layers plus the
     last, in the server's dtype (float32 on a CPU, bf16 on GPUs unless the profile says otherwise)."""
+    from pipeline import vllm_modes
     from pipeline.target import resolve_layer_ids
     from pipeline.targetinfo import from_config
 
     info = from_config(ctx.target_dir() / "config.json")
     n = len(resolve_layer_ids(ctx.profile.extract.layer_ids, info.layers))
-    wide = ctx.profile.server.dtype == "float32" or (ctx.profile.server.dtype == "auto"
-                                                    and ctx.profile.target.dtype == "float32")
-    return n * info.hidden * (4 if wide else 2)
-
-
-class FirstPrompt(threading.Thread):
-    """When the server's prompt-token counter first moves past where it stood: the client's first request
-    was answered, its start (imports, the dataset) is over."""
-
-    def __init__(self, base_url: str):
-        super().__init__(daemon=True, name="first-prompt")
-        from pipeline.online import prompt_tokens
-
-        self.count, self.base_url = prompt_tokens, base_url
-        self.before = prompt_tokens(base_url) or 0.0
-        self.at: float | None = None
-        self.ended = threading.Event()
-
-    def run(self) -> None:
-        while not self.ended.wait(0.25):
-            if (n := self.count(self.base_url)) is not None and n > self.before:
-                self.at = time.perf_counter()
-                return
-
-    def stop(self) -> None:
-        self.ended.set()
-        self.join(timeout=5)
+    return n * info.hidden * (4 if vllm_modes.served_dtype(ctx.profile) == "float32" else 2)
 
 
 def extract_with_vllm(ctx: StageContext, stage: str, world_size: int, rank: int, keep_server: bool = False,
@@ -237,7 +211,7 @@ def extract_with_vllm(ctx: StageContext, stage: str, world_size: int, rank: int,
 
     from datasets import load_from_disk
 
-    from pipeline import box, procs
+    from pipeline import box, online, procs
     from pipeline.compat import offline_clients
     from pipeline.server import explain_failure
 
@@ -266,7 +240,7 @@ def extract_with_vllm(ctx: StageContext, stage: str, world_size: int, rank: int,
             cmd = offline_clients.client_argv(cmd, world_size, rank)
         ctx.log.info("command: %s", " ".join(cmd))
         t1 = time.perf_counter()
-        first = FirstPrompt(srv.base_url)
+        first = online.FirstPrompt(srv.base_url)
         first.start()
         rc = ctx.run_child(cmd)
         seconds = time.perf_counter() - t1

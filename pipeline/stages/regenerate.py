@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 from pipeline import atomicio, conversations, procs, target
-from pipeline.online import generation_tokens, prompt_tokens
+from pipeline.online import FirstPrompt, generation_tokens
 from pipeline.stages.base import Stage, StageContext, StageError, argv_for
 
 
@@ -142,34 +142,17 @@ class RowsWatch:
         self.last_row_at: float | None = None  # when the latest row was seen (perf_counter)
 
     def poll(self) -> None:
-        try:
-            with open(self.path, "rb") as fh:
-                fh.seek(self.offset)
-                chunk = fh.read()
-        except FileNotFoundError:
-            return
-        end = chunk.rfind(b"\n") + 1  # only whole lines
-        for line in chunk[:end].splitlines():
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError:
-                continue
+        rows, self.offset = atomicio.read_jsonl_from(self.path, self.offset)
+        for row in rows:
             self.done.add(str(row.get("primary_id")))
             self.tokens += int((row.get("metadata") or {}).get("usage", {}).get("completion_tokens") or 0)
             self.last_row_at = time.perf_counter()
-        self.offset += end
 
 
 def read_rows(path: Path) -> dict[str, list[dict]]:
     """speculators' rows by conversation, each conversation's generations in order."""
     by_conv: dict[str, list[dict]] = {}
-    if not path.is_file():
-        return by_conv
-    for line in path.read_text(encoding="utf-8").splitlines():
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError:
-            continue
+    for row in atomicio.read_jsonl(path):
         if isinstance(row, dict) and row.get("input_ids") and row.get("primary_id") is not None:
             by_conv.setdefault(str(row["primary_id"]), []).append(row)
     for rows in by_conv.values():
@@ -179,13 +162,9 @@ def read_rows(path: Path) -> dict[str, list[dict]]:
 
 def read_errors(path: Path) -> dict[str, str]:
     errors: dict[str, str] = {}
-    if path.is_file():
-        for line in path.read_text(encoding="utf-8").splitlines():
-            try:
-                row = json.loads(line)
-                errors[str(row["id"])] = str((row.get("metadata") or {}).get("error", ""))[:200]
-            except (json.JSONDecodeError, KeyError, TypeError):
-                continue
+    for row in atomicio.read_jsonl(path):
+        if isinstance(row, dict) and "id" in row:
+            errors[str(row["id"])] = str((row.get("metadata") or {}).get("error", ""))[:200]
     return errors
 
 
@@ -221,10 +200,9 @@ class Follower(threading.Thread):
         super().__init__(name="regenerate-progress", daemon=True)
         self.ctx, self.stage, self.rec, self.watch, self.total = ctx, stage, rec, watch, total
         self.tokens_before = watch.tokens
-        self.asked_before = prompt_tokens(rec.base_url)  # a reused server has answered others already
+        self.first = FirstPrompt(rec.base_url)
         self.t0 = self.moved_at = time.perf_counter()
         self.generated: float | None = None
-        self.first_request: float | None = None
         self.died: str | None = None
         self.stalled: str | None = None
         self.client = None
@@ -256,11 +234,8 @@ class Follower(threading.Thread):
     def _tick(self, death) -> str | None:
         now, w = time.perf_counter(), self.watch
         w.poll()
-        if self.first_request is None and (asked := prompt_tokens(self.rec.base_url)) is not None \
-                and asked > (self.asked_before or 0):
-            self.first_request = now
         made = w.tokens - self.tokens_before
-        since = now - (self.first_request or now)
+        since = now - (self.first.check() or now)
         self.ctx.progress(self.stage, len(w.done), self.total, "conversations", tokens=made,
                           tok_s=round(made / since, 1) if since > 0 else None)
         self.died = death(self.rec, wait=0)
@@ -282,8 +257,9 @@ class Follower(threading.Thread):
         self.watch.poll()  # the last rows, and when the last one came
         last_row = last_row or self.watch.last_row_at or end
         wall = end - self.t0
-        start = self.first_request - self.t0 if self.first_request else None
-        generating = last_row - self.first_request if self.first_request else None
+        first = self.first.at
+        start = first - self.t0 if first else None
+        generating = last_row - first if first else None
         return {"generate_seconds": round(wall, 1), "client_start_s": round(start, 1) if start is not None else None,
                 "generated_tok_s": round(made / generating, 1) if made > 0 and generating else None,
                 "generated_tok_s_with_client_start": round(made / wall, 1) if wall and made > 0 else None}

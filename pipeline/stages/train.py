@@ -10,7 +10,7 @@ import sys
 import time
 from pathlib import Path
 
-from pipeline import atomicio, mooncake, online_training, procs
+from pipeline import atomicio, mooncake, online_training, procs, vllm_modes
 from pipeline.checkpoints import final_checkpoint, kept_sub_epoch, quarantine_incomplete
 from pipeline.compat import speculators_compat, torch_distributed_errors
 from pipeline.server import explain_failure
@@ -19,16 +19,11 @@ from pipeline.target import resolve_layer_ids
 from pipeline.targetinfo import from_config
 
 
-def accelerator_available() -> bool:
-    import torch
-    return torch.accelerator.is_available()
-
-
 def build_command(ctx: StageContext, *, python: str = sys.executable, endpoint: str | None = None) -> list[str]:
     """The argv (never a shell string) that trains the draft with this profile; with `endpoint` (online),
     missing states are generated through that extraction server instead of being an error."""
     p, t = ctx.profile, ctx.profile.train
-    gpu = accelerator_available()
+    gpu = vllm_modes.accelerator_available()
     n_layers = from_config(ctx.target_dir() / "config.json").layers  # multimodal wrappers: text_config
     layer_ids = resolve_layer_ids(p.extract.layer_ids, n_layers)
     d2t, t2d = ctx.run.vocab_mappings(ctx.profile.vocab.draft_vocab_size)
