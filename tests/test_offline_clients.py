@@ -53,6 +53,27 @@ def test_a_failing_client_stops_the_others_and_its_code_is_the_exit(tmp_path):
     assert not marker.exists()  # the others were stopped, not waited for
 
 
+def test_every_client_is_in_the_launchers_group(tmp_path):
+    """The stage records one process group (a resume after a SIGKILL stops it first, stop_orphan_child):
+    stopping the launcher's group must stop every client, or two would write the same files."""
+    import time
+
+    from pipeline import procs
+
+    pids = tmp_path / "pids"
+    body = f"import os, time; open({str(pids)!r}, 'a').write(f'{{os.getpid()}}\\n'); time.sleep(120)"
+    launcher = subprocess.Popen([*LAUNCH, "3", "1", "0", "--", sys.executable, "-c", body], start_new_session=True,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 60
+    while (not pids.exists() or len(pids.read_text().split()) < 3) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    clients = [int(p) for p in pids.read_text().split()]
+    assert len(clients) == 3 and {p.pid for p in procs.group_members(launcher.pid)} >= set(clients)
+    procs.stop_group(launcher.pid, grace=5)
+    launcher.wait(timeout=30)
+    assert not procs.group_members(launcher.pid)
+
+
 def test_bad_usage_is_one_line_and_exit_2():
     proc = subprocess.run([*LAUNCH, "2", "1"], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "usage" in proc.stderr
