@@ -1,7 +1,7 @@
 """Several `speculators generate-offline-data` clients against one extraction server (speculators 0.9.0).
 
 One client is one Python process on one core (openai's async client, the moves, the checks): measured on an
-H200 (NOTES.md "Where extraction loses") it tops out at 110–145 rows a second whatever its concurrency, so
+H200 (NOTES.md "Where extraction loses") it tops out at 105–144 rows a second whatever its concurrency, so
 short rows (an 8B-class target's 110-token rows: 12,971 tok/s against a bare prefill's 29,941) wait on the
 client, not the server; four clients took the same rows at 46,600 tok/s. The clients split the rows with
 the CLI's own --world-size/--rank (contiguous slices): a node that is slice `rank` of `world_size` runs
