@@ -139,6 +139,7 @@ def test_sigkill_during_online_training_then_resume(tmp_path, cache_dir, finishe
 
     # Online: speculators' own path, the cache kept, generated states deleted once loaded.
     assert figs["mode"] == "online" and figs["generated_tokens"] > 0
+    assert 0 <= figs["data_wait_share"] <= 1  # the trainer's wait for generated states, reported
     cmd = next(e["argv"] for e in reversed(list(run.events())) if e["kind"] == "command")
     assert cmd[cmd.index("--on-missing") + 1] == "generate"
     cached, rows = run.stage_state("extract")["figures"]["cached_rows"], run.stage_state("prepare")["figures"]["rows"]

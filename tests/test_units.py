@@ -445,3 +445,12 @@ def test_two_processes_building_the_same_target_share_one_result(tmp_path):
     assert built[0] == built[1] == str(tmp_path / f"demo-target-{key}")
     assert sorted(p.name for p in tmp_path.iterdir()) == [f"demo-target-{key}"]
     assert (tmp_path / f"demo-target-{key}" / "model.safetensors").is_file()
+
+
+def test_the_data_wait_share_leaves_the_compile_step_out():
+    from pipeline.stages.train import data_wait_share
+
+    # the first logged step compiles (long, no wait); the others waited a quarter of their time for states
+    assert data_wait_share([9000.0, 100.0, 300.0], [0.0, 25.0, 75.0]) == 0.25
+    assert data_wait_share([80.0], [20.0]) == 0.25  # one step: it is all there is
+    assert data_wait_share([], []) is None

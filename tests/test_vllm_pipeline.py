@@ -31,6 +31,7 @@ def test_render_endpoint_rows_equal_local_chat_template(vllm_run):
     assert len(list(vllm_run.hidden_states_dir.glob("hs_*.safetensors"))) == len(ds)
     log = vllm_run.log_path("extract").read_text()
     assert "[client 1/2]" in log and "[client 2/2]" in log
+    assert 0 <= vllm_run.stage_state("train")["figures"]["data_wait_share"] < 1  # offline: states from disk
     tok = target.load_tokenizer(vllm_run.stage_state("build-target")["figures"]["target_dir"])
     loaded = conversations.load(Path(vllm_run.profile().data.conversations))
     train, _ = conversations.split_heldout(loaded.conversations, vllm_run.profile().data.heldout)

@@ -130,6 +130,7 @@ class Train(Stage):
         epochs = ctx.profile.train.epochs
         last: dict[str, float] = {}
         step_ms: list[float] = []
+        fetch_ms: list[float] = []  # of each logged step, the time it waited for its batch (states online)
         steps = 0
         epoch = int(resumed.name) + 1 if resumed else 0
 
@@ -144,6 +145,7 @@ class Train(Stage):
                 steps += 1
                 if "profile/step_ms" in metrics:
                     step_ms.append(metrics["profile/step_ms"])
+                    fetch_ms.append(metrics.get("profile/fetch_ms", 0.0))
                 last.update(metrics)
                 ctx.emit("metric", self.name, step=int(step) if step is not None else steps, epoch=epoch, **metrics)
                 ctx.progress(self.name, epoch, epochs, "epochs", step=steps, loss=metrics.get("train/loss"))
@@ -189,11 +191,20 @@ class Train(Stage):
         figures = {"checkpoint": str(ckpt), "epochs": epochs, "logged_steps": steps,
                    # the planner's measured rate: median step after the first (compile), all ranks
                    "tokens_per_s": steady_tokens_per_s(step_ms, ctx.profile),
+                   "data_wait_share": data_wait_share(step_ms, fetch_ms),
                    "resumed_from_epoch": int(resumed.name) if resumed else None, "quarantined": moved,
                    **({"kept_sub_epoch": len(kept_sub_epoch(save))} if speculators_compat.KEEP_ENV in env else {})}
         figures.update({k.replace("/", "_"): round(v, 4) for k, v in last.items()
                         if k == "train/loss" or (k.startswith("val/") and re.search(r"(loss|acc)", k))})
         return figures
+
+
+def data_wait_share(step_ms: list[float], fetch_ms: list[float]) -> float | None:
+    """The share of the logged steps' time (after the first: compile) spent waiting for data — online, for the
+    server's states; what keeps online training below offline where it is not the server's rate."""
+    steady = slice(1, None) if len(step_ms) > 1 else slice(None)
+    total = sum(step_ms[steady])
+    return round(sum(fetch_ms[steady]) / total, 3) if total > 0 else None
 
 
 def steady_tokens_per_s(step_ms: list[float], profile) -> float | None:
