@@ -69,12 +69,11 @@ def extraction_config(profile: Profile, layer_ids: list[int], storage: Path, cpu
             kv |= {"kv_connector": "CpuMooncakeHiddenStatesConnector",
                    "kv_connector_module_path": "pipeline.compat.vllm_cpu_mooncake_connector"}
         return spec, kv
-    kv = {"kv_connector": "ExampleHiddenStatesConnector", "kv_role": "kv_producer",
-          "kv_connector_extra_config": {"shared_storage_path": str(storage), "use_synchronization_lock": True}}
-    if cpu:
-        kv["kv_connector"] = "CpuHiddenStatesConnector"
-        kv["kv_connector_module_path"] = "pipeline.compat.vllm_cpu_connector"
-    return spec, kv
+    # vLLM's own connector with its device → host path off the engine's thread (and a CPU's own copy)
+    # (a name, not an import: the module imports vLLM, which only the server's process needs)
+    return spec, {"kv_connector": "StagedHiddenStatesConnector", "kv_role": "kv_producer",
+                  "kv_connector_module_path": "pipeline.compat.vllm_hidden_states_connector",
+                  "kv_connector_extra_config": {"shared_storage_path": str(storage), "use_synchronization_lock": True}}
 
 
 def _render_flags(profile: Profile) -> list[str]:

