@@ -230,25 +230,35 @@ def generation_tokens(base_url: str) -> float | None:
     return _counter(base_url, "vllm:generation_tokens_total")
 
 
-class FirstPrompt(threading.Thread):
-    """When the server's prompt-token counter first moves past where it stood (a reused server has answered
-    others already): the client's first request was answered, its start (imports, the dataset) is over.
-    `check()` from a watcher's own loop, or `start()` to poll every 0.25 s until `stop()`."""
+class PromptWindow(threading.Thread):
+    """When the server's prompt-token counter first and last moved past where it stood (a reused server has
+    answered others already): the first move ends the client's start (imports, the dataset), the last is the
+    last prefill; what comes after is the client finishing its files. `check()` from a watcher's own loop, or
+    `start()` to poll every 0.25 s until `stop()`."""
 
     def __init__(self, base_url: str):
-        super().__init__(daemon=True, name="first-prompt")
+        super().__init__(daemon=True, name="prompt-window")
         self.base_url, self.before = base_url, prompt_tokens(base_url) or 0.0
-        self.at: float | None = None
+        self.at: float | None = None  # the first move
+        self.last: float | None = None
+        self.counted = (0.0, 0.0)  # the counter at the first move and at the last
         self.ended = threading.Event()
 
     def check(self) -> float | None:
-        if self.at is None and (n := prompt_tokens(self.base_url)) is not None and n > self.before:
-            self.at = time.perf_counter()
+        if (n := prompt_tokens(self.base_url)) is not None and n > self.before:
+            self.before, self.last = n, time.perf_counter()
+            self.at, self.counted = (self.at, (self.counted[0], n)) if self.at else (self.last, (n, n))
         return self.at
 
+    def tokens_per_s(self) -> float | None:
+        """The server's prefill rate between the first and the last move seen (0.25 s apart at the finest)."""
+        if self.at is None or self.last is None or self.last <= self.at:
+            return None
+        return (self.counted[1] - self.counted[0]) / (self.last - self.at)
+
     def run(self) -> None:
-        while self.check() is None and not self.ended.wait(0.25):
-            pass
+        while not self.ended.wait(0.25):
+            self.check()
 
     def stop(self) -> None:
         self.ended.set()

@@ -25,6 +25,7 @@ def test_render_endpoint_rows_equal_local_chat_template(vllm_run):
     assert ex["server_start_s"] < 5  # reused prepare's server
     # the rate from the server's first prompt on: the CLI's start is timed apart, not spread over the tokens
     assert 0 < ex["client_start_s"] < ex["seconds"] and ex["tokens_per_s"] > ex["tokens"] / ex["seconds"]
+    assert 0 <= ex["tail_s"] and ex["client_start_s"] + ex["tail_s"] < ex["seconds"]  # the server's window between
     ds = load_from_disk(str(vllm_run.prepared_dir)).with_format(None)
     # two speculators clients, each its slice of the rows (the fixture's extract.clients = 2): every row once
     assert ex["clients"] == 2 and ex["extracted"] == ex["samples"] == len(ds)

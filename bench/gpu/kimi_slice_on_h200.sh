@@ -11,7 +11,7 @@
 # tokenizer.json, tokenizer_config.json, chat_template.jinja; the slice keeps Kimi's 163,840-row vocabulary).
 # KIMI_ROWS (96) rows of 2,048 tokens for extraction; KIMI_SETS more KEY=VALUE for the stage's run;
 # KIMI_CLIENT ("validate plain c64"): speculators' client alone after the stage (below). Results to $OUT: depth-N.json, the run's state.json,
-# the servers' logs' tails. Then, here: python bench/gpu/kimi_slice.py calibrate depth-*.json --extract N=TOK_S …
+# the servers' logs' tails, the prompt counter's samples (extract-N-*.rate). Then, here: python bench/gpu/kimi_slice.py calibrate depth-*.json --extract N=TOK_S …
 set -uo pipefail
 PHASE=${1:-}; N=${2:?layers}
 case "$PHASE" in measure|extract) ;; *) echo "usage: $0 measure N | extract N IDS" >&2; exit 2 ;; esac
@@ -43,6 +43,8 @@ R=$W/run-$N-$ST; rm -rf "$R" "$W/runs"
 # where the stage's time goes: the busiest processes every 5 s (vLLM's engine core, speculators' client)
 (while sleep 5; do echo "$(el) $(top -b -n1 -w 200 | sed -n 8,11p | awk '{printf "%s %s%% ", $12, $9}')"; done) \
   > "$OUT/top-$N-$ST.txt" & TOP=$!
+# vLLM's prompt-token counter beside the stage: its window and its steady middle (bench/gpu/prompt_rate.py)
+python3 bench/gpu/prompt_rate.py sample --out "$OUT/extract-$N-$ST.rate" & RATE=$!
 # data.tokenize "local": the rows pass through either way, and no server is started for rendering (its first
 # run here, before compat/vllm_flags.py knew, gave vLLM 0.26.0 the --enable-scale-out it does not have)
 timeout "${KIMI_RUN_S:-270}" python3 -m pipeline run bench/gpu/kimi-slice.toml --until extract --no-tui --run-dir "$R" \
@@ -51,7 +53,8 @@ timeout "${KIMI_RUN_S:-270}" python3 -m pipeline run bench/gpu/kimi-slice.toml -
   "${XSETS[@]}" \
   2>&1 | grep -vE '^\[[a-z-]+\] [0-9]+/[0-9]+ ' | cut -c1-400
 echo "$(el) [$ST] run --until extract: exit ${PIPESTATUS[0]}"
-kill "$TOP" 2>/dev/null
+kill "$TOP" "$RATE" 2>/dev/null
+python3 bench/gpu/prompt_rate.py rate "$OUT/extract-$N-$ST.rate"
 cp "$R/state.json" "$OUT/state-$N-$ST.json" 2>/dev/null
 # speculators' own account per sample (its progress bar: the request's ms in vLLM, the move's ms)
 tr '\r' '\n' < "$R/logs/extract.log" 2>/dev/null | grep -aE "rps|vllm=|write=" | tail -3 > "$OUT/extract-$N-$ST.tail"
@@ -65,9 +68,10 @@ except OSError as exc:
 for name in ("prepare", "extract"):
     print(f"[{sys.argv[2]}]", name, s.get(name, {}).get("status"), s.get(name, {}).get("figures"))
 f = s.get("extract", {}).get("figures", {})
-if f.get("tokens") and f.get("seconds"):  # the calibration's: from the server's first prompt (the CLI's start apart)
+if f.get("tokens") and f.get("seconds"):  # the calibration's: the server's first prompt to its last
     print(f"[{sys.argv[2]}] extract_tokens_per_s {f.get('tokens_per_s') or f['tokens'] / f['seconds']:.1f} "
-          f"(client start {f.get('client_start_s')} s; with it {f['tokens'] / f['seconds']:.1f})")
+          f"(the server's window; client start {f.get('client_start_s')} s, tail {f.get('tail_s')} s; "
+          f"over the stage's whole run {f['tokens'] / f['seconds']:.1f})")
 PY
 grep -a "safetensors" "$R/logs/server-extraction.log" 2>/dev/null | cut -c1-300 | tail -2
 # KIMI_CLIENT ("validate plain c64 c8"): speculators' client alone, one run each against one extraction server

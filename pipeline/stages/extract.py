@@ -240,11 +240,11 @@ def extract_with_vllm(ctx: StageContext, stage: str, world_size: int, rank: int,
             cmd = offline_clients.client_argv(cmd, world_size, rank)
         ctx.log.info("command: %s", " ".join(cmd))
         t1 = time.perf_counter()
-        first = online.FirstPrompt(srv.base_url)
-        first.start()
+        window = online.PromptWindow(srv.base_url)
+        window.start()
         rc = ctx.run_child(cmd)
         seconds = time.perf_counter() - t1
-        first.stop()
+        window.stop()
         if rc != 0:
             raise StageError(explain_failure(srv.rec, f"speculators generate-offline-data exited with {rc}: "
                                                       f"{procs.last_error_line(ctx.run.log_path(stage))}"))
@@ -254,12 +254,12 @@ def extract_with_vllm(ctx: StageContext, stage: str, world_size: int, rank: int,
                              f"{rank}/{world_size}")
         if keep_server:
             srv.hand_on("train")  # online training asks this server next
-    # the rate from the first prompt the server saw to the end: the CLI's start (imports, the dataset: 10 s or
-    # more, once a run) is not a cost per token, and a slice's calibration would carry it as one
-    start = first.at - t1 if first.at is not None else None
-    extracted = sum(seq_len[i] for i in rows if i not in had) if start is not None else 0
-    timed = {"client_start_s": round(start, 1),
-             "tokens_per_s": round(extracted / (seconds - start), 1)} if start is not None and seconds > start else {}
+    # the server's rate, from its first prompt to its last: the CLI's start before (imports, the dataset: 15 s
+    # or more) and the clients' tail after (their last files, their exit: 2–3 s) come once a run, not per token,
+    # and a slice's calibration would carry them as per-token costs
+    rate = window.tokens_per_s()
+    timed = {"client_start_s": round(window.at - t1, 1), "tail_s": round(t1 + seconds - window.last, 1),
+             "tokens_per_s": round(rate, 1)} if rate and window.at and window.last else {}
     return {"backend": "vllm", "samples": total, "extracted": total - before, "resumed_from": before,
             "tokens": tokens, "server_start_s": srv.start_s, "seconds": round(seconds, 3), **timed,
             "samples_per_s": round((total - before) / seconds, 2) if seconds else 0.0,

@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 from pipeline import atomicio, conversations, procs, target
-from pipeline.online import FirstPrompt, generation_tokens
+from pipeline.online import PromptWindow, generation_tokens
 from pipeline.stages.base import Stage, StageContext, StageError, argv_for
 
 
@@ -200,7 +200,7 @@ class Follower(threading.Thread):
         super().__init__(name="regenerate-progress", daemon=True)
         self.ctx, self.stage, self.rec, self.watch, self.total = ctx, stage, rec, watch, total
         self.tokens_before = watch.tokens
-        self.first = FirstPrompt(rec.base_url)
+        self.first = PromptWindow(rec.base_url)
         self.t0 = self.moved_at = time.perf_counter()
         self.generated: float | None = None
         self.died: str | None = None
