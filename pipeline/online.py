@@ -247,7 +247,10 @@ class PromptWindow(threading.Thread):
     def check(self) -> float | None:
         if (n := prompt_tokens(self.base_url)) is not None and n > self.before:
             self.before, self.last = n, time.perf_counter()
-            self.at, self.counted = (self.at, (self.counted[0], n)) if self.at else (self.last, (n, n))
+            if self.at is None:
+                self.at, self.counted = self.last, (n, n)
+            else:
+                self.counted = (self.counted[0], n)
         return self.at
 
     def tokens_per_s(self) -> float | None:

@@ -18,7 +18,7 @@ scheduler side stay the stock connector's.
 Loaded by vLLM's engine workers via kv_transfer_config (`vllm_modes.extraction_config`):
   {"kv_connector": "StagedHiddenStatesConnector",
    "kv_connector_module_path": "pipeline.compat.vllm_hidden_states_connector",
-   "kv_connector_extra_config": {..., "pinned_slabs": 16}}
+   "kv_connector_extra_config": {...}}   # "pinned_slabs": N to change SLABS
 (the repository root must be on the workers' PYTHONPATH). ADAPTED lists the stock methods overridden or
 relied on; tests/test_compat_adaptations.py fails when one is gone or the stock copy stops doing what is
 replaced here.
@@ -34,7 +34,6 @@ from functools import partial
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1 import example_hidden_states_connector as stock
 
-CONNECTOR = "StagedHiddenStatesConnector"
 ADAPTED = [("ExampleHiddenStatesConnector", "_submit_async_write"), ("ExampleHiddenStatesConnector", "get_finished"),
            ("ExampleHiddenStatesConnector", "_get_copy_stream"), ("ExampleHiddenStatesConnector", "_on_write_done")]
 SLABS = 16  # two per writer thread: a copy in flight while the one before it is written
@@ -91,21 +90,23 @@ class StagedHiddenStatesConnector(stock.ExampleHiddenStatesConnector):
             self._slabs = SlabPool(count, self._vllm_config.model_config.max_model_len, pin=True)
         return self._slabs
 
+    def _slots(self, block_ids: torch.Tensor) -> torch.Tensor:
+        """Every slot of the request's blocks, on the blocks' device."""
+        offsets = torch.arange(self._block_size, dtype=torch.long, device=block_ids.device)
+        return (offsets.reshape(1, -1) + block_ids.reshape(-1, 1) * self._block_size).flatten()
+
     def _stage(self, block_ids: list[int], num_tokens: int):
         """The request's states in host memory (or on their way there) and the event that says when."""
         assert self._kv_cache is not None
         ids = torch.tensor(block_ids, dtype=torch.long)
         if self._kv_cache.device.type == "cpu":  # the KV cache is host memory: gathering is the copy
-            slots = (torch.arange(self._block_size).reshape(1, -1) + ids.reshape(-1, 1) * self._block_size).flatten()
-            return stock.extract_from_kv_cache(self._kv_cache, slots, num_tokens), _Done(), None
+            return stock.extract_from_kv_cache(self._kv_cache, self._slots(ids), num_tokens), _Done(), None
         stream = self._get_copy_stream()
         ready = torch.cuda.Event()
         ready.record()
         stream.wait_event(ready)
         with torch.cuda.stream(stream):
-            ids = ids.pin_memory().to(self._kv_cache.device, non_blocking=True)
-            offsets = torch.arange(self._block_size, dtype=torch.long, device=ids.device)
-            slots = (offsets.reshape(1, -1) + ids.reshape(-1, 1) * self._block_size).flatten()
+            slots = self._slots(ids.pin_memory().to(self._kv_cache.device, non_blocking=True))
             states = stock.extract_from_kv_cache(self._kv_cache, slots, num_tokens)
             host, slab = self._slab_pool().take(states)
             host.copy_(states, non_blocking=True)

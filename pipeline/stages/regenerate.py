@@ -235,7 +235,7 @@ class Follower(threading.Thread):
         now, w = time.perf_counter(), self.watch
         w.poll()
         made = w.tokens - self.tokens_before
-        since = now - (self.first.check() or now)
+        since = now - (self.first.at or self.first.check() or now)  # once it has moved, one /metrics a tick
         self.ctx.progress(self.stage, len(w.done), self.total, "conversations", tokens=made,
                           tok_s=round(made / since, 1) if since > 0 else None)
         self.died = death(self.rec, wait=0)
