@@ -491,14 +491,15 @@ def online_plan(profile: Profile, tokens: int, samples: int, state_bytes_per_tok
                 train: Rate, train_s: float | None, train_mem: int) -> OnlinePlan:
     """Online training: states of the first rows up to extract.cache_gib are extracted once; the rest
     is generated again every epoch (train and validation rows) while the draft trains, each sample's
-    states deleted once loaded. In flight: the samples the data loaders hold ahead (speculators'
-    prefetch of 4 per worker, one worker at least, per rank), at the longest sequence."""
+    states deleted once loaded. On disk in flight: the requests the data loaders keep open
+    (train.requests_per_worker per worker, one worker at least, per rank), at the longest sequence."""
     ex, t = profile.extract, profile.train
     cache = min(int(ex.cache_gib * GIB), int(tokens * state_bytes_per_token))
     cached_tokens = int(cache / state_bytes_per_token) if state_bytes_per_token else 0
     cached_rows = int(samples * cached_tokens / tokens) if tokens else 0
     ranks = t.nproc_per_node * t.nnodes
-    in_flight = int(ranks * max(1, t.num_workers) * 4 * profile.data.seq_length * state_bytes_per_token)
+    in_flight = int(ranks * max(1, t.num_workers) * t.requests_per_worker * profile.data.seq_length
+                    * state_bytes_per_token)
     generate_tokens = (tokens - cached_tokens) * t.epochs
     generate_s = generate_tokens / extract.tokens_per_s if extract.tokens_per_s else None
     cache_s = cached_tokens / extract.tokens_per_s if extract.tokens_per_s else 0.0

@@ -361,6 +361,11 @@ class TrainSection(Section):
     console show their runs' stages, progress and ETA."""
     num_workers: int = 0
     """speculators' data-loader workers (0: the trainer's own process reads every sample)."""
+    requests_per_worker: Positive = 8
+    """Online: the requests each data-loader worker (or the trainer's own process) keeps in flight to the
+    extraction server while it fetches a batch, each state read as soon as its writer lets go; speculators
+    0.9.0 sends one at a time and polls the writer's lock every 0.1 s (1 = as released;
+    pipeline/compat/speculators_online.py)."""
     seed: int = 42
     extra_args: list[str] = Field(default_factory=list)
     cuda_visible_devices: str = ""

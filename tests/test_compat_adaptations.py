@@ -527,3 +527,122 @@ def test_preflight_warns_of_a_safetensors_that_holds_the_gil_beside_an_extractin
         if warned:
             assert said[0].severity == "warn" and f"safetensors {st}" in said[0].message
             assert "safetensors>=0.8.0" in said[0].message
+
+
+# --- pipeline/compat/speculators_online.py ---------------------------------------------------------------------
+
+def _states_dataset(root: Path, rows: int, cached: bool) -> dict:
+    """A prepared dataset as speculators reads it (row i: tokens 10i+1 …, 3–6 of them), and each row's states,
+    written as its hs_i file when cached."""
+    import torch
+    from datasets import Dataset
+    from safetensors.torch import save_file
+    ids = [list(range(10 * i + 1, 10 * i + 4 + i % 4)) for i in range(rows)]
+    Dataset.from_dict({"input_ids": ids, "loss_mask": [[1] * len(r) for r in ids],
+                       "seq_len": [len(r) for r in ids]}).with_format("torch").save_to_disk(str(root))
+    (root / "hidden_states").mkdir()
+    states = {i: {"hidden_states": torch.full((len(r), 3, 4), float(i)), "token_ids": torch.tensor(r)}
+              for i, r in enumerate(ids)}
+    for i, s in states.items() if cached else ():
+        save_file(s, str(root / "hidden_states" / f"hs_{i}.safetensors"))
+    return states
+
+
+def _rows_of(batch: list) -> list[int]:
+    return [int(s["hidden_states"][0, 0]) for s in batch]
+
+
+def test_online_batches_are_fetched_through_several_requests_in_their_order(tmp_path, monkeypatch):
+    import threading
+    import time
+
+    from torch.utils.data import DataLoader
+
+    from pipeline.compat import speculators_online
+    dataloader = importlib.import_module(speculators_online.REPLACED[0])
+    assert "__getitems__" in inspect.getsource(importlib.import_module("torch.utils.data._utils.fetch"))
+    monkeypatch.setattr(speculators_online.ConcurrentArrowDataset, "requests", 1)
+    monkeypatch.setattr(dataloader, speculators_online.REPLACED[1], dataloader.ArrowDataset)
+    transfer = importlib.import_module(speculators_online.LOCK_WAIT[0])
+    monkeypatch.setattr(transfer, speculators_online.LOCK_WAIT[1], transfer.wait_for_lock)
+    assert speculators_online.install(1) is None  # 1: speculators as released
+    assert getattr(dataloader, speculators_online.REPLACED[1]) is not speculators_online.ConcurrentArrowDataset
+    assert speculators_online.install(4)
+    assert getattr(dataloader, speculators_online.REPLACED[1]) is speculators_online.ConcurrentArrowDataset
+    states = _states_dataset(tmp_path / "data", 12, cached=False)
+    ds = speculators_online.ConcurrentArrowDataset(max_len=64, datapath=tmp_path / "data", on_missing="generate")
+    ds.client = object()  # the server round trip is speculators' own (the real online runs); timed here
+    open_now, most, lock = [0], [0], threading.Lock()
+
+    def round_trip(item, client_item):
+        with lock:
+            open_now[0] += 1
+            most[0] = max(most[0], open_now[0])
+        time.sleep(0.05)
+        with lock:
+            open_now[0] -= 1
+        return states[client_item["input_ids"][0] // 10]
+
+    ds._generate_hidden_states_once = round_trip
+    batches = [[0, 1, 2, 3, 4, 5, 6, 7], [11, 8, 10, 9]]
+    assert [_rows_of(b) for b in DataLoader(ds, batch_sampler=batches, collate_fn=list)] == batches
+    assert most[0] == 4  # four requests open at once, the batch's order kept
+
+
+def test_a_generated_state_is_read_once_its_writer_lets_go(tmp_path, monkeypatch):
+    """hs_connectors polls the writer's lock every 0.1 s; installed, a state written in a few ms is read
+    within a few ms, the lock file removed as before, and a lock held past the timeout still fails."""
+    import fcntl
+    import threading
+    import time
+
+    from pipeline.compat import speculators_online
+    transfer = importlib.import_module(speculators_online.LOCK_WAIT[0])
+    stock = transfer.wait_for_lock
+    monkeypatch.setattr(transfer, speculators_online.LOCK_WAIT[1], stock)
+    assert "time.sleep(poll_interval)" in inspect.getsource(stock)  # the stock wait this replaces
+
+    def waited(wait, hold_s: float, timeout: float = 10.0) -> float:
+        lock_path = tmp_path / f"hs_{time.monotonic_ns()}.safetensors.lock"
+        fd = os.open(lock_path, os.O_CREAT | os.O_WRONLY, 0o644)
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        threading.Timer(hold_s, os.close, [fd]).start()  # the writer lets go after hold_s
+        t0 = time.monotonic()
+        wait(str(lock_path), timeout=timeout)
+        assert not lock_path.exists()
+        return time.monotonic() - t0
+
+    stock_s = min(waited(stock, 0.003) for _ in range(3))
+    monkeypatch.setattr(speculators_online.ConcurrentArrowDataset, "requests", 1)
+    dataloader = importlib.import_module(speculators_online.REPLACED[0])
+    monkeypatch.setattr(dataloader, speculators_online.REPLACED[1], dataloader.ArrowDataset)
+    speculators_online.install(2)
+    prompt = transfer.wait_for_lock
+    assert prompt is speculators_online.wait_for_lock_promptly
+    prompt_s = min(waited(prompt, 0.003) for _ in range(3))
+    assert stock_s >= 0.09 and prompt_s < 0.05, (stock_s, prompt_s)
+    with pytest.raises(TimeoutError, match="Timed out waiting for lock"):
+        waited(prompt, 1.0, timeout=0.2)
+
+
+def _worker_view(batch: list) -> tuple:
+    from torch.utils.data import get_worker_info
+    ds = get_worker_info().dataset
+    transfer = importlib.import_module("hs_connectors.transfer")
+    return type(ds).__name__, ds.requests, transfer.wait_for_lock.__name__, _rows_of(batch)
+
+
+def test_a_spawned_loader_worker_fetches_through_the_concurrent_dataset(tmp_path, monkeypatch):
+    """speculators' loaders spawn their workers: the dataset reaches them by its module's name, its
+    requests with it, and the worker's process reads states promptly too."""
+    from torch.utils.data import DataLoader
+
+    from pipeline.compat import speculators_online
+    monkeypatch.setattr(speculators_online.ConcurrentArrowDataset, "requests", 3)
+    _states_dataset(tmp_path / "data", 6, cached=True)
+    ds = speculators_online.ConcurrentArrowDataset(max_len=64, datapath=tmp_path / "data", on_missing="generate")
+    monkeypatch.setattr(speculators_online.ConcurrentArrowDataset, "requests", 1)  # the instance's figure counts
+    loader = DataLoader(ds, batch_sampler=[[5, 0, 3], [1, 2, 4]], num_workers=1, multiprocessing_context="spawn",
+                        collate_fn=_worker_view)
+    assert list(loader) == [("ConcurrentArrowDataset", 3, "wait_for_lock_promptly", [5, 0, 3]),
+                            ("ConcurrentArrowDataset", 3, "wait_for_lock_promptly", [1, 2, 4])]

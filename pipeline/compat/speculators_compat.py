@@ -19,6 +19,7 @@ speculators release renames or removes one of them.
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -40,6 +41,9 @@ ALWAYS_ADAPTED = [PROCESSOR]
 # (the head's config and weights) into KEPT_DIR as soon as it is saved (pipeline/checkpoints.py reads them).
 SAVE = ("speculators.train.trainer", "Trainer")  # its maybe_save_checkpoint(epoch, local_step)
 KEEP_ENV = "EAGLE3_CONSOLE_KEEP_SUB_EPOCH"
+# Online, when the train stage sets it (train.requests_per_worker): each data-loader worker fetches its batch's
+# samples through this many requests at once (pipeline/compat/speculators_online.py).
+REQUESTS_ENV = "EAGLE3_CONSOLE_REQUESTS_PER_WORKER"
 KEPT_DIR = "kept"
 HEAD_FILES = ("config.json", "model.safetensors")
 # Always: the trainer's metric records (dicts on the "speculators.metrics" logger, trainer.py) reach the train
@@ -106,8 +110,6 @@ def adapt() -> list[str]:
 def _setup_distributed_on_cpu(sp_size: int = 1) -> None:
     """speculators' maybe_setup_distributed with gloo and no device: the same module state, set the
     same way, so its getters (rank, world size, data-parallel groups) answer as under NCCL."""
-    import os
-
     import torch.distributed as dist
     from speculators.train import distributed as sd
 
@@ -209,7 +211,6 @@ def keep_copy(save_path: Path, epoch: int, local_step: int) -> Path | None:
 def keep_sub_epoch_checkpoints() -> list[str]:
     """Wrap Trainer.maybe_save_checkpoint so that rank 0 copies each sub-epoch checkpoint once it is saved."""
     import importlib
-    import os
 
     if not os.environ.get(KEEP_ENV):
         return []
@@ -349,8 +350,6 @@ def rows_digest(data: Path) -> str:
 
 
 def _same_rows_everywhere(data: Path) -> None:
-    import os
-
     import torch.distributed as dist
 
     if not dist.is_initialized() or dist.get_world_size() < 2:
@@ -366,7 +365,6 @@ def _same_rows_everywhere(data: Path) -> None:
 
 
 def _sync_resume_point(save: Path) -> None:
-    import os
     import shutil
 
     import torch.distributed as dist
@@ -415,6 +413,10 @@ def main(argv: list[str] | None = None) -> None:
     keep_sub_epoch_checkpoints()
     adapted = adapt()
     share_checkpoint_across_nodes()
+    requests = int(os.environ.get(REQUESTS_ENV) or 1)
+    if requests > 1:
+        from pipeline.compat import speculators_online
+        print(f"[eagle3-console] online: {speculators_online.install(requests)}", file=sys.stderr, flush=True)
     if adapted:
         print(f"[eagle3-console] no accelerator: adapted {', '.join(adapted)} for CPU", file=sys.stderr,
               flush=True)

@@ -164,6 +164,9 @@ class Train(Stage):
         env.pop(speculators_compat.KEEP_ENV, None)  # only this profile's setting turns it on, not the shell's
         if ctx.profile.evaluate.checkpoints == "each" and ctx.profile.train.checkpoint_freq < 1:
             env[speculators_compat.KEEP_ENV] = "1"  # each sub-epoch checkpoint copied to kept/ as it is saved
+        env.pop(speculators_compat.REQUESTS_ENV, None)
+        if endpoint:  # online: each loader worker's batch fetched through several requests at once
+            env[speculators_compat.REQUESTS_ENV] = str(ctx.profile.train.requests_per_worker)
         log = ctx.run.log_path(self.name)
         this_attempt = log.stat().st_size if log.exists() else 0  # the log keeps every attempt's lines
         rc = ctx.run_child(cmd, env=env, on_line=on_line)
