@@ -15,7 +15,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from pipeline import conversations, speculative, target
 from pipeline.rundir import RunDir
-from pipeline.stages import evaluate_offline
 
 
 def main() -> int:
@@ -29,7 +28,7 @@ def main() -> int:
     model, tok = target.load_model(tdir, "float32"), target.load_tokenizer(tdir)
     proposer = speculative.DraftProposer(speculative.load_draft(run.stage_state("train")["figures"]["checkpoint"]))
     reader = target.HiddenStateReader(model, proposer.aux_ids)
-    eos = evaluate_offline.eos_ids(model)
+    eos = speculative.eos_ids(model)
     prompts = [conversations.render_ids(tok, json.loads(line)["messages"], add_generation_prompt=True)
                for line in (run.data_dir / "heldout_prompts.jsonl").read_text().splitlines() if line.strip()]
     t0 = time.perf_counter()

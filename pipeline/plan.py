@@ -11,7 +11,7 @@ from pathlib import Path
 
 from pipeline import calibration
 from pipeline.profile import Profile
-from pipeline.targetinfo import DraftPlan, TargetInfo, draft_plan, target_info
+from pipeline.targetinfo import DraftPlan, TargetInfo, TargetInfoError, draft_plan, target_info
 
 GIB = 2**30
 TRAIN_RATIO = 0.9  # speculators' train_data_ratio: the rest validates
@@ -293,6 +293,18 @@ def offline_evaluation(profile: Profile, info: TargetInfo) -> tuple[bool, str]:
     if mode == "on":
         return True, f"evaluate.offline = on ({fit.why})"
     return fit.fits, (f"auto: {fit.why}" + ("" if fit.fits else "; τ and the lossless check from vLLM"))
+
+
+def evaluates_offline(profile: Profile) -> bool:
+    """Whether this node runs evaluate-offline (and pick-checkpoint measures offline): evaluate.offline off
+    never, on always, auto where the target fits one process; a target too large is measured through vLLM
+    only, in deploy-measure. The head is node 0's."""
+    if not profile.train.first_node:
+        return False
+    try:
+        return offline_evaluation(profile, target_info(profile))[0]
+    except TargetInfoError:
+        return profile.evaluate.offline != "off"  # preflight reports the missing config
 
 
 def _measured_figure(profile: Profile, stages: tuple[str, ...], key: str,

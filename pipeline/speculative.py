@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from pipeline import conversations, target
 from pipeline.compat import draft_attention
 from pipeline.target import HiddenStateReader
 
@@ -224,3 +225,39 @@ def greedy_reference_batch(model, prompts: list[list[int]], max_new_tokens: int,
     out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False,
                          pad_token_id=0)
     return [_truncate(row[width:].tolist(), eos, max_new_tokens) for row in out]
+
+
+def eos_ids(model) -> set[int]:
+    eos = model.generation_config.eos_token_id
+    return set(eos if isinstance(eos, list) else [eos]) if eos is not None else set()
+
+
+class OfflineTarget:
+    """The target in transformers with its tokenizer, loaded once, and any trained head beside it."""
+
+    def __init__(self, profile, target_dir: Path):
+        self.ev = profile.evaluate
+        self.tok = target.load_tokenizer(target_dir)
+        self.model = target.load_model(target_dir, profile.target.dtype)
+        self.eos = eos_ids(self.model)
+        self._reader: HiddenStateReader | None = None
+
+    def prompt_ids(self, rows: list[dict]) -> list[list[int]]:
+        return conversations.prompt_ids(self.tok, rows)
+
+    def head(self, checkpoint: Path):
+        draft = load_draft(checkpoint).to(self.model.get_input_embeddings().weight.device)
+        proposer = DraftProposer(draft)
+        if self._reader is None:
+            self._reader = HiddenStateReader(self.model, proposer.aux_ids)
+        self._reader.layer_ids = list(proposer.aux_ids)  # the reader's hook stays one per target
+        return proposer
+
+    def speculate(self, proposer, ids: list[list[int]]) -> list:
+        if self._reader is None:
+            raise RuntimeError("OfflineTarget.speculate before head(): no reader for the head's layers")
+        return speculative_generate_batch(self._reader, proposer, ids, self.ev.k,
+                                                      self.ev.max_new_tokens, self.eos)
+
+    def reference(self, ids: list[list[int]], extra: int = 0) -> list[list[int]]:
+        return greedy_reference_batch(self.model, ids, self.ev.max_new_tokens + extra, self.eos)

@@ -35,9 +35,13 @@ def load_model(path: Path, dtype: str, device: str = "auto"):
 def _is_wrapper(path: Path) -> bool:
     import json
 
-    from pipeline.targetinfo import text_config
     cfg = json.loads((Path(path) / "config.json").read_text())
     return text_config(cfg) is not cfg
+
+
+def text_config(cfg: dict) -> dict:
+    """The language model's part of a config.json: itself, or a multimodal wrapper's (Kimi-K2.5)."""
+    return cfg.get("text_config") or cfg.get("language_config") or cfg
 
 
 def num_layers(model) -> int:

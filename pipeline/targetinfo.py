@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.profile import Profile
-from pipeline.target import resolve_layer_ids
+from pipeline.target import resolve_layer_ids, text_config
 
 MLA_KEYS = ("kv_lora_rank", "q_lora_rank")
 
@@ -84,11 +84,6 @@ def config_path(profile: Profile) -> Path | None:
             return weights
         return Path(t.config) if t.config else None
     return None
-
-
-def text_config(cfg: dict) -> dict:
-    """The language model's part of a config.json: itself, or a multimodal wrapper's (Kimi-K2.5)."""
-    return cfg.get("text_config") or cfg.get("language_config") or cfg
 
 
 def from_config(path: Path) -> TargetInfo:

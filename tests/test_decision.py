@@ -34,7 +34,7 @@ def test_no_speedup_no_economics():
 
 
 def test_a_level_is_its_median_round_with_the_spread_beside_it():
-    from pipeline.stages.deploy_measure import median_round
+    from pipeline.stages.served import median_round
     rounds = [{"output_tok_s": t, "tpot_ms": 1000 / t} for t in (394.0, 303.3, 350.0, 401.0)]
     level = median_round(rounds)
     assert level["output_tok_s"] == 350.0 and level["tpot_ms"] == 1000 / 350.0  # one round's, consistent
@@ -52,7 +52,7 @@ def test_min_new_tokens_cannot_exceed_max_new_tokens(tmp_path):
 
 
 def test_tokens_per_step_counts_steps_from_below_twice():
-    from pipeline.stages.deploy_measure import tokens_per_step
+    from pipeline.stages.served import tokens_per_step
     # the H200 run: 395 tokens over 32 answers, vLLM counted 276 accepted (some past the answers' end) and 133 drafts
     assert tokens_per_step({"output_tokens": 395}, 32, 276, 133) == round(363 / 133, 4)
     # n-gram drafts at few steps: decoded − accepted is the larger bound

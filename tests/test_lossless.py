@@ -8,7 +8,6 @@ import torch
 from pipeline import conversations, speculative, target
 from pipeline.rundir import RunDir
 from pipeline.runner import run_stages
-from pipeline.stages import evaluate_offline
 
 
 def load(finished_run):
@@ -36,7 +35,7 @@ def test_offline_evaluation_result(finished_run):
 @pytest.mark.parametrize("k", [1, 4])
 def test_trained_and_untrained_heads_are_lossless(finished_run, k):
     _, model, tok, draft, prompts = load(finished_run)
-    eos = evaluate_offline.eos_ids(model)
+    eos = speculative.eos_ids(model)
     untrained = speculative.load_draft(RunDir.open(finished_run).stage_state("train")["figures"]["checkpoint"])
     torch.manual_seed(0)
     for p in untrained.fc.parameters():
@@ -88,7 +87,7 @@ def test_batched_speculation_equals_one_prompt_at_a_time(finished_run):
     """Right padding must change nothing: each row of a batch gets the drafts, acceptances and output it
     gets alone, and the batched greedy reference equals the one-prompt one."""
     _, model, tok, draft, prompts = load(finished_run)
-    eos = evaluate_offline.eos_ids(model)
+    eos = speculative.eos_ids(model)
     proposer = speculative.DraftProposer(draft)
     reader = target.HiddenStateReader(model, proposer.aux_ids)
     ids = [conversations.render_ids(tok, msgs, add_generation_prompt=True) for msgs in prompts[:4]]

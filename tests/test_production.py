@@ -91,7 +91,7 @@ def test_production_before_and_after_on_the_same_requests(tmp_path, cache_dir):
 
 
 def test_production_that_contradicts_the_matrix_is_said_with_what_to_do():
-    from pipeline.stages.measure_production import against_matrix
+    from pipeline.stages.production import against_matrix
     matrix = {"matrix": {"baseline": {"levels": {"1": {"output_tok_s": 305.6}}},
                          "eagle3": {"levels": {"1": {"output_tok_s": 394.0, "speedup": 1.289}}}}}
     # the reference run: production with the head slower than before, the matrix's head faster

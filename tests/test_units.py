@@ -412,7 +412,7 @@ def test_a_side_by_side_start_lost_to_vllms_memory_profiling_is_started_again_al
 
 
 def test_tokens_per_step_counts_every_decode_step():
-    from pipeline.stages.deploy_measure import tokens_per_step
+    from pipeline.stages.served import tokens_per_step
     # 2 requests × 11 tokens: 20 decoded after the prefills; 8 accepted drafts → 12 steps
     assert tokens_per_step({"output_tokens": 22}, 2, 8) == round(20 / 12, 4)
     assert tokens_per_step({"output_tokens": 22}, 2, 0) == 1.0

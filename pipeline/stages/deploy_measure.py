@@ -8,17 +8,17 @@ the new head a mismatch fails the stage. A method vLLM refuses becomes a row tha
 from __future__ import annotations
 
 from contextlib import ExitStack, closing
-from functools import partial
 from pathlib import Path
 
-from pipeline import atomicio, box, conversations, diagnose, notes, online, portlock, procs, target, vllm_modes
+from pipeline import atomicio, box, conversations, diagnose, notes, portlock, procs, target, vllm_modes
 from pipeline.compat import vllm_errors
 from pipeline.decision import Decision
 from pipeline.deploy import publish_draft
 from pipeline.matrix import level_of
-from pipeline.online import in_threads, send_all
-from pipeline.server import ServerError, explain_failure, port_in_use, port_owner
-from pipeline.stages.base import Stage, StageContext, StageError, argv_for, first_difference
+from pipeline.online import in_threads
+from pipeline.server import ServerError, port_in_use, port_owner
+from pipeline.stages.base import Stage, StageContext, StageError, argv_for
+from pipeline.stages.served import decode_steps, measure_served
 
 MODE = {"baseline": "baseline", "ngram": "ngram", "existing": "speculative", "eagle3": "speculative"}
 
@@ -30,85 +30,6 @@ def start_method(ctx: StageContext, profile, method: str, **mode_args):
     except ServerError as exc:
         box.free_port(profile, ctx.log.info)
         return None, str(exc)
-
-
-def measure_served(ctx: StageContext, stage: str, method: str, rec, start_s: float,
-                   prompts: list[list[int]], reference: list[list[int]] | None = None,
-                   headers: dict | None = None) -> dict:
-    """One method's row; with the baseline's outputs (`reference`), every output that differs at the lowest
-    concurrency is located and the target's own margin there asked of this server (`divergences`).
-    `headers`: production's key (measure-production, handover)."""
-    p = ctx.profile
-    row: dict = {"method": method, "server_start_s": start_s, "levels": {}}
-    try:
-        online.complete(rec.base_url, p.server.served_model_name, prompts[0], 4, headers or {})  # warm-up
-        ev = p.evaluate
-        for c in sorted(ev.concurrency):
-            rounds = []
-            for r in range(ev.rounds):  # each round with its own counters: a level's figures are one round's
-                before = online.scrape(rec.base_url)
-                level = send_all(rec.base_url, p.server.served_model_name, prompts, ev.max_new_tokens, c,
-                                 on_done=partial(ctx.progress, stage, total=len(prompts),
-                                                 unit=f"prompts ({method}, c={c}{round_label(r, ev.rounds)})"),
-                                 headers=headers, min_tokens=ev.min_new_tokens)
-                spec = online.scrape(rec.base_url) - before
-                if spec.drafts:
-                    level.update(mean_acceptance_length=round(spec.mean_acceptance_length, 4),
-                                 acceptance_rate=round(spec.acceptance_rate, 4),
-                                 acceptance_per_position=[round(x, 4) for x in spec.per_position_rate()],
-                                 drafts=spec.drafts, accepted=spec.accepted)
-                level["tokens_per_step"] = tokens_per_step(level, len(prompts), int(level.get("accepted", 0)),
-                                                           int(level.get("drafts", 0)))
-                rounds.append(level)
-            row["levels"][c] = median_round(rounds)
-        low = min(p.evaluate.concurrency)
-        if reference is not None:
-            row["divergences"] = divergences(rec, p.server.served_model_name, prompts, reference,
-                                             row["levels"][low]["outputs"])
-    except Exception as exc:  # noqa: BLE001 - a method that fails mid-way is a row, not a crash
-        row["error"] = explain_failure(rec, f"{type(exc).__name__}: {exc}")
-    return row
-
-
-def round_label(index: int, rounds: int) -> str:
-    return f", round {index + 1}/{rounds}" if rounds > 1 else ""
-
-
-def median_round(rounds: list[dict]) -> dict:
-    """The round of median tok/s (the lower middle of an even count), the others' tok/s beside it: a level's
-    figures are one round's, all consistent with each other, and the spread says how far to trust them."""
-    if len(rounds) == 1:
-        return rounds[0]
-    ranked = sorted(rounds, key=lambda r: r["output_tok_s"])
-    level = dict(ranked[(len(ranked) - 1) // 2])
-    level["rounds_tok_s"] = [r["output_tok_s"] for r in rounds]
-    return level
-
-
-def divergences(rec, model: str, prompts: list[list[int]], reference: list[list[int]],
-                outputs: list[list[int]]) -> list[dict]:
-    """Where each output leaves the baseline's, the two tokens, and the target's logprob gap between them
-    at that position (asked with the common prefix): a gap within bf16 rounding says numerics (the verify
-    step's batch shape differs from a plain decode step's), a clear one says the serving path is wrong."""
-    found = []
-    for i, (ref, out) in enumerate(zip(reference, outputs, strict=True)):
-        if ref == out:
-            continue
-        at = first_difference(ref, out)
-        entry: dict = {"prompt": i, "position": at, "baseline": ref[at: at + 1], "method": out[at: at + 1]}
-        try:  # the two tokens that parted, among the target's top five (its end of text may be first where
-            # evaluate.min_new_tokens held it back; vLLM's logprobs are the raw model's)
-            top = dict(online.top_logprobs(rec.base_url, model, prompts[i] + ref[:at], {}, n=5))
-            pair = (top.get(ref[at]) if at < len(ref) else None, top.get(out[at]) if at < len(out) else None)
-            if pair[0] is not None and pair[1] is not None:
-                entry["gap"] = round(abs(pair[0] - pair[1]), 4)
-            else:  # one answer ended there, or a token outside the top five: the target's own top two
-                best = sorted(top.values(), reverse=True)
-                entry["gap"] = round(best[0] - best[1], 4) if len(best) > 1 else None
-        except Exception as exc:  # noqa: BLE001 - an unanswered question leaves the mismatch a failure
-            entry["gap"], entry["why"] = None, f"{type(exc).__name__}: {exc}"
-        found.append(entry)
-    return found
 
 
 def numeric_ties(found: list[dict], max_gap: float) -> list[int]:
@@ -131,24 +52,6 @@ def head_failure(ctx: StageContext, eagle: dict | None, low: int, failures: dict
         return (f"outputs with and without the new head differ for {len(failures['eagle3'])}/{prompts} prompts "
                 f"(first: {failures['eagle3'][0]}){beyond}; see {ctx.run.online_result}")
     return None
-
-
-def tokens_per_step(level: dict, requests: int, accepted: int, drafts: int = 0) -> float:
-    """Output tokens per target forward after the prefill: each decode step of a request yields its
-    accepted draft tokens plus one. It is τ for a method that drafts at every step (EAGLE-3); for
-    n-gram, whose τ counts only the steps where it found a match, it is what the speed sees. The steps
-    are counted from below twice: decoded − accepted (vLLM also counts drafts accepted past the end of an
-    answer, which the answer never keeps: a few per request, many on short answers — the H200 run's
-    12-token answers gave 87 steps where 133 drafted) and the drafts (one per step at most); the larger
-    is kept. evaluate-offline's replay counts the steps themselves."""
-    decoded = level["output_tokens"] - requests  # the first token of each request comes from its prefill
-    steps = decode_steps(decoded, accepted, drafts)
-    return round(decoded / steps, 4) if steps > 0 else 1.0
-
-
-def decode_steps(decoded: int, accepted: int, drafts: int) -> int:
-    """The decode steps behind `decoded` tokens: the larger of its two lower bounds (tokens_per_step)."""
-    return max(decoded - accepted, drafts)
 
 
 def side_by_side_ports(ctx: StageContext, count: int, stack: ExitStack) -> list:

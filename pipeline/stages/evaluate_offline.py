@@ -6,30 +6,17 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from pipeline import atomicio, conversations, diagnose, target
+from pipeline import atomicio, diagnose
 from pipeline.stages.base import Stage, StageContext, StageError, first_difference
-
-
-def eos_ids(model) -> set[int]:
-    eos = model.generation_config.eos_token_id
-    return set(eos if isinstance(eos, list) else [eos]) if eos is not None else set()
 
 
 class EvaluateOffline(Stage):
     name = "evaluate-offline"
 
     def applies(self, profile) -> bool:
-        """evaluate.offline: off never, on always, auto where the target fits one process (the planner's
-        call; a target too large is measured through vLLM only, in deploy-measure)."""
-        from pipeline.plan import offline_evaluation
-        from pipeline.targetinfo import TargetInfoError, target_info
+        from pipeline.plan import evaluates_offline
 
-        if not profile.train.first_node:  # the head is node 0's
-            return False
-        try:
-            return offline_evaluation(profile, target_info(profile))[0]
-        except TargetInfoError:
-            return profile.evaluate.offline != "off"  # preflight reports the missing config
+        return evaluates_offline(profile)
 
     def inputs(self, ctx: StageContext) -> list[Path]:
         return [ctx.run.heldout_prompts]
@@ -42,7 +29,7 @@ class EvaluateOffline(Stage):
 
         ev = ctx.profile.evaluate
         prompts = ctx.heldout_rows()
-        bench = OfflineTarget(ctx)
+        bench = speculative.OfflineTarget(ctx.profile, ctx.target_dir())
         head = bench.head(ctx.draft_checkpoint())
         total = speculative.SpecStats(k=ev.k)
         ngram = prompt_lookup.Acceptance(per_position=[0] * ev.k)
@@ -91,43 +78,6 @@ class EvaluateOffline(Stage):
                                              "tokens_per_target_forward", "lossless")},
                    "ngram_tau": round(ngram.tau, 4), "ngram_tokens_per_step": round(ngram.tokens_per_step, 4)}
         return figures | diagnose.check_acceptance(ctx, ctx.draft_checkpoint(), acceptance, "offline", outputs)
-
-
-class OfflineTarget:
-    """The target in transformers with its tokenizer, loaded once, and any trained head beside it."""
-
-    def __init__(self, ctx: StageContext):
-        self.ev = ctx.profile.evaluate
-        self.tok = target.load_tokenizer(ctx.target_dir())
-        self.model = target.load_model(ctx.target_dir(), ctx.profile.target.dtype)
-        self.eos = eos_ids(self.model)
-        self._reader: target.HiddenStateReader | None = None
-
-    def prompt_ids(self, rows: list[dict]) -> list[list[int]]:
-        return conversations.prompt_ids(self.tok, rows)
-
-    def head(self, checkpoint: Path):
-        from pipeline import speculative
-
-        draft = speculative.load_draft(checkpoint).to(self.model.get_input_embeddings().weight.device)
-        proposer = speculative.DraftProposer(draft)
-        if self._reader is None:
-            self._reader = target.HiddenStateReader(self.model, proposer.aux_ids)
-        self._reader.layer_ids = list(proposer.aux_ids)  # the reader's hook stays one per target
-        return proposer
-
-    def speculate(self, proposer, ids: list[list[int]]) -> list:
-        from pipeline import speculative
-
-        if self._reader is None:
-            raise RuntimeError("OfflineTarget.speculate before head(): no reader for the head's layers")
-        return speculative.speculative_generate_batch(self._reader, proposer, ids, self.ev.k,
-                                                      self.ev.max_new_tokens, self.eos)
-
-    def reference(self, ids: list[list[int]], extra: int = 0) -> list[list[int]]:
-        from pipeline import speculative
-
-        return speculative.greedy_reference_batch(self.model, ids, self.ev.max_new_tokens + extra, self.eos)
 
 
 def ngram_figures(ngram, min_n: int, max_n: int) -> dict:

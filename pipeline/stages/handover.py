@@ -54,7 +54,7 @@ class Handover(Stage):
             figures = {"after_run": after, "server": "production" + (" with draft" if draft else ""),
                        "pid": rec.pid, "port": rec.port, **({"draft": why} if why else {})}
             if ctx.profile.evaluate.production_before_after:
-                from pipeline.stages import measure_production
-                figures |= measure_production.after(ctx, rec, with_draft=draft is not None)
+                from pipeline.stages.production import after as measure_after
+                figures |= measure_after(ctx, rec, with_draft=draft is not None)
         atomicio.atomic_write_json(ctx.run.handover_record, {**figures, "at": now_iso()})
         return figures

@@ -3,51 +3,15 @@ when the run starts (started or adopted through `eagle3-console server`), measur
 the held-out prompts (the same ones prepare will hold out: the last data.heldout conversations' first
 turns) at each evaluate.concurrency, greedy, tok/s and time per token. The handover measures production
 again on the same requests once it is back, with the new head when the run decided to deploy it; both go
-to eval/production.json, the notes and the report."""
+to eval/production.json, the notes and the report (pipeline/stages/production.py)."""
 from __future__ import annotations
 
-import json
-import os
 from pathlib import Path
 
-from pipeline import atomicio, box, conversations, target
-from pipeline.matrix import level_of
+from pipeline import atomicio, box
 from pipeline.rundir import now_iso
 from pipeline.stages.base import Stage, StageContext, StageError
-from pipeline.stages.deploy_measure import measure_served
-
-
-def production_headers(profile) -> dict:
-    """The production server's key (server.api_key_env), from the environment only."""
-    key = os.environ.get(profile.server.api_key_env) if profile.server.api_key_env else None
-    return {"Authorization": f"Bearer {key}"} if key else {}
-
-
-def heldout_prompt_ids(ctx: StageContext) -> tuple[list[str], list[list[int]]]:
-    """The held-out prompts as prepare will write them, rendered with the target's template."""
-    loaded = conversations.load(ctx.source_conversations())
-    _, heldout = conversations.split_heldout(loaded.conversations, ctx.profile.data.heldout, len(loaded.token_rows))
-    heldout = heldout[: ctx.profile.evaluate.num_prompts]
-    tok = target.load_tokenizer(ctx.target_dir())
-    ids = [conversations.render_ids(tok, conversations.first_prompt(c["messages"]), add_generation_prompt=True)
-           for c in heldout]
-    return [c["id"] for c in heldout], ids
-
-
-def level_summary(row: dict) -> dict:
-    return {str(c): {"output_tok_s": lv["output_tok_s"], "tpot_ms": lv.get("tpot_ms"), "ttft_ms": lv.get("ttft_ms"),
-                     "decode_tpot_ms": lv.get("decode_tpot_ms"),
-                     "mean_acceptance_length": lv.get("mean_acceptance_length")}
-            for c, lv in row.get("levels", {}).items()}
-
-
-def measure(ctx: StageContext, stage: str, rec, prompts: list[list[int]]) -> dict:
-    row = measure_served(ctx, stage, "production", rec, 0.0, prompts, headers=production_headers(ctx.profile))
-    if row.get("error"):
-        raise StageError(f"measuring production ({rec.describe()}): {row['error']}")
-    for level in row["levels"].values():
-        level.pop("outputs", None)
-    return row
+from pipeline.stages.production import heldout_prompt_ids, level_summary, measure
 
 
 class MeasureProduction(Stage):
@@ -76,67 +40,3 @@ class MeasureProduction(Stage):
             "row": row})
         return {"prompts": len(prompts), "server": rec.describe(), "levels": level_summary(row),
                 "tok_s": row["levels"][min(ctx.profile.evaluate.concurrency)]["output_tok_s"]}
-
-
-def after(ctx: StageContext, rec, with_draft: bool) -> dict:
-    """The handover's half: production measured again on the very requests measured before (kept in
-    eval/production-before.json); eval/production.json. Production is up by then and the operator's: a
-    measurement that fails is said (note, figure), it does not fail the handover."""
-    from pipeline import notes
-
-    try:
-        before = json.loads(ctx.run.production_before.read_text())
-        prompts = before["prompts"]
-    except (OSError, ValueError, KeyError) as exc:
-        raise StageError(f"{ctx.run.production_before}: no measurement of production before the run "
-                         f"(measure-production did not finish?): {exc}") from None
-    try:
-        row = measure(ctx, ctx.stage, rec, prompts)
-    except StageError as exc:
-        ctx.log.warning("production after the handover not measured: %s", exc)
-        notes.add(ctx.run, f"production after the handover not measured: {exc}", source="auto", stage=ctx.stage)
-        return {"production_after_error": str(exc)}
-    b, a = level_summary(before["row"]), level_summary(row)
-    ratios = {c: round(a[c]["output_tok_s"] / b[c]["output_tok_s"], 3) for c in a if c in b and b[c]["output_tok_s"]}
-    atomicio.atomic_write_json(ctx.run.production_result, {
-        "before": before, "after": {"at": now_iso(), "server": rec.describe(), "argv": rec.argv, "row": row},
-        "with_draft": with_draft, "speedup": ratios})
-    text = "production before → after" + (" (with the new head)" if with_draft else " (without a head)") + ": " + \
-        ", ".join(f"c={c} {b[c]['output_tok_s']:.1f} → {a[c]['output_tok_s']:.1f} tok/s (x{ratios[c]:.2f})"
-                  for c in sorted(ratios, key=int))
-    ctx.log.info(text)
-    notes.add(ctx.run, text, source="auto", stage=ctx.stage)
-    low = str(min(int(c) for c in ratios)) if ratios else None
-    if not low:
-        return {}
-    figures = {"production_before_tok_s": b[low]["output_tok_s"], "production_after_tok_s": a[low]["output_tok_s"],
-               "production_speedup": ratios[low]}
-    disagreements = against_matrix(atomicio.read_json(ctx.run.online_result), low, b[low]["output_tok_s"],
-                                   ratios[low], with_draft, str(ctx.run.root))
-    for line in disagreements:
-        ctx.log.warning(line)
-        notes.add(ctx.run, line, source="auto", stage=ctx.stage)
-    return figures | ({"production_vs_matrix": disagreements} if disagreements else {})
-
-
-def against_matrix(online: dict | None, low: str, before_tok_s: float, production_speedup: float,
-                   with_draft: bool, run_root: str, apart: float = 0.1) -> list[str]:
-    """Where production's before/after disagrees with deploy-measure's matrix at the lowest concurrency: the
-    head faster in the matrix but production slower with it, or the target alone measured more than `apart`
-    (a share) differently as production before the run and as the matrix's baseline — two servers of one
-    configuration, whose difference is the noise any speedup here stands in."""
-    rows = (online or {}).get("matrix") or {}
-    base, head = level_of(rows.get("baseline"), low), level_of(rows.get("eagle3"), low)
-    lines = []
-    if with_draft and head.get("speedup") and (head["speedup"] >= 1) != (production_speedup >= 1):
-        lines.append(f"production with the new head ran at x{production_speedup:.2f} of production before the run "
-                     f"(c={low}), where deploy-measure measured the head at x{head['speedup']:.2f} of the baseline: "
-                     f"measure production again (eagle3-console run --resume {run_root} --from handover) or put it "
-                     f"back without the head (eagle3-console server stop --run-dir {run_root}, then server start "
-                     f"--run-dir {run_root} --mode production)")
-    if base.get("output_tok_s") and abs(before_tok_s / base["output_tok_s"] - 1) > apart:
-        lines.append(f"the target without a head measured {before_tok_s:.1f} tok/s as production before the run and "
-                     f"{base['output_tok_s']:.1f} as deploy-measure's baseline (c={low}): "
-                     f"{abs(before_tok_s / base['output_tok_s'] - 1):.0%} apart on one configuration — speedups "
-                     "closer to 1 than that are within what two servers of one target differ by here")
-    return lines

@@ -12,13 +12,16 @@ from __future__ import annotations
 import shutil
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from pipeline import atomicio, diagnose, notes, online
 from pipeline.checkpoints import Checkpoint, candidates
 from pipeline.deploy import publish_draft
 from pipeline.rundir import now_iso
 from pipeline.stages.base import Stage, StageContext, StageError
-from pipeline.stages.evaluate_offline import EvaluateOffline, OfflineTarget
+
+if TYPE_CHECKING:
+    from pipeline.speculative import OfflineTarget
 
 
 def chosen_path(run) -> str | None:
@@ -70,7 +73,9 @@ class PickCheckpoint(Stage):
         found = candidates(ctx.run.checkpoints_dir)
         if not found:
             raise StageError(f"{ctx.run.checkpoints_dir}: no complete checkpoint to measure (train has not finished?)")
-        backend = "offline" if EvaluateOffline().applies(ctx.profile) else "vllm"
+        from pipeline.plan import evaluates_offline
+
+        backend = "offline" if evaluates_offline(ctx.profile) else "vllm"
         rows = ctx.heldout_rows()
         kept = self._kept(ctx, backend, len(rows))
         per_epoch = diagnose.epoch_metrics(atomicio.read_jsonl(ctx.run.events_path))
@@ -146,7 +151,9 @@ class OfflineMeasure:
     def _ready(self) -> OfflineTarget:
         if self._bench is None:
             t0 = time.perf_counter()
-            self._bench = OfflineTarget(self.ctx)
+            from pipeline.speculative import OfflineTarget  # torch: the console imports the stages
+
+            self._bench = OfflineTarget(self.ctx.profile, self.ctx.target_dir())
             self._ids = self._bench.prompt_ids(self.rows)
             t1 = time.perf_counter()
             size = self.ctx.profile.evaluate.batch_size
