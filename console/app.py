@@ -71,7 +71,7 @@ class ConsoleApp(App):
         self.log_name: str | None = None  # the stage whose log is shown (the feed thread's; the run tab's own)
         self.paused = False
         self.polled: RunPolled | None = None
-        self._peers: list[str] = []  # the job's other nodes (train.node_exporters), read every PEERS_EVERY_S
+        self._peers: tuple[str, ...] = ()  # the job's other nodes (train.node_exporters), read every PEERS_EVERY_S
         self._peers_read = -PEERS_EVERY_S
         self.snapshot: gpu.GpuSnapshot | None = None
 
@@ -122,22 +122,20 @@ class ConsoleApp(App):
             self._feed_stop.wait(max(0.0, self.interval - (time.monotonic() - started)))
 
     def poll_run(self) -> RunPolled:
-        view = self.watcher.poll()
+        snap = jobs.snapshot(self.rundir, check_outputs=False, peers=False)
+        if "uptime_s" in snap.server:  # shown to 10 s, as the stages' elapsed: a finer figure repaints every tick
+            snap = dataclasses.replace(snap, server={**snap.server, "uptime_s": snap.server["uptime_s"] // 10 * 10})
+        view = self.watcher.poll({s.name: s.status for s in snap.stages})
         name = view.current or self.log_name or next((s.name for s in reversed(view.stages)
                                                       if s.status != "pending"), None)
         self.log_name = name
         if name and name != self.tailer_name:
             self.tailer, self.tailer_name = LogTailer(self.rundir.log_path(name)), name
         lines = self.tailer.new_lines() if self.tailer else []
-        snap = jobs.snapshot(self.rundir, stages=False, peers=False)
         if time.monotonic() - self._peers_read > PEERS_EVERY_S:  # other nodes: HTTP, at most this often
             self._peers_read = time.monotonic()
-            self._peers = [p.line() for p in jobs.other_nodes(self.profile)]
-        server = dict(snap.server)
-        if "uptime_s" in server:  # shown to 10 s, as the stages' elapsed: a finer figure repaints every tick
-            server["uptime_s"] = server["uptime_s"] // 10 * 10
-        job = {"state": snap.state, "pid": snap.pid, "roles": snap.roles, "peers": self._peers}
-        return RunPolled(view, lines, name, server, job)
+            self._peers = tuple(p.line() for p in jobs.other_nodes(self.profile))
+        return RunPolled(view, lines, name, snap, self._peers)
 
     # ---- rendering: each message handed to the tabs that show it
     @on(GpuSampled)
@@ -153,7 +151,7 @@ class ConsoleApp(App):
             self._draw_gpus(self.snapshot)
 
     def _draw_gpus(self, snap: gpu.GpuSnapshot) -> None:
-        self.gpus.draw(snap, self.polled.job.get("roles", {}) if self.polled else {})
+        self.gpus.draw(snap, self.polled.snap.roles if self.polled else {})
 
     @on(RunPolled)
     def show_run(self, msg: RunPolled) -> None:
@@ -169,7 +167,7 @@ class ConsoleApp(App):
 
     def _show_summary(self, msg: RunPolled) -> None:
         flags = (" · PAUSED" if self.paused else "") + (" · READ-ONLY" if self.readonly else "")
-        self.summary.set(views.summary(msg.view.root, msg.job, msg.view.current, msg.server, self.snapshot, flags))
+        self.summary.set(views.summary(msg.snap, msg.view.current, self.snapshot, flags))
 
     @on(Flash)
     def _flash(self, msg: Flash) -> None:

@@ -6,6 +6,7 @@ from dataclasses import replace
 from textual.message import Message
 
 from pipeline import gpu
+from pipeline.results import RunSnapshot
 from pipeline.runview import RunView
 
 
@@ -16,15 +17,24 @@ class GpuSampled(Message):
 
 
 class RunPolled(Message):
-    def __init__(self, view: RunView, log_lines: list[str], log_name: str | None, server: dict, job: dict):
+    """The run as it stands (`snap`: jobs.snapshot, stage rows without the output checks), its files as the
+    watcher read them (`view`: progress, ETA, figures, with the snapshot's statuses), the new log lines, and
+    the other nodes' lines (`peers`)."""
+
+    def __init__(self, view: RunView, log_lines: list[str], log_name: str | None, snap: RunSnapshot,
+                 peers: tuple[str, ...] = ()):
         super().__init__()
-        self.view, self.log_lines, self.log_name, self.server, self.job = view, log_lines, log_name, server, job
+        self.view, self.log_lines, self.log_name, self.snap, self.peers = view, log_lines, log_name, snap, peers
+
+    @property
+    def server(self) -> dict:
+        return self.snap.server
 
     def shown(self) -> tuple:
         """What the run panel shows: running stages' clocks only to the minute, as they are drawn."""
         stages = tuple(replace(s, elapsed_s=s.elapsed_s // 60, eta_s=s.eta_s and s.eta_s // 60)
                        if s.status == "running" and s.elapsed_s is not None else s for s in self.view.stages)
-        return replace(self.view, stages=stages), self.log_name, self.server, self.job
+        return replace(self.view, stages=stages), self.log_name, self.snap, self.peers
 
     def same_as(self, other: RunPolled | None) -> bool:
         return other is not None and not self.log_lines and self.shown() == other.shown()

@@ -1,7 +1,6 @@
 """What the panels show, built from snapshots: rows and strings, no widgets."""
 from __future__ import annotations
 
-from dataclasses import replace
 from pathlib import Path
 
 from rich.text import Text
@@ -10,15 +9,9 @@ from console.formatting import BLOCKS, fmt_secs, human_bytes, na, spark
 from pipeline import gpu, jobs
 from pipeline.matrix import level_of
 from pipeline.profile import Profile
-from pipeline.runview import RunView, StageView
+from pipeline.results import RunSnapshot, decision_in
 
 LOSS_CURVE_WIDTH = 70
-
-
-def live_stages(stages: tuple[StageView, ...], job: dict) -> tuple[StageView, ...]:
-    """Each stage's status as `status` says it (jobs.live_status); an interrupted one has no ETA."""
-    return tuple(s if (live := jobs.live_status(s.status, job.get("pid"))) == s.status
-                 else replace(s, status=live, eta_s=None) for s in stages)
 
 
 def gpu_row(g: gpu.GpuSample, util_hist, mem_hist) -> tuple:
@@ -99,7 +92,8 @@ def decision_text(evaluation: dict) -> str:
     low = min(evaluation.get("concurrency") or [1])
     per_step = [f"{method} {level['tokens_per_step']:.2f}" for method, row in evaluation["matrix"].items()
                 if (level := level_of(row, low)) and level.get("tokens_per_step") is not None]
-    return (f"decision: {evaluation.get('decision', 'not measured yet')}\n"
+    decision = decision_in(evaluation)
+    return (f"decision: {decision.line if decision else 'not measured yet'}\n"
             + (f"tokens per decode step at c = {low}: " + " · ".join(per_step) if per_step else ""))
 
 
@@ -125,10 +119,9 @@ def gpus_brief(snap: gpu.GpuSnapshot | None) -> str:
     return "no NVML" if snap.unavailable else f"{len(snap.gpus)} GPU(s)"
 
 
-def summary(root: str, job: dict, current: str | None, server: dict, snap: gpu.GpuSnapshot | None,
-            flags: str) -> str:
-    return (f" {Path(root).name} · job {job['state']} · stage {current or '-'} · {server_brief(server)} · "
-            f"{gpus_brief(snap)}{flags}")
+def summary(run: RunSnapshot, current: str | None, gpus: gpu.GpuSnapshot | None, flags: str) -> str:
+    return (f" {Path(run.root).name} · job {run.state} · stage {current or '-'} · {server_brief(run.server)} · "
+            f"{gpus_brief(gpus)}{flags}")
 
 
 def note_line(note: dict) -> str:
@@ -139,9 +132,9 @@ def holder_text(holder: dict) -> str:
     return f"Run {holder.get('run', '?')} (pid {holder.get('pid', '?')})"
 
 
-def outcome(view: RunView, job: dict) -> str:
+def outcome(run: RunSnapshot, evaluation: dict | None) -> str:
     """A run that has ended (or stopped): its decision, when it measured one, and what to do next."""
-    if job.get("state") in ("running", "not started", None):
+    if run.state in ("running", "not started"):
         return ""
-    decision = (view.evaluation or {}).get("decision")
-    return (f"decision: {decision}\n" if decision else "") + f"next: {jobs.next_step(job['state'], view.root)}"
+    decision = decision_in(evaluation)
+    return (f"decision: {decision.line}\n" if decision else "") + f"next: {jobs.next_step(run.state, run.root)}"

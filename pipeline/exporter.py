@@ -14,6 +14,7 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector, CollectorRegistry
 
 from pipeline import gpu, jobs
+from pipeline.results import DeployMeasureResult, EvaluateOfflineResult, TrainResult
 from pipeline.rundir import RunDir, RunDirError
 from pipeline.runview import RunWatcher, StageView
 from pipeline.stages import stage_names
@@ -53,7 +54,8 @@ class RunsCollector(Collector):
             try:
                 run = RunDir.open(root)
                 watcher = self._watchers.setdefault(root, RunWatcher(run, stage_names()))
-                view, snap = watcher.poll(), jobs.snapshot(run, peers=False)  # never a scrape of a scrape
+                snap = jobs.snapshot(run, peers=False)  # never a scrape of a scrape
+                view = watcher.poll({s.name: s.status for s in snap.stages})
             except (RunDirError, OSError, ValueError):  # gone, or not (yet) a run: no sample but its up = 0
                 g.add("run_up", "1 while the run directory reads as a run", 0, run=root.name)
                 continue
@@ -68,7 +70,7 @@ class RunsCollector(Collector):
             for stage in view.stages:
                 st = statuses[stage.name]
                 self._stage(g, name, stage, st.status, st.figures)
-            self._results(g, run, {s.name: s.figures for s in snap.stages}, (view.metrics or {}).get("train", {}))
+            self._results(g, run, (view.metrics or {}).get("train", {}))
         self._gpus(g)
         yield from g.families.values()
 
@@ -100,31 +102,31 @@ class RunsCollector(Collector):
                       run=run, stage=s.name)
 
     @staticmethod
-    def _results(g: _Families, run: RunDir, figures: dict[str, dict], live: dict) -> None:
+    def _results(g: _Families, run: RunDir, live: dict) -> None:
         """Figures of a run as its stages recorded them, and the trainer's live loss and data wait (`live`:
         its latest metric values, as the run's watcher read them from the events)."""
-        train = figures.get("train") or {}
+        train = run.result(TrainResult)
         name = run.root.name
-        for split, key in (("train", "train_loss"), ("val", "val_loss_epoch")):
-            if isinstance(train.get(key), (int, float)):
-                g.add("train_loss", "the draft's loss (train: the last logged; val: the last epoch's)", train[key],
+        for split, loss in (("train", train.train_loss), ("val", train.val_loss_epoch)):
+            if loss is not None:
+                g.add("train_loss", "the draft's loss (train: the last logged; val: the last epoch's)", loss,
                       run=name, split=split)
-        if "train/loss" in live and "train_loss" not in train:
+        if "train/loss" in live and train.train_loss is None:
             g.add("train_loss", "the draft's loss (train: the last logged; val: the last epoch's)",
                   live["train/loss"], run=name, split="train")
         if "profile/fetch_frac" in live:
             g.add("train_data_wait_ratio", "the share of the last logged training step spent waiting for data",
                   live["profile/fetch_frac"], run=name)
-        offline, served = figures.get("evaluate-offline") or {}, figures.get("deploy-measure") or {}
-        for source, value in (("offline", offline.get("tau")), ("vllm", served.get("mean_acceptance_length")),
-                              ("ngram", served.get("ngram_tau"))):
-            if isinstance(value, (int, float)):
+        offline, served = run.result(EvaluateOfflineResult), run.result(DeployMeasureResult)
+        for source, value in (("offline", offline.tau), ("vllm", served.mean_acceptance_length),
+                              ("ngram", served.ngram_tau)):
+            if value is not None:
                 g.add("tau", "mean acceptance length (tokens per draft step)", value, run=name, source=source)
-        if isinstance(served.get("speedup"), (int, float)):
+        if served.speedup is not None:
             g.add("speedup_ratio", "the head's tok/s over the baseline's at the deciding concurrency",
-                  served["speedup"], run=name)
-        if isinstance(served.get("deploy"), bool):
-            g.add("deploy", "1 when the run decided to deploy its head", int(served["deploy"]), run=name)
+                  served.speedup, run=name)
+        if served.deploy is not None:
+            g.add("deploy", "1 when the run decided to deploy its head", int(served.deploy), run=name)
 
     def _gpus(self, g: _Families) -> None:
         snap = gpu.sample()

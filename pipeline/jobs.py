@@ -95,9 +95,10 @@ def process_roles(run: RunDir, server: dict) -> dict[int, str]:
     return roles
 
 
-def snapshot(run: RunDir, stages: bool = True, peers: bool = True) -> RunSnapshot:
-    """`stages` = False: no stage rows (the console, polling every second, has each stage's progress from
-    the events and leaves out the output checks a row's "stale" needs)."""
+def snapshot(run: RunDir, check_outputs: bool = True, peers: bool = True) -> RunSnapshot:
+    """`check_outputs` = False: a done stage's outputs are not checked, so no row says "stale" (the
+    console polls every second); `peers` = False: the other nodes are not asked (an exporter, the console
+    between its reads of them)."""
     from pipeline import box
     from pipeline.runner import recorded_status
     from pipeline.stages import STAGES
@@ -105,9 +106,10 @@ def snapshot(run: RunDir, stages: bool = True, peers: bool = True) -> RunSnapsho
     profile = run.profile()
     job, recorded = job_state(run), run.read_state().get("stages", {})
     rows = []
-    for stage in STAGES if stages else ():
+    for stage in STAGES:
         entry = recorded.get(stage.name, {})
-        rows.append(StageStatus(stage.name, live_status(recorded_status(run, stage, profile), job["pid"]),
+        rows.append(StageStatus(stage.name, live_status(recorded_status(run, stage, profile, check_outputs),
+                                                        job["pid"]),
                                 entry.get("seconds"), entry.get("attempts"), entry.get("figures", {}),
                                 entry.get("error"), entry.get("gpu")))
     server = box.controller(profile).status()

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from pipeline import atomicio
 from pipeline.matrix import level_of
-from pipeline.results import DeployMeasureResult, EvaluateOfflineResult, RunSnapshot
+from pipeline.results import DeployMeasureResult, EvaluateOfflineResult, RunSnapshot, decision_in
 from pipeline.rundir import RunDir, now_iso
 
 # Secrets come from the environment; whatever their value, it never reaches a note.
@@ -118,8 +118,8 @@ def to_markdown(run: RunDir, snapshot: RunSnapshot, out_path: Path | None = None
              f"- target: {profile.target.model_path or 'demo target'}; k = {profile.evaluate.k}; "
              f"draft vocab {profile.vocab.draft_vocab_size}; epochs {profile.train.epochs}", ""]
     measured = run.result(DeployMeasureResult) if "deploy-measure" in stages else None
-    if online:
-        lines += [f"**Decision: {online['decision']}**", ""]
+    if decision := decision_in(online):
+        lines += [f"**Decision: {decision.line}**", ""]
         if why := economics(measured):
             lines += [f"Why: {why}.", ""]
     if rows := [row for row in snapshot.stages if row.status != "n/a"]:
@@ -135,10 +135,10 @@ def to_markdown(run: RunDir, snapshot: RunSnapshot, out_path: Path | None = None
     if picked and picked.get("chosen"):
         lines += checkpoint_lines(picked)
     offline = run.result(EvaluateOfflineResult) if stages.get("evaluate-offline", {}).get("figures") else None
-    gaps = [(name, f) for name, f in ((n, (e.get("figures") or {})) for n, e in stages.items())
-            if f.get("acceptance_gap")]
-    for name, f in gaps:
-        lines += [f"**Warning ({name}): {f['acceptance_gap']}.** Likely: {'; '.join(f.get('likely_causes', []))}.", ""]
+    for checked in (run.result(EvaluateOfflineResult), run.result(DeployMeasureResult)):
+        if checked.acceptance_gap:
+            lines += [f"**Warning ({checked.STAGE}): {checked.acceptance_gap}.** Likely: "
+                      f"{'; '.join(checked.likely_causes)}.", ""]
     if offline and offline.tau is not None:
         acc = " / ".join(f"{a:.2f}" for a in offline.acceptance_per_position)
         lines += ["## Offline evaluation (transformers target + new head)", "",

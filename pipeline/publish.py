@@ -18,7 +18,10 @@ from pipeline.results import (
     DeployMeasureResult,
     EvaluateOfflineResult,
     PickCheckpointResult,
+    PrepareResult,
+    RegenerateResult,
     TrainResult,
+    VocabResult,
 )
 from pipeline.rundir import RunDir
 
@@ -65,15 +68,12 @@ def publish(run: RunDir, out: Path, force: bool = False) -> Path:
 def model_card(run: RunDir, profile: Profile, head: Path, target: Path, out: Path, decision, forced: bool) -> str:
     state = run.read_state()
     stages = state.get("stages", {})
-
-    def figures(name: str) -> dict:
-        return stages.get(name, {}).get("figures") or {}
-
     config = target / "config.json"
     revision = hashlib.sha256(config.read_bytes()).hexdigest()[:16] if config.is_file() else "unknown"
     d, t, ev = profile.data, profile.train, profile.evaluate
     sources = ", ".join(f"{s.source}" + (f" (limit {s.limit})" if s.limit else "") for s in d.sources())
-    prepared, regen, vocab, train = figures("prepare"), figures("regenerate"), figures("vocab"), figures("train")
+    prepared, regen, vocab, train = (run.result(PrepareResult), run.result(RegenerateResult), run.result(VocabResult),
+                                     run.result(TrainResult))
     spec = json.dumps(vllm_flags.eagle3_speculative_config(out.resolve(), ev.k))
     lines = [f"# EAGLE-3 draft head for `{profile.target.model_path or target.name}`", "",
              f"Trained by eagle3-console (run `{run.root.name}`, profile `{profile.name}`) with speculators.",
@@ -84,16 +84,16 @@ def model_card(run: RunDir, profile: Profile, head: Path, target: Path, out: Pat
              "## Target", "", f"- `{target}` (config.json sha256 {revision})",
              "- versions: " + ", ".join(f"{k} {v}" for k, v in (state.get("versions") or {}).items()), "",
              "## Data", "", f"- sources: {sources}; held out {d.heldout}; sequence length {d.seq_length}",
-             f"- prepared: {_fmt(prepared.get('rows'))} rows, {_fmt(prepared.get('tokens'))} tokens "
-             f"({_fmt(prepared.get('loss_tokens'))} trained on)",
+             f"- prepared: {_fmt(prepared.rows)} rows, {_fmt(prepared.tokens)} tokens "
+             f"({_fmt(prepared.loss_tokens)} trained on)",
              "- regeneration: " + (f"the target's own answers ({d.regenerate_backend}, at most "
                                    f"{d.regenerate_max_tokens} tokens, sampling {d.regenerate_sampling}): "
-                                   f"{_fmt(regen.get('generated_tokens'))} tokens" if d.regenerate else "none"),
-             f"- draft vocabulary: {profile.vocab.draft_vocab_size} of {_fmt(vocab.get('target_vocab_size'))} "
-             f"tokens (coverage {_fmt(vocab.get('coverage'))})", "",
+                                   f"{_fmt(regen.generated_tokens)} tokens" if d.regenerate else "none"),
+             f"- draft vocabulary: {profile.vocab.draft_vocab_size} of {_fmt(vocab.target_vocab_size)} "
+             f"tokens (coverage {_fmt(vocab.coverage)})", "",
              "## Training", "", f"- {t.epochs} epochs, lr {t.lr:g}, {t.optimizer}, {t.num_layers} layer(s), "
              f"total_seq_len {t.total_seq_len}, ttt_steps {t.ttt_steps}, extraction {profile.extract.mode}",
-             f"- final train loss {_fmt(train.get('train_loss'))}, {_fmt(train.get('tokens_per_s'))} tokens/s; "
+             f"- final train loss {_fmt(train.train_loss)}, {_fmt(train.tokens_per_s)} tokens/s; "
              f"the head: `{head.name}` ({'measured best' if ev.checkpoints == 'each' else 'last epoch'})",
              f"- hardware: {profile.hardware.gpus} GPU(s) planned" + (
                  f"; GPU use while training: {stages['train']['gpu']}" if stages.get("train", {}).get("gpu") else ""),

@@ -7,7 +7,7 @@ the console and the report."""
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import ClassVar, Literal, TypeVar
+from typing import ClassVar, Literal, Self, TypeVar
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
@@ -23,6 +23,21 @@ class Result(BaseModel):
         """As state.json keeps them: what the stage set, declared or not."""
         return self.model_dump(mode="json", exclude_unset=True)
 
+    @classmethod
+    def of(cls, figures: dict) -> Self:
+        """What a stage returns: its figures as its model (ValueError naming the figure of the wrong type)."""
+        try:
+            return cls.model_validate(figures)
+        except ValidationError as exc:
+            wrong = "; ".join(f"{'.'.join(map(str, e['loc']))} = {e['input']!r}: {e['msg']}" for e in exc.errors())
+            raise ValueError(f"{cls.STAGE} recorded a figure of the wrong type: {wrong}") from None
+
+
+class AcceptanceCheck(Result):
+    """Where a measured τ falls far below what training promised (pipeline/diagnose.py)."""
+    acceptance_gap: str | None = None
+    likely_causes: list[str] = []
+
 
 class PreflightResult(Result):
     STAGE = "preflight"
@@ -35,10 +50,66 @@ class BuildTargetResult(Result):
     target_dir: str | None = None
 
 
+class MeasureProductionResult(Result):
+    STAGE = "measure-production"
+    prompts: int | None = None
+    server: str | None = None
+    tok_s: float | None = None
+    """Production's output tok/s at the lowest concurrency, before the run stopped it."""
+
+
+class RegenerateResult(Result):
+    STAGE = "regenerate"
+    backend: str | None = None
+    rows: int | None = None
+    generated_tokens: int | None = None
+    generated_tok_s: float | None = None
+    """From the client's first request to its last row."""
+    server_start_s: float | None = None
+
+
+class PrepareResult(Result):
+    STAGE = "prepare"
+    rows: int | None = None
+    tokens: int | None = None
+    loss_tokens: int | None = None
+    heldout_prompts: int | None = None
+    skipped_malformed: int | None = None
+
+
+class ExtractResult(Result):
+    STAGE = "extract"
+    mode: Literal["offline", "online"] | None = None
+    samples: int | None = None
+    tokens: int | None = None
+    seconds: float | None = None
+    tokens_per_s: float | None = None
+    """Over the server's window (its prompt counter's first move to its last); vLLM backend only."""
+    server_start_s: float | None = None
+    cached_rows: int | None = None
+
+
+class VocabResult(Result):
+    STAGE = "vocab"
+    draft_vocab_size: int | None = None
+    target_vocab_size: int | None = None
+    coverage: float | None = None
+
+
 class TrainResult(Result):
     STAGE = "train"
     checkpoint: str | None = None
-    """The last epoch's head."""
+    """The last epoch's head (node 0)."""
+    epochs: int | None = None
+    tokens_per_s: float | None = None
+    """The median logged step's, the first (compile) left out, all ranks."""
+    data_wait_share: float | None = None
+    train_loss: float | None = None
+    val_loss_epoch: float | None = None
+    mode: Literal["online"] | None = None
+    generate_tok_s: float | None = None
+    generated_tokens: int | None = None
+    states_disk_peak_bytes: int | None = None
 
 
 class PickCheckpointResult(Result):
@@ -47,7 +118,7 @@ class PickCheckpointResult(Result):
     """The chosen epoch's head."""
 
 
-class EvaluateOfflineResult(Result):
+class EvaluateOfflineResult(AcceptanceCheck):
     STAGE = "evaluate-offline"
     tau: float | None = None
     acceptance_per_position: list[float] = []
@@ -57,11 +128,13 @@ class EvaluateOfflineResult(Result):
     ngram_tokens_per_step: float | None = None
 
 
-class DeployMeasureResult(Result):
+class DeployMeasureResult(AcceptanceCheck):
     STAGE = "deploy-measure"
-    decision: str | None = None
-    """The decision's line: "deploy: …" or "do not deploy: …"."""
     deploy: bool | None = None
+    reason: str | None = None
+    """The measurement that decides (Decision.reason)."""
+    decision: str | None = None
+    """The decision's line for people: "deploy: …" or "do not deploy: …"."""
     offline_tau: float | None = None
     baseline_tok_s: float | None = None
     speculative_tok_s: float | None = None
@@ -87,11 +160,8 @@ class DeployMeasureResult(Result):
     ngram_tokens_per_step: float | None = None
 
     def verdict(self) -> Decision | None:
-        """The decision as a value; a run recorded before `deploy` existed says it by its line's first word."""
-        if not self.decision:
-            return None
-        deploy = self.deploy if self.deploy is not None else self.decision.startswith("deploy:")
-        return Decision(deploy, self.decision.split(": ", 1)[-1])
+        """The decision as a value (None: not measured)."""
+        return None if self.deploy is None or self.reason is None else Decision(self.deploy, self.reason)
 
 
 class HandoverResult(Result):
@@ -103,20 +173,27 @@ class HandoverResult(Result):
     production_speedup: float | None = None
 
 
-MODELS: dict[str, type[Result]] = {m.STAGE: m for m in (PreflightResult, BuildTargetResult, TrainResult,
-                                                          PickCheckpointResult, EvaluateOfflineResult,
-                                                          DeployMeasureResult, HandoverResult)}
+MODELS: dict[str, type[Result]] = {m.STAGE: m for m in (
+    PreflightResult, BuildTargetResult, MeasureProductionResult, RegenerateResult, PrepareResult, ExtractResult,
+    VocabResult, TrainResult, PickCheckpointResult, EvaluateOfflineResult, DeployMeasureResult, HandoverResult)}
 R = TypeVar("R", bound=Result)
 
 
-def stored(stage: str, figures: dict) -> dict:
-    """A stage's figures through its model, as state.json keeps them (ValueError naming the figure when
-    one is not of its declared type)."""
-    try:
-        return MODELS.get(stage, Result).model_validate(figures).figures()
-    except ValidationError as exc:
-        wrong = "; ".join(f"{'.'.join(map(str, e['loc']))} = {e['input']!r}: {e['msg']}" for e in exc.errors())
-        raise ValueError(f"{stage} recorded a figure of the wrong type: {wrong}") from None
+def decision_in(online: dict | None) -> Decision | None:
+    """The decision deploy-measure wrote into eval/online.json (there also when the head failed its own
+    checks and the stage with it), or None."""
+    return DeployMeasureResult.model_validate(online or {}).verdict()
+
+
+def stored(stage: str, result: Result | dict) -> dict:
+    """What a stage returned, as state.json keeps it: its model's figures (ValueError naming the figure when
+    one is not of its declared type, or the model when a stage returned another's)."""
+    model = MODELS.get(stage, Result)
+    if isinstance(result, dict):
+        result = model.of(result)
+    if type(result) is not model:
+        raise ValueError(f"{stage} returned a {type(result).__name__}, not its {model.__name__}")
+    return result.figures()
 
 
 def read(model: type[R], figures: dict | None) -> R:

@@ -158,14 +158,14 @@ def _stop_signal(signum, _frame):
     raise Interrupted(f"stopped by {name}")
 
 
-def recorded_status(run: RunDir, stage: Stage, profile) -> str:
+def recorded_status(run: RunDir, stage: Stage, profile, check_outputs: bool = True) -> str:
     """A stage's status as the run's files tell it: n/a where the profile skips it, "stale" when it
-    was done but its outputs changed or vanished (it will re-run). A check that runs on every
-    attempt (preflight) is never stale."""
+    was done but its outputs changed or vanished (it will re-run; asked only with `check_outputs`). A
+    check that runs on every attempt (preflight) is never stale."""
     if not stage.applies(profile):
         return "n/a"
     status = run.stage_state(stage.name).get("status", "pending")
-    if status == "done" and not stage.always_run and not is_done(run, stage, quick=True):
+    if check_outputs and status == "done" and not stage.always_run and not is_done(run, stage, quick=True):
         return "stale"
     return status
 
@@ -285,7 +285,7 @@ def _run_stages(run: RunDir, profile, stages: list[Stage], on_event: Callable[[d
             with monitor, speculators_logs.into(log):
                 stop_orphan_child(run, stage.name, log)  # first: a killed attempt's child would still be writing
                 require_inputs(stage, ctx)
-                figures = results.stored(stage.name, stage.run(ctx) or {})  # typed where others read it
+                figures = results.stored(stage.name, stage.run(ctx))  # its model's: typed where others read it
             recorded = manifest(run, stage.outputs(ctx))
         except BaseException as exc:
             seconds = round(time.monotonic() - t0, 2)

@@ -67,7 +67,9 @@ class RunWatcher:
         self._eval: dict | None = None
         self._picked: tuple[float, dict | None] = (0.0, None)
 
-    def poll(self) -> RunView:
+    def poll(self, statuses: dict[str, str] | None = None) -> RunView:
+        """`statuses`: each stage's status as it stands (the run's snapshot: n/a, interrupted), else as
+        state.json recorded it."""
         events, self._offset = atomicio.read_jsonl_from(self.run.events_path, self._offset)
         for e in events:
             stage, kind = e.get("stage"), e.get("kind")
@@ -89,7 +91,7 @@ class RunWatcher:
         now = self.clock()
         for name in self.stage_names:
             entry = state.get(name, {})
-            status = entry.get("status", "pending")
+            status = (statuses or {}).get(name) or entry.get("status", "pending")
             prog = self._progress.get(name, {})
             started = self._started.get(name)
             elapsed = entry.get("seconds") if status in ENDED else (

@@ -13,7 +13,17 @@ def test_declared_figures_are_typed_and_the_others_kept_as_written():
                                                "ngram_draft_share": 0.03, "acceptance_per_position": [0.8, 0.7]})
     assert stored == {"decision": "deploy: speedup x1.300", "deploy": True, "speedup": 1.0,
                       "ngram_draft_share": 0.03, "acceptance_per_position": [0.8, 0.7]}
-    assert results.stored("vocab", {"coverage": 1.0}) == {"coverage": 1.0}  # no model: kept as it is
+    assert results.stored("vocab", {"coverage": 1, "seen_tokens": 3}) == {"coverage": 1.0, "seen_tokens": 3}
+
+
+def test_a_stage_returns_its_own_model():
+    """The runner stores what a stage returned through the stage's model; another stage's is refused."""
+    assert results.stored("vocab", results.VocabResult.of({"coverage": 0.5})) == {"coverage": 0.5}
+    with pytest.raises(ValueError, match="vocab returned a TrainResult, not its VocabResult"):
+        results.stored("vocab", results.TrainResult.of({"tokens_per_s": 1.0}))
+    assert set(results.MODELS) == set(__import__("pipeline.stages", fromlist=["stage_names"]).stage_names())
+    with pytest.raises(ValueError, match="train recorded a figure of the wrong type: epochs = 'two'"):
+        results.TrainResult.of({"epochs": "two"})
 
 
 def test_a_figure_of_the_wrong_type_is_named_in_one_line():
@@ -31,13 +41,14 @@ def test_a_run_reads_what_a_stage_recorded_typed_and_none_before_it_ran(tmp_path
     assert before.verdict() is None and before.speedup is None and before.acceptance_per_position == []
     run.update_stage("deploy-measure", figures=results.stored("deploy-measure", {
         "decision": "do not deploy: speedup x1.013 < threshold x1.1 at concurrency 1", "deploy": False,
-        "speedup": 1.013}))
+        "reason": "speedup x1.013 < threshold x1.1 at concurrency 1", "speedup": 1.013}))
     after = run.result(results.DeployMeasureResult)
     assert after.verdict() is not None and after.verdict().deploy is False and after.speedup == 1.013
     assert after.verdict().line == "do not deploy: speedup x1.013 < threshold x1.1 at concurrency 1"
-    # a run recorded before `deploy` existed says it by its line's first word
-    old = results.read(results.DeployMeasureResult, {"decision": "deploy: speedup x1.430 >= threshold x1.1"})
-    assert old.verdict().deploy is True
+    # the decision is the boolean and its reason, never read back from the line people read
+    said = results.read(results.DeployMeasureResult, {"decision": "deploy: speedup x1.430 >= threshold x1.1"})
+    assert said.verdict() is None
+    assert results.decision_in({"deploy": True, "reason": "speedup x1.4", "matrix": {}}).line == "deploy: speedup x1.4"
 
 
 def test_the_trainer_writes_its_metrics_to_tensorboard_inside_the_run(finished_run):

@@ -113,9 +113,9 @@ def test_report_has_matrix_plots_and_decision(vllm_run, tmp_path):
 
 
 @pytest.mark.parametrize("figures,deploys", [
-    ({"decision": "deploy: speedup x1.430 >= threshold x1.1 at concurrency 1", "deploy": True}, True),
-    ({"decision": "do not deploy: speedup x0.920 < threshold x1.1 at concurrency 1", "deploy": False}, False),
-    ({"decision": "deploy: speedup x1.430 >= threshold x1.1 at concurrency 1"}, True),  # a run from before "deploy"
+    ({"deploy": True, "reason": "speedup x1.430 >= threshold x1.1 at concurrency 1"}, True),
+    ({"deploy": False, "reason": "speedup x0.920 < threshold x1.1 at concurrency 1"}, False),
+    ({"decision": "deploy: speedup x1.430 >= threshold x1.1 at concurrency 1"}, False),  # a line alone decides nothing
     ({}, False),
 ])
 def test_production_gets_the_head_only_on_a_deploy_decision(figures, deploys):
@@ -124,7 +124,7 @@ def test_production_gets_the_head_only_on_a_deploy_decision(figures, deploys):
     decision = DeployMeasureResult.model_validate(figures).verdict()
     ok, why = draft_goes_to_production(decision)
     assert ok is deploys and why.startswith("deployed" if deploys else "not deployed")
-    assert (figures.get("decision") or "no measured decision") in why
+    assert (figures.get("reason") or "no measured decision") in why
 
 
 def test_handover_to_production_follows_the_runs_decision(vllm_run, tmp_path):

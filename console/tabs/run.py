@@ -12,7 +12,6 @@ from console import views
 from console.messages import RunPolled
 from console.widgets import QuietStatic, StageTable
 from pipeline.profile import Profile
-from pipeline.stages import STAGES
 
 
 class RunTab(TabPane):
@@ -50,12 +49,11 @@ class RunTab(TabPane):
             self.lines.write_lines(shown)  # batched: one call per tick
 
     def show(self, msg: RunPolled) -> None:
-        applies = {s.name: s.applies(self.profile) for s in STAGES}
-        self.stages.show(views.live_stages(msg.view.stages, msg.job), applies)
-        text = views.outcome(msg.view, msg.job)
+        self.stages.show(msg.view.stages)
+        text = views.outcome(msg.snap, msg.view.evaluation)
         if self.outcome.show(text):
             self.outcome.set_class(bool(text), "visible")
-        nodes = "\n".join(msg.job.get("peers", []))
+        nodes = "\n".join(msg.peers)
         if self.nodes.show(nodes):
             self.nodes.set_class(bool(nodes), "visible")
 

@@ -54,14 +54,14 @@ def headers(layout: Layout) -> tuple[str, ...]:
     return ("stage", "status", "progress", *((layout.elapsed,) if layout.elapsed else ()), "ETA")
 
 
-def fixed_cells(s: StageView, applies: bool, layout: Layout) -> tuple[str, ...]:
-    status = GLYPH.get(s.status if applies else "n/a", s.status)
+def fixed_cells(s: StageView, layout: Layout) -> tuple[str, ...]:
+    status = GLYPH.get(s.status, s.status)
     times = (elapsed(s),) if layout.elapsed else ()
     return (s.name, status, progress(s, layout.bar), *times, eta_text(s.eta_s))
 
 
-def lay_out(stages, applies: dict[str, bool], layout: Layout, width: int) -> LaidOut:
-    rows = [fixed_cells(s, applies.get(s.name, True), layout) for s in stages]
+def lay_out(stages, layout: Layout, width: int) -> LaidOut:
+    rows = [fixed_cells(s, layout) for s in stages]
     widths = [max([cell_len(h), *(cell_len(r[c]) for r in rows)]) for c, h in enumerate(headers(layout))]
     # the progress cell at its widest (done = total): counting up never widens the column
     widths[2] = max([widths[2], *(cell_len(progress(replace(s, done=s.total), layout.bar)) for s in stages)])
@@ -116,9 +116,9 @@ def choose(laid: list[LaidOut], stages) -> LaidOut:
     return max(roomy, key=lambda t: figures_shown(stages, t.room))
 
 
-def stage_table(stages: tuple[StageView, ...], applies: dict[str, bool], width: int):
+def stage_table(stages: tuple[StageView, ...], width: int):
     """(columns as (header, width) pairs, rows) for a table `width` cells wide."""
-    t = choose([lay_out(stages, applies, layout, width) for layout in LAYOUTS], stages)
+    t = choose([lay_out(stages, layout, width) for layout in LAYOUTS], stages)
     columns = (*zip(headers(t.layout), t.widths, strict=True), ("figures", max(t.room, 0)))
     return columns, [(*row, figures_cell(s, t.room)) for row, s in zip(t.rows, stages, strict=True)]
 
@@ -131,18 +131,17 @@ class StageTable(DiffTable):
         # As tall as all its rows from the start: the log below keeps its height, and its tail in view.
         self.styles.height = stage_count + 1
         self._stages: tuple[StageView, ...] = ()
-        self._applies: dict[str, bool] = {}
         self._columns: tuple | None = None
 
-    def show(self, stages: tuple[StageView, ...], applies: dict[str, bool]) -> None:
-        self._stages, self._applies = stages, applies
+    def show(self, stages: tuple[StageView, ...]) -> None:
+        self._stages = stages
         self._refit()
 
     def on_resize(self) -> None:
         self._refit()
 
     def _refit(self) -> None:
-        columns, rows = stage_table(self._stages, self._applies, self.scrollable_content_region.width)
+        columns, rows = stage_table(self._stages, self.scrollable_content_region.width)
         if columns != self._columns:
             self.clear(columns=True)
             for header, width in columns:

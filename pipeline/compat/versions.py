@@ -43,9 +43,18 @@ def parse(v: str) -> Version:
     """The public version (a local tag such as +cpu or +cu130 dropped: the same release, built elsewhere);
     pre-releases keep their order (0.9.0rc1 < 0.9.0 < 0.9.1). An unreadable one sorts first."""
     try:
-        return Version(v.split("+")[0])
+        return Version(Version(v).public)
     except InvalidVersion:
         return Version("0")
+
+
+def public(v: str) -> str:
+    """The release a version string names, as the tables write it (2.13.0+cpu → 2.13.0); an unreadable
+    one as it is."""
+    try:
+        return Version(v).public
+    except InvalidVersion:
+        return v
 
 
 @functools.lru_cache(maxsize=32)

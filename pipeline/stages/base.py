@@ -238,7 +238,8 @@ class Stage:
         from (rows, states, checkpoints). A run copied from another (`--copy-of`) leaves these behind."""
         return self.outputs(ctx)
 
-    def run(self, ctx: StageContext) -> dict:
+    def run(self, ctx: StageContext) -> results.Result:
+        """The stage's work; what it returns is its model's (pipeline/results.py), stored in state.json."""
         raise NotImplementedError
 
     def server_argv(self, ctx: StageContext) -> list[str] | None:

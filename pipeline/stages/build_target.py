@@ -16,6 +16,7 @@ import psutil
 from pipeline import atomicio, demo_data, demo_pretrain
 from pipeline.compat import kimi_layout
 from pipeline.profile import DemoTargetSection, Profile
+from pipeline.results import BuildTargetResult
 from pipeline.stages.base import Stage, StageContext, StageError
 
 SPECIAL_TOKENS = ["<|pad|>", "<|bos|>", "<|eos|>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]
@@ -271,7 +272,7 @@ class BuildTarget(Stage):
     def fresh_paths(self, ctx: StageContext) -> list[Path]:
         return [ctx.run.demo_conversations]  # the target lives in the shared cache, no run's to leave behind
 
-    def run(self, ctx: StageContext) -> dict:
+    def run(self, ctx: StageContext) -> BuildTargetResult:
         figures: dict = {}
         if ctx.profile.target.source == "demo":
             spec = ctx.profile.demo_target
@@ -300,7 +301,7 @@ class BuildTarget(Stage):
             text = "".join(json.dumps(c) + "\n" for c in convs)
             atomicio.atomic_write_text(ctx.run.demo_conversations, text)
             figures["conversations"] = len(convs)
-        return figures
+        return BuildTargetResult.of(figures)
 
 
 def _param_count(target: Path) -> int:

@@ -16,6 +16,7 @@ from pipeline.decision import Decision
 from pipeline.deploy import publish_draft
 from pipeline.matrix import level_of
 from pipeline.online import in_threads
+from pipeline.results import DeployMeasureResult
 from pipeline.server import ServerError, port_in_use, port_owner
 from pipeline.stages.base import Stage, StageContext, StageError, argv_for
 from pipeline.stages.served import decode_steps, measure_served
@@ -166,7 +167,7 @@ class DeployMeasure(Stage):
     def server_argv(self, ctx: StageContext) -> list[str] | None:
         return argv_for(ctx, "baseline")  # the matrix starts with the baseline on the serving port
 
-    def run(self, ctx: StageContext) -> dict:
+    def run(self, ctx: StageContext) -> DeployMeasureResult:
         ev = ctx.profile.evaluate
         tok = target.load_tokenizer(ctx.target_dir())
         rows = ctx.heldout_rows()
@@ -209,11 +210,12 @@ class DeployMeasure(Stage):
         failure = head_failure(ctx, eagle, low, failures, len(prompts))
         # a head that failed its own checks is not deployed, whatever its speed: online.json says so too
         decision = decide(eagle, low, ev.deploy_speedup) if failure is None else Decision(False, failure)
-        result |= {"decision": decision.line, "deploy": decision.deploy}
+        result |= {"decision": decision.line, "deploy": decision.deploy, "reason": decision.reason}
         atomicio.atomic_write_json(ctx.run.online_result, result)
         if failure is not None:
             raise StageError(failure)
-        figures = {"decision": decision.line, "deploy": decision.deploy, "offline_tau": offline_tau,
+        figures = {"decision": decision.line, "deploy": decision.deploy, "reason": decision.reason,
+                   "offline_tau": offline_tau,
                    "baseline_tok_s": base["levels"][low]["output_tok_s"]}
         if eagle is not None:
             lv = eagle["levels"][low]
@@ -231,7 +233,7 @@ class DeployMeasure(Stage):
             steps = decode_steps(ngram["output_tokens"] - len(prompts), ngram["accepted"], ngram["drafts"])
             figures.update(ngram_tau=ngram["mean_acceptance_length"], ngram_tokens_per_step=ngram["tokens_per_step"],
                            ngram_draft_share=round(ngram["drafts"] / steps, 4) if steps > 0 else 1.0)
-        return figures
+        return DeployMeasureResult.of(figures)
 
 
 def streamed_split(baseline: dict, eagle: dict) -> dict:

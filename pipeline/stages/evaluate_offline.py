@@ -7,6 +7,7 @@ import time
 from pathlib import Path
 
 from pipeline import atomicio, diagnose
+from pipeline.results import EvaluateOfflineResult
 from pipeline.stages.base import Stage, StageContext, StageError, first_difference
 
 
@@ -24,7 +25,7 @@ class EvaluateOffline(Stage):
     def outputs(self, ctx: StageContext) -> list[Path]:
         return [ctx.run.offline_result]
 
-    def run(self, ctx: StageContext) -> dict:
+    def run(self, ctx: StageContext) -> EvaluateOfflineResult:
         from pipeline import prompt_lookup, speculative
 
         ev = ctx.profile.evaluate
@@ -77,7 +78,8 @@ class EvaluateOffline(Stage):
         figures = {**{k: result[k] for k in ("tau", "acceptance_per_position", "prompts", "generated_tokens",
                                              "tokens_per_target_forward", "lossless")},
                    "ngram_tau": round(ngram.tau, 4), "ngram_tokens_per_step": round(ngram.tokens_per_step, 4)}
-        return figures | diagnose.check_acceptance(ctx, ctx.draft_checkpoint(), acceptance, "offline", outputs)
+        gap = diagnose.check_acceptance(ctx, ctx.draft_checkpoint(), acceptance, "offline", outputs)
+        return EvaluateOfflineResult.of(figures | gap)
 
 
 def ngram_figures(ngram, min_n: int, max_n: int) -> dict:

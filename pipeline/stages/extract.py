@@ -12,6 +12,7 @@ from pathlib import Path
 
 from pipeline import target
 from pipeline.compat.offline_clients import shard
+from pipeline.results import ExtractResult
 from pipeline.stages.base import Stage, StageContext, StageError, argv_for
 
 
@@ -145,14 +146,15 @@ class Extract(Stage):
     def server_argv(self, ctx: StageContext) -> list[str] | None:
         return argv_for(ctx, "extraction") if ctx.profile.extract.backend == "vllm" else None
 
-    def run(self, ctx: StageContext) -> dict:
+    def run(self, ctx: StageContext) -> ExtractResult:
         if ctx.extract_mode() == "online":
-            return extract_cache(ctx, self.name)
+            return ExtractResult.of(extract_cache(ctx, self.name))
         if ctx.profile.extract.backend == "vllm":
             ex = ctx.profile.extract
             from pipeline.plan import extraction_clients
 
-            return extract_with_vllm(ctx, self.name, ex.world_size, ex.rank, clients=extraction_clients(ctx.profile))
+            return ExtractResult.of(extract_with_vllm(ctx, self.name, ex.world_size, ex.rank,
+                                                      clients=extraction_clients(ctx.profile)))
         from datasets import load_from_disk
 
         ds = load_from_disk(str(ctx.run.prepared_dir))
@@ -166,7 +168,7 @@ class Extract(Stage):
                           indices=shard(len(ds), ex.world_size, ex.rank))
         figures["shard"] = f"{ex.rank}/{ex.world_size}"
         ctx.log.info("extracted %s", figures)
-        return figures
+        return ExtractResult.of(figures)
 
 
 def extract_cache(ctx: StageContext, stage: str) -> dict:

@@ -7,6 +7,7 @@ from pathlib import Path
 
 from pipeline import atomicio, box
 from pipeline.decision import Decision
+from pipeline.results import HandoverResult
 from pipeline.rundir import now_iso
 from pipeline.stages.base import Stage, StageContext
 
@@ -32,7 +33,7 @@ class Handover(Stage):
     def fresh_paths(self, ctx: StageContext) -> list[Path]:
         return [ctx.run.handover_record, ctx.run.production_result]  # production before and after it
 
-    def run(self, ctx: StageContext) -> dict:
+    def run(self, ctx: StageContext) -> HandoverResult:
         after = ctx.profile.server.after_run
         if after == "stop":
             stopped = box.free_port(ctx.profile, ctx.log.info)
@@ -57,4 +58,4 @@ class Handover(Stage):
                 from pipeline.stages.production import after as measure_after
                 figures |= measure_after(ctx, rec, with_draft=draft is not None)
         atomicio.atomic_write_json(ctx.run.handover_record, {**figures, "at": now_iso()})
-        return figures
+        return HandoverResult.of(figures)

@@ -9,6 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from pipeline import atomicio, box
+from pipeline.results import MeasureProductionResult
 from pipeline.rundir import now_iso
 from pipeline.stages.base import Stage, StageContext, StageError
 from pipeline.stages.production import heldout_prompt_ids, level_summary, measure
@@ -23,7 +24,7 @@ class MeasureProduction(Stage):
     def outputs(self, ctx: StageContext) -> list[Path]:
         return [ctx.run.production_before]
 
-    def run(self, ctx: StageContext) -> dict:
+    def run(self, ctx: StageContext) -> MeasureProductionResult:
         ctl = box.controller(ctx.profile)
         rec, status = ctl.record(), ctl.status()
         port = ctx.profile.server.port
@@ -38,5 +39,6 @@ class MeasureProduction(Stage):
         atomicio.atomic_write_json(ctx.run.production_before, {
             "at": now_iso(), "server": rec.describe(), "argv": rec.argv, "prompt_ids": ids, "prompts": prompts,
             "row": row})
-        return {"prompts": len(prompts), "server": rec.describe(), "levels": level_summary(row),
-                "tok_s": row["levels"][min(ctx.profile.evaluate.concurrency)]["output_tok_s"]}
+        return MeasureProductionResult.of({
+            "prompts": len(prompts), "server": rec.describe(), "levels": level_summary(row),
+            "tok_s": row["levels"][min(ctx.profile.evaluate.concurrency)]["output_tok_s"]})

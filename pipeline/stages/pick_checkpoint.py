@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 from pipeline import atomicio, diagnose, notes, online
 from pipeline.checkpoints import Checkpoint, candidates
 from pipeline.deploy import publish_draft
+from pipeline.results import PickCheckpointResult
 from pipeline.rundir import now_iso
 from pipeline.stages.base import Stage, StageContext, StageError
 
@@ -69,7 +70,7 @@ class PickCheckpoint(Stage):
     def fresh_paths(self, ctx: StageContext) -> list[Path]:
         return [ctx.run.checkpoints_result, ctx.run.checkpoint_drafts]
 
-    def run(self, ctx: StageContext) -> dict:
+    def run(self, ctx: StageContext) -> PickCheckpointResult:
         found = candidates(ctx.run.checkpoints_dir)
         if not found:
             raise StageError(f"{ctx.run.checkpoints_dir}: no complete checkpoint to measure (train has not finished?)")
@@ -118,7 +119,7 @@ class PickCheckpoint(Stage):
                    "seconds_per_checkpoint": round(sum(fresh) / len(fresh), 2) if fresh else None,
                    "taus": " ".join(f"{e['tau']:.2f}" for e in measured)}
         # the deployed head's training-vs-serving check is evaluate-offline's or deploy-measure's (one note)
-        return figures
+        return PickCheckpointResult.of(figures)
 
     @staticmethod
     def _kept(ctx: StageContext, backend: str, prompts: int) -> dict[str, dict]:

@@ -7,6 +7,7 @@ from pathlib import Path
 
 from pipeline import atomicio, notes
 from pipeline import preflight as checks
+from pipeline.results import PreflightResult
 from pipeline.stages.base import Stage, StageContext, StageError
 
 
@@ -17,7 +18,7 @@ class Preflight(Stage):
     def outputs(self, ctx: StageContext) -> list[Path]:
         return [ctx.run.preflight_result]
 
-    def run(self, ctx: StageContext) -> dict:
+    def run(self, ctx: StageContext) -> PreflightResult:
         findings = checks.preflight(ctx.profile, run_dir=ctx.run.root)
         atomicio.atomic_write_text(ctx.run.preflight_result, checks.to_json(findings))
         for f in findings:
@@ -39,4 +40,4 @@ class Preflight(Stage):
                 from pipeline.plan import make_plan
                 plan = make_plan(ctx.profile, ctx.run.root)
                 figures.update(extract_mode=plan.mode, extract_mode_why=plan.mode_why)
-        return figures
+        return PreflightResult.of(figures)

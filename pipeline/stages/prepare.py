@@ -8,6 +8,7 @@ import shutil
 from pathlib import Path
 
 from pipeline import atomicio, conversations, target
+from pipeline.results import PrepareResult
 from pipeline.stages.base import Stage, StageContext, StageError, argv_for
 
 
@@ -41,7 +42,7 @@ class Prepare(Stage):
             return None
         return argv_for(ctx, "extraction" if ctx.profile.extract.backend == "vllm" else "baseline")
 
-    def run(self, ctx: StageContext) -> dict:
+    def run(self, ctx: StageContext) -> PrepareResult:
         from datasets import Dataset
 
         data = ctx.profile.data
@@ -59,7 +60,7 @@ class Prepare(Stage):
         except ValueError as exc:
             raise StageError(f"{source}: {exc}") from None
         if data.tokenize == "render":
-            return {**self._with_speculators(ctx, loaded, train, heldout), **gathered}
+            return PrepareResult.of({**self._with_speculators(ctx, loaded, train, heldout), **gathered})
         tok = target.load_tokenizer(ctx.target_dir())
         if data.regenerate:
             regenerated = conversations.load(ctx.training_conversations())
@@ -98,10 +99,10 @@ class Prepare(Stage):
         _write_token_freq(ds, ctx.run.token_freq)
         prompts = _write_heldout(ctx, heldout)
         n_tokens = sum(columns["seq_len"])
-        return {**gathered, "rows": len(columns["seq_len"]), "tokens": n_tokens,
-                "loss_tokens": sum(sum(m) for m in columns["loss_mask"]),
-                "skipped_malformed": len(loaded.bad), "skipped_unsupervised": unsupervised,
-                "truncated": truncated, "heldout_prompts": len(prompts)}
+        return PrepareResult.of({**gathered, "rows": len(columns["seq_len"]), "tokens": n_tokens,
+                                 "loss_tokens": sum(sum(m) for m in columns["loss_mask"]),
+                                 "skipped_malformed": len(loaded.bad), "skipped_unsupervised": unsupervised,
+                                 "truncated": truncated, "heldout_prompts": len(prompts)})
 
 
     def _with_speculators(self, ctx: StageContext, loaded, train: list[dict], heldout: list[dict]) -> dict:

@@ -20,6 +20,7 @@ from pathlib import Path
 
 from pipeline import atomicio, conversations, procs, target
 from pipeline.online import PromptWindow, generation_tokens
+from pipeline.results import RegenerateResult
 from pipeline.stages.base import Stage, StageContext, StageError, argv_for
 
 
@@ -42,7 +43,7 @@ class Regenerate(Stage):
     def server_argv(self, ctx: StageContext) -> list[str] | None:
         return argv_for(ctx, "regenerate") if ctx.profile.data.regenerate_backend == "vllm" else None
 
-    def run(self, ctx: StageContext) -> dict:
+    def run(self, ctx: StageContext) -> RegenerateResult:
         data = ctx.profile.data
         gathered = ctx.gather_sources()
         loaded = conversations.load(ctx.source_conversations())
@@ -61,8 +62,8 @@ class Regenerate(Stage):
             rows, figures = with_transformers(ctx, self.name, train)
         rows += loaded.token_rows
         atomicio.atomic_write_text(ctx.training_conversations(), "".join(json.dumps(r) + "\n" for r in rows))
-        return {"backend": data.regenerate_backend, "rows": len(rows), "skipped_rows": len(loaded.bad),
-                **figures, **gathered, **answer_variety(rows)}
+        return RegenerateResult.of({"backend": data.regenerate_backend, "rows": len(rows),
+                                    "skipped_rows": len(loaded.bad), **figures, **gathered, **answer_variety(rows)})
 
 
 def enough_for(train: list[dict], rows: int) -> list[dict]:

@@ -13,6 +13,7 @@ from pathlib import Path
 from pipeline import atomicio, mooncake, online_training, procs, vllm_modes
 from pipeline.checkpoints import final_checkpoint, kept_sub_epoch, quarantine_incomplete
 from pipeline.compat import speculators_compat, torch_distributed_errors
+from pipeline.results import TrainResult
 from pipeline.server import explain_failure
 from pipeline.stages.base import Stage, StageContext, StageError, argv_for
 from pipeline.target import resolve_layer_ids
@@ -97,9 +98,9 @@ class Train(Stage):
     def server_argv(self, ctx: StageContext) -> list[str] | None:
         return argv_for(ctx, "extraction") if ctx.extract_mode() == "online" else None
 
-    def run(self, ctx: StageContext) -> dict:
+    def run(self, ctx: StageContext) -> TrainResult:
         if ctx.extract_mode() != "online":
-            return self.train(ctx)
+            return TrainResult.of(self.train(ctx))
         from pipeline import box
 
         _, mode_args = box.mode_inputs(ctx.profile, ctx.run, "extraction")
@@ -118,7 +119,7 @@ class Train(Stage):
         figures.update(mode="online", states_disk_peak_bytes=watch.peak_bytes, states_peak_files=watch.peak_files,
                        generated_tokens=int(watch.generated_tokens),
                        generate_tok_s=round(watch.generated_tokens / seconds, 1) if seconds else None)
-        return figures
+        return TrainResult.of(figures)
 
     def train(self, ctx: StageContext, endpoint: str | None = None, server=None) -> dict:
         save = ctx.run.checkpoints_dir

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from pipeline import atomicio
+from pipeline.results import VocabResult
 from pipeline.stages.base import Stage, StageContext, StageError
 
 
@@ -17,7 +18,7 @@ class Vocab(Stage):
     def outputs(self, ctx: StageContext) -> list[Path]:
         return list(ctx.run.vocab_mappings(ctx.profile.vocab.draft_vocab_size))
 
-    def run(self, ctx: StageContext) -> dict:
+    def run(self, ctx: StageContext) -> VocabResult:
         import torch
         from speculators.train.vocab_mapping import build_vocab_mappings_from_distribution
 
@@ -34,8 +35,8 @@ class Vocab(Stage):
         atomicio.atomic_write_with(t2d_path, lambda p: _save_npy(p, t2d.numpy()))
         total = sum(freq.values())
         covered = sum(c for tid, c in freq.items() if t2d[tid])
-        return {"draft_vocab_size": size, "target_vocab_size": target_vocab, "seen_tokens": len(freq),
-                "coverage": round(covered / total, 4) if total else 0.0}
+        return VocabResult.of({"draft_vocab_size": size, "target_vocab_size": target_vocab, "seen_tokens": len(freq),
+                               "coverage": round(covered / total, 4) if total else 0.0})
 
 
 def _save_npy(path: Path, array) -> None:
