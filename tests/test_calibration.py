@@ -158,7 +158,7 @@ def test_an_earlier_runs_measurement_still_comes_first(tmp_path, monkeypatch):
     path = calibration_file(tmp_path)
     p = load_profile("kimi-k2.5-rtx6000x8-lowered", {"hardware.calibration": str(path)}, check_inputs=False)
     monkeypatch.setattr(plan, "_measured", lambda profile, stage, rate_of: (1234.0, tmp_path / "run"))
-    assert plan.make_plan(p).extract == plan.Rate(1234.0, f"measured: {tmp_path / 'run'}")
+    assert plan.make_plan(p).extract == plan.Rate(1234.0, f"measured: {tmp_path / 'run'}", "measured")
 
 
 def test_plan_cli_with_a_calibration(tmp_path):

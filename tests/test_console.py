@@ -264,6 +264,7 @@ def test_eval_tab_shows_matrix_decision_and_loss_curve(run):
     run.eval_dir.mkdir(exist_ok=True)
     (run.eval_dir / "online.json").write_text(json.dumps({
         "k": 3, "concurrency": [1], "decision": "do not deploy: speedup x0.72 at concurrency 1 (threshold x1.10)",
+        "deploy": False, "reason": "speedup x0.72 at concurrency 1 (threshold x1.10)",
         "matrix": {"baseline": {"levels": {"1": {"output_tok_s": 240.0, "tpot_ms": 4.1, "ttft_ms": 13.3,
                                                   "decode_tpot_ms": 2.36, "speedup": 1.0, "tokens_per_step": 1.0}}},
                    "ngram": {"error": "ServerError: vLLM (ngram) exited with 1: numba missing"},
