@@ -42,9 +42,13 @@ def chosen_head(run: RunDir, profile: Profile) -> tuple[Path | None, str]:
 
 def publish(run: RunDir, out: Path, force: bool = False) -> Path:
     profile = run.profile()
-    decision = run.result(DeployMeasureResult).verdict()
+    measured = run.result(DeployMeasureResult)
+    decision = measured.verdict()
     if not force and not (decision and decision.deploy):
-        said = decision.line if decision else "not measured (no deploy-measure ran: evaluate.online = false)"
+        said = (decision.line if decision else
+                f"{measured.decision!r}, recorded before decisions carried their reason (run --resume {run.root} "
+                f"--from deploy-measure measures it again)" if measured.decision else
+                "not measured (no deploy-measure ran: evaluate.online = false)")
         raise PublishError(f"{run.root}: the run's decision is {said}; --force publishes the head anyway")
     head, stage = chosen_head(run, profile)
     if head is None or not (head / "config.json").is_file():

@@ -32,7 +32,7 @@ class StageView:
 
     @property
     def fraction(self) -> float | None:
-        if self.status == "done":
+        if self.status in ("done", "stale"):  # stale: done, its outputs changed since
             return 1.0
         return min(1.0, self.done / self.total) if self.total and self.done is not None else None
 
@@ -91,11 +91,17 @@ class RunWatcher:
         now = self.clock()
         for name in self.stage_names:
             entry = state.get(name, {})
-            status = (statuses or {}).get(name) or entry.get("status", "pending")
+            recorded = entry.get("status", "pending")
+            status = (statuses or {}).get(name) or recorded  # as it stands: n/a, interrupted, stale
             prog = self._progress.get(name, {})
             started = self._started.get(name)
-            elapsed = entry.get("seconds") if status in ENDED else (
-                entry.get("earlier_seconds", 0) + now - started if started else None)
+            if recorded == "running" and status != "running":  # its process is gone: up to its last event
+                last = max([prog.get("t", 0), started or 0])
+                elapsed = entry.get("earlier_seconds", 0) + last - started if started else None
+            elif recorded in ENDED:
+                elapsed = entry.get("seconds")
+            else:
+                elapsed = entry.get("earlier_seconds", 0) + now - started if started else None
             done, total = prog.get("done"), prog.get("total")
             eta = None
             if status == "running" and started and total and done and prog.get("t", 0) > started:
@@ -103,12 +109,12 @@ class RunWatcher:
                 # old fraction would grow between reports instead of falling.
                 finish = started + (prog["t"] - started) * total / done
                 eta = max(0.0, finish - now)
-            figs = dict(entry.get("figures") or {}) if status == "done" else {
+            figs = dict(entry.get("figures") or {}) if recorded == "done" else {
                 **self._metrics.get(name, {}), **{k: v for k, v in prog.items() if k not in
                                                    ("ts", "t", "stage", "kind", "done", "total", "unit")}}
             short = tuple((k, v) for k, v in figs.items() if k in KEY_FIGURES and v is not None)
-            if status in ("failed", "interrupted"):
-                short = (("error", entry.get("error", "")),)
+            if status in ("failed", "interrupted") and entry.get("error"):
+                short = (("error", entry["error"]),)
             if status == "running":
                 current = name
             views.append(StageView(name, status, done, total, prog.get("unit", ""), elapsed, eta, short))

@@ -571,13 +571,16 @@ def test_online_batches_are_fetched_through_several_requests_in_their_order(tmp_
     assert getattr(dataloader, speculators_online.REPLACED[1]) is speculators_online.ConcurrentArrowDataset
     states = _states_dataset(tmp_path / "data", 12, cached=False)
     ds = speculators_online.ConcurrentArrowDataset(max_len=64, datapath=tmp_path / "data", on_missing="generate")
-    ds.client = object()  # the server round trip is speculators' own (the real online runs); timed here
-    open_now, most, lock = [0], [0], threading.Lock()
+    open_now, most, lock, threads, alone = [0], [0], threading.Lock(), set(), []
 
-    def round_trip(item, client_item):
+    def round_trip(item, client_item):  # the server round trip is speculators' own (the real online runs)
         with lock:
             open_now[0] += 1
             most[0] = max(most[0], open_now[0])
+            threads.add(threading.get_ident())
+        if ds.client is None:  # its first request sets the client up, alone
+            alone.append(open_now[0])
+            ds.client = object()
         time.sleep(0.05)
         with lock:
             open_now[0] -= 1
@@ -587,6 +590,8 @@ def test_online_batches_are_fetched_through_several_requests_in_their_order(tmp_
     batches = [[0, 1, 2, 3, 4, 5, 6, 7], [11, 8, 10, 9]]
     assert [_rows_of(b) for b in DataLoader(ds, batch_sampler=batches, collate_fn=list)] == batches
     assert most[0] == 4  # four requests open at once, the batch's order kept
+    assert alone == [1] and len(threads - {threading.get_ident()}) <= 4  # the same four threads every batch
+    assert "_pool" not in ds.__getstate__()
 
 
 def test_a_generated_state_is_read_once_its_writer_lets_go(tmp_path, monkeypatch):

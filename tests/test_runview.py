@@ -31,6 +31,27 @@ def test_eta_counts_down_between_progress_reports(tmp_path):
     assert train().eta_s == 0.0  # late, never negative
 
 
+def test_the_snapshots_statuses_show_and_the_recorded_one_keeps_the_clocks(tmp_path):
+    """The watcher shows a stage as the run's snapshot says it stands; its time and figures follow what was
+    recorded: a stale stage keeps its seconds, an interrupted one stops at its last event and keeps its
+    figures when no error was recorded."""
+    run = RunDir.create(load_profile(TINY, {"run.runs_dir": str(tmp_path / "runs")}), tmp_path / "run")
+    run.update_stage("vocab", status="done", seconds=3.0, figures={"tau": 1.5})
+    run.update_stage("train", status="running", error=None, earlier_seconds=10.0)
+    events = [{"ts": "", "t": 1000.0, "stage": "train", "kind": "start"},
+              {"ts": "", "t": 1100.0, "stage": "train", "kind": "progress", "done": 1, "total": 4, "unit": "epochs",
+               "loss": 0.5}]
+    run.events_path.write_text("".join(json.dumps(e) + "\n" for e in events))
+    now = [2000.0]
+    watcher = RunWatcher(run, stage_names(), clock=lambda: now[0])
+    for _ in range(2):
+        rows = {s.name: s for s in watcher.poll({"vocab": "stale", "train": "interrupted"}).stages}
+        assert (rows["vocab"].status, rows["vocab"].elapsed_s, rows["vocab"].fraction) == ("stale", 3.0, 1.0)
+        assert rows["train"].status == "interrupted" and rows["train"].elapsed_s == 110.0
+        assert rows["train"].eta_s is None and dict(rows["train"].figures) == {"loss": 0.5}
+        now[0] += 500
+
+
 # --- LogTailer: the console's view of a stage log ------------------------------------------------
 
 def append(path, data: bytes):

@@ -7,7 +7,10 @@ extraction server: a rank keeps `--num-workers` requests in flight (one with non
 server prefills at (NOTES.md "Online training"). torch's fetcher asks a dataset's `__getitems__` for the whole
 batch when it has one; ConcurrentArrowDataset answers it with `requests` threads, each running speculators'
 own `__getitem__` (the request, the load, the validation, the delete), results in the batch's order. The
-threads wait on the network, not the GIL.
+threads wait on the network, not the GIL. The same threads serve every batch of a worker (hs_connectors'
+Mooncake store registers a staging buffer per thread id and never frees it), and a worker fetches serially
+until its client is set up (speculators' `_setup_client` and the transfer's `setup()` hold no lock: two
+threads would each mount a Mooncake segment).
 
 Each answer then waits for the connector's `.lock` on the state file: hs_connectors' `wait_for_lock` tries
 once and sleeps 0.1 s between tries, so a state written in a millisecond costs its sample up to 100 ms.
@@ -65,10 +68,14 @@ def _wait_promptly() -> None:
 
 class ConcurrentArrowDataset(ArrowDataset):
     requests = 1  # set by install(); each instance keeps its own (a spawned worker unpickles its __dict__)
+    _pool: ThreadPoolExecutor | None = None
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.requests = type(self).requests
+
+    def __getstate__(self) -> dict:
+        return {k: v for k, v in self.__dict__.items() if k != "_pool"}  # threads stay in their process
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
@@ -77,10 +84,14 @@ class ConcurrentArrowDataset(ArrowDataset):
     def __getitems__(self, indices: list[int]) -> list[Any]:
         if self.on_missing != "generate" or self.requests < 2 or len(indices) < 2:
             return [self[i] for i in indices]
-        # the first request of a worker alone: it sets up the client (and a Mooncake store) once
-        first = [self[indices[0]]] if self.client is None else []
-        with ThreadPoolExecutor(min(self.requests, len(indices)), thread_name_prefix="eagle3-generate") as pool:
-            return first + list(pool.map(self.__getitem__, indices[len(first):]))
+        rest, fetched = list(indices), []
+        while rest and self.client is None:  # one at a time until the client (and a Mooncake store) is set up
+            fetched.append(self[rest.pop(0)])
+        if rest:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(self.requests, thread_name_prefix="eagle3-generate")
+            fetched += self._pool.map(self.__getitem__, rest)
+        return fetched
 
 
 def install(requests: int) -> str | None:
