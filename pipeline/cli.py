@@ -148,8 +148,8 @@ def _print_summary(run) -> None:
               f"(x{online.speedup}), outputs identical to baseline = {online.identical_outputs}")
     if line := notes.ngram_comparison(ev, online):
         print(line)
-    if online.decision:
-        print(f"decision: {online.decision}")
+    if decision := online.verdict():
+        print(f"decision: {decision.line}")
     if why := notes.economics(online):
         print(f"why: {why}")
     if hand.server:

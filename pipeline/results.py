@@ -52,20 +52,11 @@ class BuildTargetResult(Result):
 
 class MeasureProductionResult(Result):
     STAGE = "measure-production"
-    prompts: int | None = None
-    server: str | None = None
-    tok_s: float | None = None
-    """Production's output tok/s at the lowest concurrency, before the run stopped it."""
 
 
 class RegenerateResult(Result):
     STAGE = "regenerate"
-    backend: str | None = None
-    rows: int | None = None
     generated_tokens: int | None = None
-    generated_tok_s: float | None = None
-    """From the client's first request to its last row."""
-    server_start_s: float | None = None
 
 
 class PrepareResult(Result):
@@ -73,25 +64,14 @@ class PrepareResult(Result):
     rows: int | None = None
     tokens: int | None = None
     loss_tokens: int | None = None
-    heldout_prompts: int | None = None
-    skipped_malformed: int | None = None
 
 
 class ExtractResult(Result):
     STAGE = "extract"
-    mode: Literal["offline", "online"] | None = None
-    samples: int | None = None
-    tokens: int | None = None
-    seconds: float | None = None
-    tokens_per_s: float | None = None
-    """Over the server's window (its prompt counter's first move to its last); vLLM backend only."""
-    server_start_s: float | None = None
-    cached_rows: int | None = None
 
 
 class VocabResult(Result):
     STAGE = "vocab"
-    draft_vocab_size: int | None = None
     target_vocab_size: int | None = None
     coverage: float | None = None
 
@@ -100,16 +80,10 @@ class TrainResult(Result):
     STAGE = "train"
     checkpoint: str | None = None
     """The last epoch's head (node 0)."""
-    epochs: int | None = None
     tokens_per_s: float | None = None
     """The median logged step's, the first (compile) left out, all ranks."""
-    data_wait_share: float | None = None
     train_loss: float | None = None
     val_loss_epoch: float | None = None
-    mode: Literal["online"] | None = None
-    generate_tok_s: float | None = None
-    generated_tokens: int | None = None
-    states_disk_peak_bytes: int | None = None
 
 
 class PickCheckpointResult(Result):
@@ -168,9 +142,6 @@ class HandoverResult(Result):
     STAGE = "handover"
     after_run: str | None = None
     server: str | None = None
-    production_before_tok_s: float | None = None
-    production_after_tok_s: float | None = None
-    production_speedup: float | None = None
 
 
 MODELS: dict[str, type[Result]] = {m.STAGE: m for m in (
