@@ -510,14 +510,16 @@ def online_plan(profile: Profile, tokens: int, samples: int, state_bytes_per_tok
     """Online training: states of the first rows up to extract.cache_gib are extracted once; the rest
     is generated again every epoch (train and validation rows) while the draft trains, each sample's
     states deleted once loaded. On disk in flight: the requests the data loaders keep open
-    (train.requests_per_worker per worker, one worker at least, per rank), at the longest sequence."""
+    (train.requests_per_worker per worker, one worker at least, per rank), at the longest sequence, and no
+    more than one packed batch a worker (its requests are that batch's rows)."""
     ex, t = profile.extract, profile.train
     cache = min(int(ex.cache_gib * GIB), int(tokens * state_bytes_per_token))
     cached_tokens = int(cache / state_bytes_per_token) if state_bytes_per_token else 0
     cached_rows = int(samples * cached_tokens / tokens) if tokens else 0
     ranks = t.nproc_per_node * t.nnodes
-    in_flight = int(ranks * max(1, t.num_workers) * t.requests_per_worker * profile.data.seq_length
-                    * state_bytes_per_token)
+    # a worker's requests are its batch's rows: no more than a packed batch (total_seq_len tokens) at once
+    per_worker = min(t.requests_per_worker * profile.data.seq_length, max(t.total_seq_len, profile.data.seq_length))
+    in_flight = int(ranks * max(1, t.num_workers) * per_worker * state_bytes_per_token)
     generate_tokens = (tokens - cached_tokens) * t.epochs
     generate_s = generate_tokens / extract.tokens_per_s if extract.tokens_per_s else None
     cache_s = cached_tokens / extract.tokens_per_s if extract.tokens_per_s else 0.0

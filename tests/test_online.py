@@ -86,6 +86,21 @@ def test_kimi_full_fits_a_30_tb_node_online_and_the_planner_names_the_split():
     assert not by_serve[2].fits and "555 GiB" in by_serve[2].why  # 2 × 288 GB cannot hold the INT4 weights
 
 
+def test_states_in_flight_are_the_requests_open_and_at_most_a_batch_a_worker():
+    def in_flight(**sets):
+        p = load_profile("kimi-k2.5-b300x8-full", {"hardware.calibration": "", **sets}, check_inputs=False)
+        plan = make_plan(p)
+        per_token = plan.disk_hidden_states / plan.tokens
+        t = p.train
+        return plan.online.disk_in_flight / (t.nproc_per_node * t.nnodes * max(1, t.num_workers) * per_token)
+
+    seq = 8192
+    assert in_flight(**{"train.requests_per_worker": 1}) == pytest.approx(seq, rel=1e-3)  # one row a worker
+    assert in_flight(**{"train.requests_per_worker": 8}) == pytest.approx(seq, rel=1e-3)  # a batch's rows at most
+    assert in_flight(**{"train.requests_per_worker": 2, "train.total_seq_len": 4 * seq}) == pytest.approx(2 * seq,
+                                                                                                        rel=1e-3)
+
+
 def test_the_rtx_box_cannot_serve_and_train_at_once():
     low = make_plan(load_profile("kimi-k2.5-rtx6000x8-lowered", check_inputs=False))
     assert low.online.splits and not any(s.fits for s in low.online.splits)
