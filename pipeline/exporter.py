@@ -14,7 +14,7 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector, CollectorRegistry
 
 from pipeline import gpu, jobs
-from pipeline.results import DeployMeasureResult, EvaluateOfflineResult, TrainResult
+from pipeline.results import DeployMeasureResult, EvaluateOfflineResult, RunSnapshot, TrainResult
 from pipeline.rundir import RunDir, RunDirError
 from pipeline.runview import RunWatcher, StageView
 from pipeline.stages import stage_names
@@ -70,7 +70,7 @@ class RunsCollector(Collector):
             for stage in view.stages:
                 st = statuses[stage.name]
                 self._stage(g, name, stage, st.status, st.figures)
-            self._results(g, run, (view.metrics or {}).get("train", {}))
+            self._results(g, snap, (view.metrics or {}).get("train", {}))
         self._gpus(g)
         yield from g.families.values()
 
@@ -102,11 +102,11 @@ class RunsCollector(Collector):
                       run=run, stage=s.name)
 
     @staticmethod
-    def _results(g: _Families, run: RunDir, live: dict) -> None:
+    def _results(g: _Families, snap: RunSnapshot, live: dict) -> None:
         """Figures of a run as its stages recorded them, and the trainer's live loss and data wait (`live`:
         its latest metric values, as the run's watcher read them from the events)."""
-        train = run.result(TrainResult)
-        name = run.root.name
+        train = snap.result(TrainResult)
+        name = Path(snap.root).name
         for split, loss in (("train", train.train_loss), ("val", train.val_loss_epoch)):
             if loss is not None:
                 g.add("train_loss", "the draft's loss (train: the last logged; val: the last epoch's)", loss,
@@ -117,7 +117,7 @@ class RunsCollector(Collector):
         if "profile/fetch_frac" in live:
             g.add("train_data_wait_ratio", "the share of the last logged training step spent waiting for data",
                   live["profile/fetch_frac"], run=name)
-        offline, served = run.result(EvaluateOfflineResult), run.result(DeployMeasureResult)
+        offline, served = snap.result(EvaluateOfflineResult), snap.result(DeployMeasureResult)
         for source, value in (("offline", offline.tau), ("vllm", served.mean_acceptance_length),
                               ("ngram", served.ngram_tau)):
             if value is not None:

@@ -108,8 +108,8 @@ def snapshot(run: RunDir, check_outputs: bool = True, peers: bool = True) -> Run
     rows = []
     for stage in STAGES:
         entry = recorded.get(stage.name, {})
-        rows.append(StageStatus(stage.name, live_status(recorded_status(run, stage, profile, check_outputs),
-                                                        job["pid"]),
+        status = recorded_status(run, stage, profile, entry, check_outputs)
+        rows.append(StageStatus(stage.name, live_status(status, job["pid"]),
                                 entry.get("seconds"), entry.get("attempts"), entry.get("figures", {}),
                                 entry.get("error"), entry.get("gpu")))
     server = box.controller(profile).status()

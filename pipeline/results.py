@@ -222,6 +222,10 @@ class RunSnapshot:
     roles: dict[int, str]
     peers: tuple[Peer, ...] = ()  # the job's other nodes (train.node_exporters)
 
+    def result(self, model: type[R]) -> R:
+        """What `model`'s stage recorded, typed, as this snapshot read it (RunDir.result without another read)."""
+        return read(model, next((s.figures for s in self.stages if s.name == model.STAGE), None))
+
     def as_json(self) -> dict:
         return {"run": self.root, "profile": self.profile, "state": self.state, "pid": self.pid,
                 "stages": [{"stage": s.name, **{k: v for k, v in asdict(s).items() if k != "name"}}

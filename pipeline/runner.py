@@ -158,14 +158,15 @@ def _stop_signal(signum, _frame):
     raise Interrupted(f"stopped by {name}")
 
 
-def recorded_status(run: RunDir, stage: Stage, profile, check_outputs: bool = True) -> str:
-    """A stage's status as the run's files tell it: n/a where the profile skips it, "stale" when it
-    was done but its outputs changed or vanished (it will re-run; asked only with `check_outputs`). A
-    check that runs on every attempt (preflight) is never stale."""
+def recorded_status(run: RunDir, stage: Stage, profile, entry: dict, check_outputs: bool = True) -> str:
+    """A stage's status as the run's files tell it (`entry`: its record in state.json): n/a where the
+    profile skips it, "stale" when it was done but its outputs changed or vanished (it will re-run; asked
+    only with `check_outputs`). A check that runs on every attempt (preflight) is never stale."""
     if not stage.applies(profile):
         return "n/a"
-    status = run.stage_state(stage.name).get("status", "pending")
-    if check_outputs and status == "done" and not stage.always_run and not is_done(run, stage, quick=True):
+    status = entry.get("status", "pending")
+    if (check_outputs and status == "done" and not stage.always_run
+            and not outputs_intact(run, entry.get("outputs", {}), quick=True)):
         return "stale"
     return status
 

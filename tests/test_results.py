@@ -78,3 +78,25 @@ def test_a_tracker_that_is_not_installed_blocks_preflight(monkeypatch):
     said = tracker_findings(load_profile(TINY, overrides={"train.loggers": ["tensorboard", "wandb"]}))
     assert [f.severity for f in said] == ["ok", "block"]
     assert "train.loggers = ['tensorboard', 'wandb']: the package wandb is not installed" in said[1].message
+
+
+def test_the_snapshot_says_stale_only_where_it_checks_the_outputs(tmp_path):
+    """A done stage whose outputs changed is "stale" in `status` (outputs checked) and "done" in the
+    console's poll (not checked); what it recorded reads typed from the snapshot itself."""
+    from pipeline import jobs
+    from pipeline.runner import manifest
+    run = RunDir.create(load_profile(TINY, overrides={"run.runs_dir": str(tmp_path / "runs")}), tmp_path / "run")
+    d2t, t2d = run.vocab_mappings(run.profile().vocab.draft_vocab_size)
+    for path in (d2t, t2d):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(b"x" * 8)
+    run.update_stage("vocab", status="done", outputs=manifest(run, [d2t, t2d]),
+                     figures=results.stored("vocab", {"coverage": 0.9}))
+
+    def vocab(**kw):
+        snap = jobs.snapshot(run, peers=False, **kw)
+        return next(s.status for s in snap.stages if s.name == "vocab"), snap.result(results.VocabResult).coverage
+
+    assert vocab() == vocab(check_outputs=False) == ("done", 0.9)
+    d2t.write_bytes(b"x" * 9)
+    assert vocab() == ("stale", 0.9) and vocab(check_outputs=False) == ("done", 0.9)
