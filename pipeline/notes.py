@@ -117,7 +117,7 @@ def to_markdown(run: RunDir, snapshot: RunSnapshot, out_path: Path | None = None
              f"- versions: {versions or 'not recorded'}",
              f"- target: {profile.target.model_path or 'demo target'}; k = {profile.evaluate.k}; "
              f"draft vocab {profile.vocab.draft_vocab_size}; epochs {profile.train.epochs}", ""]
-    measured = run.result(DeployMeasureResult) if "deploy-measure" in stages else None
+    measured = snapshot.result(DeployMeasureResult) if "deploy-measure" in stages else None
     if decision := decision_in(online):
         lines += [f"**Decision: {decision.line}**", ""]
         if why := economics(measured):
@@ -134,8 +134,8 @@ def to_markdown(run: RunDir, snapshot: RunSnapshot, out_path: Path | None = None
     picked = atomicio.read_json(run.checkpoints_result)
     if picked and picked.get("chosen"):
         lines += checkpoint_lines(picked)
-    offline = run.result(EvaluateOfflineResult) if stages.get("evaluate-offline", {}).get("figures") else None
-    for checked in (run.result(EvaluateOfflineResult), run.result(DeployMeasureResult)):
+    offline = snapshot.result(EvaluateOfflineResult) if stages.get("evaluate-offline", {}).get("figures") else None
+    for checked in (snapshot.result(EvaluateOfflineResult), snapshot.result(DeployMeasureResult)):
         if checked.acceptance_gap:
             lines += [f"**Warning ({checked.STAGE}): {checked.acceptance_gap}.** Likely: "
                       f"{'; '.join(checked.likely_causes)}.", ""]
