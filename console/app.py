@@ -21,7 +21,7 @@ from textual.binding import Binding
 from textual.widgets import Footer, TabbedContent
 
 from console import views
-from console.messages import Flash, GpuSampled, RunPolled
+from console.messages import GpuSampled, Outcome, RunPolled
 from console.screens import ConfirmScreen, HelpScreen, ModeScreen
 from console.tabs import EvalTab, GpusTab, NotesTab, RunTab, ServerTab
 from console.widgets import Line
@@ -67,7 +67,6 @@ class ConsoleApp(App):
         self.sampler = sampler or gpu.sample
         self.watcher = RunWatcher(self.rundir, stage_names(), clock=clock)
         self.tailer: LogTailer | None = None
-        self.tailer_name: str | None = None
         self.log_name: str | None = None  # the stage whose log is shown (the feed thread's; the run tab's own)
         self.paused = False
         self.polled: RunPolled | None = None
@@ -83,11 +82,7 @@ class ConsoleApp(App):
         self.gpus, self.eval = GpusTab(), EvalTab()
         self.server_tab = ServerTab(self.profile, self.rundir, self.readonly, self.notes.note)
         with TabbedContent(initial="run"):
-            yield self.run_tab
-            yield self.gpus
-            yield self.server_tab
-            yield self.notes
-            yield self.eval
+            yield from (self.run_tab, self.gpus, self.server_tab, self.notes, self.eval)
         yield Footer(compact=True)
 
     def on_mount(self) -> None:
@@ -118,7 +113,7 @@ class ConsoleApp(App):
                     last_run = polled
                     self.post_message(polled)
             except Exception as exc:
-                self.post_message(Flash(f"reading the run failed: {exc}"))
+                self.post_message(Outcome(f"reading the run failed: {exc}", False))
             self._feed_stop.wait(max(0.0, self.interval - (time.monotonic() - started)))
 
     def poll_run(self) -> RunPolled:
@@ -128,9 +123,8 @@ class ConsoleApp(App):
         view = self.watcher.poll({s.name: s.status for s in snap.stages})
         name = view.current or self.log_name or next((s.name for s in reversed(view.stages)
                                                       if s.status != "pending"), None)
-        self.log_name = name
-        if name and name != self.tailer_name:
-            self.tailer, self.tailer_name = LogTailer(self.rundir.log_path(name)), name
+        if name and name != self.log_name:
+            self.tailer, self.log_name = LogTailer(self.rundir.log_path(name)), name
         lines = self.tailer.new_lines() if self.tailer else []
         if time.monotonic() - self._peers_read > PEERS_EVERY_S:  # other nodes: HTTP, at most this often
             self._peers_read = time.monotonic()
@@ -161,7 +155,7 @@ class ConsoleApp(App):
             return
         self.run_tab.show(msg)
         self._show_summary(msg)
-        self.server_tab.show(msg.server)
+        self.server_tab.show(msg.snap.server)
         self.eval.show(msg.view)
         self.notes.show(msg.view)
 
@@ -169,9 +163,9 @@ class ConsoleApp(App):
         flags = (" · PAUSED" if self.paused else "") + (" · READ-ONLY" if self.readonly else "")
         self.summary.set(views.summary(msg.snap, msg.view.current, self.snapshot, flags))
 
-    @on(Flash)
-    def _flash(self, msg: Flash) -> None:
-        self.notify(msg.text, severity="error", timeout=8)
+    @on(Outcome)
+    def _tell(self, msg: Outcome) -> None:
+        self.notify(msg.text, severity="information" if msg.ok else "error", timeout=8)
 
     # ---- keys: the app's own, and the tabs' routed to them
     def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:

@@ -12,7 +12,7 @@ MODES = ("production", "baseline", "speculative", "extraction")
 
 
 class ConfirmScreen(ModalScreen[bool]):
-    BINDINGS = [Binding("y", "answer(True)", "Yes"), Binding("n,escape", "answer(False)", "No")]
+    BINDINGS = [Binding("y", "dismiss(True)", "Yes"), Binding("n,escape", "dismiss(False)", "No")]
 
     def __init__(self, question: str):
         super().__init__()
@@ -25,25 +25,19 @@ class ConfirmScreen(ModalScreen[bool]):
                 yield Button("Yes (y)", variant="error", id="yes")
                 yield Button("No (n)", variant="primary", id="no")
 
-    def action_answer(self, value: bool) -> None:
-        self.dismiss(value)
-
     @on(Button.Pressed)
     def pressed(self, event: Button.Pressed) -> None:
         self.dismiss(event.button.id == "yes")
 
 
 class ModeScreen(ModalScreen[str | None]):
-    BINDINGS = [Binding("escape", "cancel", "Cancel")]
+    BINDINGS = [Binding("escape", "dismiss(None)", "Cancel")]
 
     def compose(self) -> ComposeResult:
         with Vertical(id="dialog"):
             yield Label("Start the server in which mode?")
             for mode in MODES:
                 yield Button(mode, id=f"mode-{mode}")
-
-    def action_cancel(self) -> None:
-        self.dismiss(None)
 
     @on(Button.Pressed)
     def pressed(self, event: Button.Pressed) -> None:
@@ -70,11 +64,8 @@ a lost GPU reads "GPU LOST".
 
 
 class HelpScreen(ModalScreen[None]):
-    BINDINGS = [Binding("escape,q,question_mark", "close", "Close")]
+    BINDINGS = [Binding("escape,q,question_mark", "dismiss", "Close")]
 
     def compose(self) -> ComposeResult:
         with Vertical(id="dialog"):
             yield Static(HELP)
-
-    def action_close(self) -> None:  # not action_dismiss: Screen's own is async and takes a result
-        self.dismiss(None)

@@ -66,65 +66,51 @@ class RunsCollector(Collector):
                       run=name, profile=snap.profile, state=state)
             g.add("server_up", "1 while a healthy vLLM server answers on the run's serving port",
                   int(bool(snap.server.get("healthy"))), run=name, mode=str(snap.server.get("mode") or ""))
-            statuses = {s.name: s for s in snap.stages}
-            for stage in view.stages:
-                st = statuses[stage.name]
-                self._stage(g, name, stage, st.status, st.figures)
-            self._results(g, snap, (view.metrics or {}).get("train", {}))
+            # the same stages in the same order; the view's statuses are the snapshot's
+            for stage, recorded in zip(view.stages, snap.stages, strict=True):
+                self._stage(g, name, stage, recorded.figures)
+            self._results(g, name, snap, (view.metrics or {}).get("train", {}))
         self._gpus(g)
         yield from g.families.values()
 
     @staticmethod
-    def _stage(g: _Families, run: str, s: StageView, status: str, recorded: dict) -> None:
+    def _stage(g: _Families, run: str, s: StageView, recorded: dict) -> None:
         for state in STAGE_STATES:
-            g.add("stage_state", "a stage's status (1 for the one it is in)", int(status == state),
+            g.add("stage_state", "a stage's status (1 for the one it is in)", int(s.status == state),
                   run=run, stage=s.name, state=state)
-        if s.fraction is not None:
-            g.add("stage_progress_ratio", "a stage's share done", s.fraction, run=run, stage=s.name)
-        if s.eta_s is not None and status == "running":
+        g.add("stage_progress_ratio", "a stage's share done", s.fraction, run=run, stage=s.name)
+        if s.status == "running":
             g.add("stage_eta_seconds", "a running stage's time left at its current rate", s.eta_s, run=run,
                   stage=s.name)
-        if s.elapsed_s is not None:
-            g.add("stage_elapsed_seconds", "a stage's time so far (all its attempts)", s.elapsed_s, run=run,
+        g.add("stage_elapsed_seconds", "a stage's time so far (all its attempts)", s.elapsed_s, run=run, stage=s.name)
+        figures = recorded if s.status == "done" else dict(s.figures)  # live: the view's; done: all it recorded
+        if s.name == "train":
+            g.add("train_tokens_per_second", "the trainer's tokens/s", _first(figures, TRAIN_KEYS), run=run,
                   stage=s.name)
-        figures = {**dict(s.figures), **recorded} if status == "done" else dict(s.figures)
-        rate = _first(figures, GENERATION_KEYS)
-        if rate is None and s.name == "extract" and status == "done" and figures.get("seconds"):
+        rate = _first(figures, ("generate_tok_s",) if s.name == "train" else GENERATION_KEYS)  # train: online's server
+        if rate is None and s.name == "extract" and s.status == "done" and figures.get("seconds"):
             rate = float(figures.get("tokens") or 0) / float(figures["seconds"])  # over its requests
-        if s.name in GENERATION_STAGES and rate is not None:
+        if s.name in (*GENERATION_STAGES, "train"):
             g.add("generation_tokens_per_second", "tokens/s the target generates for a stage", rate, run=run,
                   stage=s.name)
-        if s.name == "train":
-            if (rate := _first(figures, TRAIN_KEYS)) is not None:
-                g.add("train_tokens_per_second", "the trainer's tokens/s", rate, run=run, stage=s.name)
-            if (rate := _first(figures, ("generate_tok_s",))) is not None:  # online: the server's states
-                g.add("generation_tokens_per_second", "tokens/s the target generates for a stage", rate,
-                      run=run, stage=s.name)
 
     @staticmethod
-    def _results(g: _Families, snap: RunSnapshot, live: dict) -> None:
+    def _results(g: _Families, name: str, snap: RunSnapshot, live: dict) -> None:
         """Figures of a run as its stages recorded them, and the trainer's live loss and data wait (`live`:
         its latest metric values, as the run's watcher read them from the events)."""
         train = snap.result(TrainResult)
-        name = Path(snap.root).name
-        for split, loss in (("train", train.train_loss), ("val", train.val_loss_epoch)):
-            if loss is not None:
-                g.add("train_loss", "the draft's loss (train: the last logged; val: the last epoch's)", loss,
-                      run=name, split=split)
-        if "train/loss" in live and train.train_loss is None:
-            g.add("train_loss", "the draft's loss (train: the last logged; val: the last epoch's)",
-                  live["train/loss"], run=name, split="train")
-        if "profile/fetch_frac" in live:
-            g.add("train_data_wait_ratio", "the share of the last logged training step spent waiting for data",
-                  live["profile/fetch_frac"], run=name)
+        last_logged = live.get("train/loss") if train.train_loss is None else train.train_loss  # live till recorded
+        for split, loss in (("train", last_logged), ("val", train.val_loss_epoch)):
+            g.add("train_loss", "the draft's loss (train: the last logged; val: the last epoch's)", loss, run=name,
+                  split=split)
+        g.add("train_data_wait_ratio", "the share of the last logged training step spent waiting for data",
+              live.get("profile/fetch_frac"), run=name)
         offline, served = snap.result(EvaluateOfflineResult), snap.result(DeployMeasureResult)
         for source, value in (("offline", offline.tau), ("vllm", served.mean_acceptance_length),
                               ("ngram", served.ngram_tau)):
-            if value is not None:
-                g.add("tau", "mean acceptance length (tokens per draft step)", value, run=name, source=source)
-        if served.speedup is not None:
-            g.add("speedup_ratio", "the head's tok/s over the baseline's at the deciding concurrency",
-                  served.speedup, run=name)
+            g.add("tau", "mean acceptance length (tokens per draft step)", value, run=name, source=source)
+        g.add("speedup_ratio", "the head's tok/s over the baseline's at the deciding concurrency", served.speedup,
+              run=name)
         if served.deploy is not None:
             g.add("deploy", "1 when the run decided to deploy its head", int(served.deploy), run=name)
 
@@ -141,21 +127,23 @@ class RunsCollector(Collector):
                     ("gpu_power_watts", "GPU power draw", s.power_w),
                     ("gpu_power_limit_watts", "GPU power limit", s.power_limit_w),
                     ("gpu_sm_clock_hertz", "GPU SM clock", None if s.sm_clock_mhz is None else s.sm_clock_mhz * 1e6),
-                    ("gpu_processes", "processes holding GPU memory", None if s.lost else len(s.processes))):
-                if value is not None and not s.lost:
+                    ("gpu_processes", "processes holding GPU memory", len(s.processes))):
+                if not s.lost:
                     g.add(metric, doc, value, **labels)
             g.add("gpu_lost", "1 when NVML lost the GPU (fallen off the bus, reset)", int(s.lost), **labels)
 
 
 class _Families:
-    """Gauge families by name, each sample with the host label first."""
+    """Gauge families by name, each sample with the host label first; a value of None is no sample (N/A)."""
 
     def __init__(self, host: str):
         self.host = host
         self.families: dict[str, GaugeMetricFamily] = {}
         self._labels: dict[str, list[str]] = {}
 
-    def add(self, name: str, doc: str, value: float, **labels: str) -> None:
+    def add(self, name: str, doc: str, value: float | None, **labels: str) -> None:
+        if value is None:
+            return
         full = f"eagle3_{name}"
         if full not in self.families:
             self._labels[full] = ["host", *labels]

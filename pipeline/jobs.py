@@ -7,6 +7,7 @@ import json
 import subprocess
 import sys
 import time
+from contextlib import suppress
 from pathlib import Path
 
 import psutil
@@ -34,18 +35,14 @@ def runner_alive(run: RunDir) -> int | None:
     """The pid of the process running this run's stages (recorded in state.json by the runner, checked
     by its start time so a reused pid does not count), or of its detached job; None when none lives."""
     runner = run.read_state().get("runner") or {}
-    try:
+    with suppress(psutil.Error, KeyError):
         if runner and psutil.Process(runner["pid"]).create_time() == runner["since"]:
             return runner["pid"]
-    except (psutil.Error, KeyError):
-        pass
-    try:
+    with suppress(FileNotFoundError, json.JSONDecodeError, KeyError, psutil.Error):
         job = json.loads(run.job_record.read_text())
         p = psutil.Process(job["pid"])
         if p.status() != psutil.STATUS_ZOMBIE and str(run.root) in " ".join(p.cmdline()):
             return job["pid"]
-    except (FileNotFoundError, json.JSONDecodeError, KeyError, psutil.Error):
-        pass
     return None
 
 
@@ -61,17 +58,10 @@ def job_state(run: RunDir) -> dict:
     pid = runner_alive(run)
     stages = run.read_state().get("stages", {})
     statuses = {live_status(str(s.get("status")), pid) for s in stages.values()}
-    if pid:
-        state = "running"
-    elif "interrupted" in statuses:
-        state = "interrupted"
-    elif "failed" in statuses:
-        state = "failed"
-    elif stages and statuses == {"done"}:
-        state = "finished"
-    else:
-        state = "not started" if not stages else "stopped"
-    return {"state": state, "pid": pid}
+    first_that_holds = (("running", bool(pid)), ("interrupted", "interrupted" in statuses),
+                        ("failed", "failed" in statuses), ("finished", bool(stages) and statuses == {"done"}),
+                        ("stopped", bool(stages)))
+    return {"state": next((state for state, holds in first_that_holds if holds), "not started"), "pid": pid}
 
 
 def next_step(state: str, root: str | Path, pid: int | None = None) -> str:

@@ -6,6 +6,7 @@ import json
 import os
 import re
 import time
+from contextlib import suppress
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -39,8 +40,6 @@ class StageView:
 
 @dataclass(frozen=True)
 class RunView:
-    root: str
-    profile: str
     stages: tuple[StageView, ...]
     current: str | None
     notes: tuple[dict, ...] = ()
@@ -63,9 +62,7 @@ class RunWatcher:
         self._notes_offset = 0
         self._notes: list[dict] = []
         self._loss: list[float] = []
-        self._eval_mtime = 0.0
-        self._eval: dict | None = None
-        self._picked: tuple[float, dict | None] = (0.0, None)
+        self._json: dict[Path, tuple[float, dict]] = {}  # by path: its mtime and contents as last read
 
     def poll(self, statuses: dict[str, str] | None = None) -> RunView:
         """`statuses`: each stage's status as it stands (the run's snapshot: n/a, interrupted), else as
@@ -85,8 +82,7 @@ class RunWatcher:
                     {k: v for k, v in e.items() if isinstance(v, (int, float)) and k not in ("t",)})
         notes, self._notes_offset = atomicio.read_jsonl_from(self.run.notes_path, self._notes_offset)
         self._notes += notes
-        full_state = self.run.read_state()
-        state = full_state.get("stages", {})
+        state = self.run.read_state().get("stages", {})
         views, current = [], None
         now = self.clock()
         for name in self.stage_names:
@@ -95,13 +91,12 @@ class RunWatcher:
             status = (statuses or {}).get(name) or recorded  # as it stands: n/a, interrupted, stale
             prog = self._progress.get(name, {})
             started = self._started.get(name)
-            if recorded == "running" and status != "running":  # its process is gone: up to its last event
-                last = max([prog.get("t", 0), started or 0])
-                elapsed = entry.get("earlier_seconds", 0) + last - started if started else None
-            elif recorded in ENDED:
+            if recorded in ENDED:
                 elapsed = entry.get("seconds")
-            else:
-                elapsed = entry.get("earlier_seconds", 0) + now - started if started else None
+            else:  # up to now, or to its last event when its process is gone
+                gone = recorded == "running" and status != "running"
+                until = max(prog.get("t", 0), started or 0) if gone else now
+                elapsed = entry.get("earlier_seconds", 0) + until - started if started else None
             done, total = prog.get("done"), prog.get("total")
             eta = None
             if status == "running" and started and total and done and prog.get("t", 0) > started:
@@ -109,31 +104,24 @@ class RunWatcher:
                 # old fraction would grow between reports instead of falling.
                 finish = started + (prog["t"] - started) * total / done
                 eta = max(0.0, finish - now)
-            figs = dict(entry.get("figures") or {}) if recorded == "done" else {
-                **self._metrics.get(name, {}), **{k: v for k, v in prog.items() if k not in
-                                                   ("ts", "t", "stage", "kind", "done", "total", "unit")}}
+            # the key figures only: never a progress event's own t, done, total…
+            figs = (entry.get("figures") or {}) if recorded == "done" else {**self._metrics.get(name, {}), **prog}
             short = tuple((k, v) for k, v in figs.items() if k in KEY_FIGURES and v is not None)
             if status in ("failed", "interrupted") and entry.get("error"):
                 short = (("error", entry["error"]),)
             if status == "running":
                 current = name
             views.append(StageView(name, status, done, total, prog.get("unit", ""), elapsed, eta, short))
-        online = self.run.online_result
-        try:
-            mtime = online.stat().st_mtime
-            if mtime != self._eval_mtime:
-                self._eval, self._eval_mtime = json.loads(online.read_text()), mtime
-        except (FileNotFoundError, json.JSONDecodeError):
-            pass
-        try:
-            mtime = self.run.checkpoints_result.stat().st_mtime
-            if mtime != self._picked[0]:
-                self._picked = (mtime, json.loads(self.run.checkpoints_result.read_text()))
-        except (FileNotFoundError, json.JSONDecodeError):
-            pass
-        return RunView(str(self.run.root), full_state.get("profile", "?"), tuple(views), current,
-                       tuple(self._notes), tuple(self._loss), self._eval, self._picked[1],
+        return RunView(tuple(views), current, tuple(self._notes), tuple(self._loss),
+                       self._read_json(self.run.online_result), self._read_json(self.run.checkpoints_result),
                        {stage: dict(m) for stage, m in self._metrics.items() if stage})
+
+    def _read_json(self, path: Path) -> dict | None:
+        """`path` read again only when its mtime changed; while it is gone or half written, as last read."""
+        with suppress(FileNotFoundError, json.JSONDecodeError):
+            if (mtime := path.stat().st_mtime) != self._json.get(path, (0.0,))[0]:
+                self._json[path] = (mtime, json.loads(path.read_text()))
+        return self._json[path][1] if path in self._json else None
 
 
 class LogTailer:

@@ -1,7 +1,6 @@
 """5 Eval: the training loss, the checkpoint choice and the benchmark matrix."""
 from __future__ import annotations
 
-from textual.app import ComposeResult
 from textual.widgets import TabPane
 
 from console import views
@@ -13,19 +12,11 @@ MATRIX_COLUMNS = ("method", "conc.", "tok/s", "TTFT ms", "TPOT ms", "τ", "accep
 
 
 class EvalTab(TabPane):
-    KEYS = ()
-
     def __init__(self) -> None:
-        super().__init__("5 Eval", id="eval")
         self.loss, self.checkpoints = QuietStatic(id="loss-curve"), QuietStatic(id="checkpoints", markup=False)
         self.decision = QuietStatic(id="decision", markup=False)  # wraps: never cut at 80 columns
         self.matrix = DiffTable(id="matrix")
-
-    def compose(self) -> ComposeResult:
-        yield self.loss
-        yield self.checkpoints
-        yield self.decision
-        yield self.matrix
+        super().__init__("5 Eval", self.loss, self.checkpoints, self.decision, self.matrix, id="eval")
 
     def on_mount(self) -> None:
         self.matrix.add_columns(*MATRIX_COLUMNS)

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 from collections import deque
 
-from textual.app import ComposeResult
 from textual.widgets import TabPane
 
 from console import views
@@ -16,16 +15,10 @@ PROCESS_COLUMNS = ("GPU", "PID", "process", "role", "GPU memory")
 
 
 class GpusTab(TabPane):
-    KEYS = ()
-
     def __init__(self) -> None:
-        super().__init__("2 GPUs", id="gpus-tab")
-        self.history: dict[int, tuple[deque, deque]] = {}
         self.grid, self.procs = Grid("gpus", GPU_COLUMNS), DiffTable(id="gpu-procs")
-
-    def compose(self) -> ComposeResult:
-        yield self.grid
-        yield self.procs
+        super().__init__("2 GPUs", self.grid, self.procs, id="gpus-tab")
+        self.history: dict[int, tuple[deque, deque]] = {}
 
     def on_mount(self) -> None:
         self.procs.add_columns(*PROCESS_COLUMNS)

@@ -2,12 +2,11 @@
 from __future__ import annotations
 
 from textual import on, work
-from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.widgets import Input, Log, TabbedContent, TabPane
 
 from console import commands, views
-from console.messages import NotesExported
+from console.messages import Outcome
 from pipeline.rundir import RunDir
 from pipeline.runview import RunView
 
@@ -17,15 +16,11 @@ class NotesTab(TabPane):
             Binding("e", "export", "Export", tooltip="Export the notes as Markdown into the run"))
 
     def __init__(self, rundir: RunDir, readonly: bool = False):
-        super().__init__("4 Notes", id="notes")
-        self.rundir = rundir
         self.lines = Log(id="notes-log", max_lines=5000, auto_scroll=True)
         self.input = Input(placeholder="write a note, Enter to append", id="note-input")
         self.input.display = not readonly  # a read-only console writes nothing into the run
-
-    def compose(self) -> ComposeResult:
-        yield self.lines
-        yield self.input
+        super().__init__("4 Notes", self.lines, self.input, id="notes")
+        self.rundir = rundir
 
     def show(self, view: RunView) -> None:
         if len(view.notes) > self.lines.line_count:
@@ -57,10 +52,6 @@ class NotesTab(TabPane):
         try:
             out = commands.export_notes(self.rundir)
         except Exception as exc:  # a read-only run, a full disk, a plot that failed: a notification, not a traceback
-            self.post_message(NotesExported(f"notes export failed: {type(exc).__name__}: {exc}", False))
+            self.post_message(Outcome(f"notes export failed: {type(exc).__name__}: {exc}", False))
         else:
-            self.post_message(NotesExported(f"notes exported to {out}", True))
-
-    @on(NotesExported)
-    def _exported(self, msg: NotesExported) -> None:
-        self.notify(msg.text, severity="information" if msg.ok else "error", timeout=8)
+            self.post_message(Outcome(f"notes exported to {out}", True))

@@ -4,7 +4,6 @@ from __future__ import annotations
 from collections import deque
 
 from textual import on
-from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.widgets import Input, Log, TabPane
 
@@ -19,23 +18,16 @@ class RunTab(TabPane):
             Binding("F", "follow", "Follow", show=False))
 
     def __init__(self, profile: Profile, stage_count: int):
-        super().__init__("1 Run", id="run")
-        self.profile = profile
-        self.log_name: str | None = None
-        self.log_buffer: deque[str] = deque(maxlen=10_000)  # every line, for a later filter
-        self.log_filter = ""
         self.stages = StageTable(id="stages", stage_count=stage_count)
         self.outcome = QuietStatic(id="outcome", markup=False)  # a run that has ended: its decision, what next
         self.nodes = QuietStatic(id="nodes", markup=False)  # a multi-node job's other nodes (train.node_exporters)
         self.filter = Input(placeholder="filter the log (Enter applies, empty = all)", id="filter")
         self.lines = Log(id="log", max_lines=10_000, auto_scroll=True)
-
-    def compose(self) -> ComposeResult:
-        yield self.stages
-        yield self.nodes
-        yield self.outcome
-        yield self.filter
-        yield self.lines
+        super().__init__("1 Run", self.stages, self.nodes, self.outcome, self.filter, self.lines, id="run")
+        self.profile = profile
+        self.log_name: str | None = None
+        self.log_buffer: deque[str] = deque(maxlen=10_000)  # every line, for a later filter
+        self.log_filter = ""
 
     def take_log(self, msg: RunPolled, paused: bool) -> None:
         """Keep every new line; show the ones the filter lets through unless paused."""
@@ -50,12 +42,10 @@ class RunTab(TabPane):
 
     def show(self, msg: RunPolled) -> None:
         self.stages.show(msg.view.stages)
-        text = views.outcome(msg.snap, msg.view.evaluation)
-        if self.outcome.show(text):
-            self.outcome.set_class(bool(text), "visible")
-        nodes = "\n".join(msg.peers)
-        if self.nodes.show(nodes):
-            self.nodes.set_class(bool(nodes), "visible")
+        for widget, text in ((self.outcome, views.outcome(msg.snap, msg.view.evaluation)),
+                             (self.nodes, "\n".join(msg.peers))):
+            if widget.show(text):
+                widget.set_class(bool(text), "visible")
 
     def action_filter(self) -> None:
         self.filter.add_class("visible")

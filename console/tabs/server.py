@@ -3,13 +3,12 @@ port is a second question."""
 from __future__ import annotations
 
 from textual import on, work
-from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal
 from textual.widgets import Button, TabPane
 
 from console import commands, views
-from console.messages import PortHeldByRun, ServerActionDone
+from console.messages import Outcome, PortHeldByRun
 from console.screens import ConfirmScreen, ModeScreen
 from console.widgets import QuietStatic
 from pipeline import gpu
@@ -23,19 +22,15 @@ class ServerTab(TabPane):
             Binding("m", "start_mode", "Mode", show=False))
 
     def __init__(self, profile: Profile, rundir: RunDir, readonly: bool, note) -> None:
-        super().__init__("3 Server", id="server")
-        self.profile, self.rundir, self.readonly = profile, rundir, readonly
+        self.info = QuietStatic(id="server-info", markup=False)  # argv, paths: "[" is not markup
+        super().__init__("3 Server", self.info, Horizontal(
+            Button("Stop (x)", id="stop_server", variant="error", disabled=readonly),
+            Button("Restart (r)", id="restart_server", variant="warning", disabled=readonly),
+            Button("Start in mode… (m)", id="start_mode", disabled=readonly), id="buttons"), id="server")
+        self.profile, self.rundir = profile, rundir
         self.note = note  # the notes tab's: a server command is written into the notes
         self.server: dict = {"state": "none"}
         self.snapshot: gpu.GpuSnapshot | None = None
-        self.info = QuietStatic(id="server-info", markup=False)  # argv, paths: "[" is not markup
-
-    def compose(self) -> ComposeResult:
-        yield self.info
-        with Horizontal(id="buttons"):
-            yield Button("Stop (x)", id="btn-stop", variant="error", disabled=self.readonly)
-            yield Button("Restart (r)", id="btn-restart", variant="warning", disabled=self.readonly)
-            yield Button("Start in mode… (m)", id="btn-mode", disabled=self.readonly)
 
     def show(self, server: dict) -> None:
         self.server = server
@@ -47,11 +42,6 @@ class ServerTab(TabPane):
         idx = sorted({g.index for g in self.snapshot.gpus for p in g.processes if p.pid in pids})
         return "GPUs " + ", ".join(map(str, idx)) if idx else "no GPU memory held"
 
-    def _refused(self) -> bool:
-        if self.readonly:
-            self.notify("read-only console: controls are disabled", severity="warning")
-        return self.readonly
-
     def _confirm_then(self, question: str, what: str, mode: str | None) -> None:
         def answered(yes: bool | None) -> None:
             if yes:
@@ -62,8 +52,6 @@ class ServerTab(TabPane):
         self.app.push_screen(ConfirmScreen(question + warning), answered)
 
     def action_stop_server(self) -> None:
-        if self._refused():
-            return
         s = self.server
         if s.get("state") != "running":
             self.notify("no server is running on the port", severity="warning")
@@ -72,17 +60,12 @@ class ServerTab(TabPane):
                            f"port {s['port']}, {self._gpus_of(s.get('pids', []))}.", "stop", None)
 
     def action_restart_server(self) -> None:
-        if self._refused():
-            return
         s = self.server
         mode = s.get("mode") if s.get("state") == "running" and s.get("mode") != "adopted" else "production"
         self._confirm_then(f"Restart the server in {mode} mode?\nStops PIDs {s.get('pids', [])} on port "
                            f"{self.profile.server.port} ({self._gpus_of(s.get('pids', []))}) first.", "start", mode)
 
     def action_start_mode(self) -> None:
-        if self._refused():
-            return
-
         def chosen(mode: str | None) -> None:
             if mode:
                 s = self.server
@@ -91,17 +74,9 @@ class ServerTab(TabPane):
 
         self.app.push_screen(ModeScreen(), chosen)
 
-    @on(Button.Pressed, "#btn-stop")
-    def _stop_button(self) -> None:
-        self.action_stop_server()
-
-    @on(Button.Pressed, "#btn-restart")
-    def _restart_button(self) -> None:
-        self.action_restart_server()
-
-    @on(Button.Pressed, "#btn-mode")
-    def _mode_button(self) -> None:
-        self.action_start_mode()
+    @on(Button.Pressed)
+    def _pressed(self, event: Button.Pressed) -> None:
+        getattr(self, f"action_{event.button.id}")()  # each button's id names its action
 
     @work(thread=True, exclusive=True, group="server", exit_on_error=False)
     def server_command(self, what: str, mode: str | None, held_by: dict | None = None) -> None:
@@ -109,11 +84,11 @@ class ServerTab(TabPane):
         forced = f" (forced: {views.holder_text(held_by)} held the port)" if held_by else ""
         try:
             done = commands.serve(self.profile, self.rundir, what, mode, force=held_by is not None)
-            self.post_message(ServerActionDone(done + forced, True))
+            self.post_message(Outcome(done + forced, True))
         except commands.PortHeld as exc:
             self.post_message(PortHeldByRun(what, mode, exc.holder))
         except (ServerError, ValueError, OSError) as exc:
-            self.post_message(ServerActionDone(str(exc), False))
+            self.post_message(Outcome(str(exc), False))
 
     @on(PortHeldByRun)
     def _ask_to_force(self, msg: PortHeldByRun) -> None:
@@ -129,7 +104,6 @@ class ServerTab(TabPane):
 
         self.app.push_screen(ConfirmScreen(question), answered)
 
-    @on(ServerActionDone)
-    def _server_done(self, msg: ServerActionDone) -> None:
-        self.notify(msg.text, severity="information" if msg.ok else "error", timeout=8)
+    @on(Outcome)
+    def _server_done(self, msg: Outcome) -> None:
         self.note(f"console: server {msg.text}", source="operator")

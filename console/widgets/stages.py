@@ -46,18 +46,14 @@ def progress(s: StageView, width: int) -> str:
     return " ".join(shown)
 
 
-def elapsed(s: StageView) -> str:
-    return coarse_secs(s.elapsed_s) if s.status == "running" else fmt_secs(s.elapsed_s)
-
-
 def headers(layout: Layout) -> tuple[str, ...]:
     return ("stage", "status", "progress", *((layout.elapsed,) if layout.elapsed else ()), "ETA")
 
 
 def fixed_cells(s: StageView, layout: Layout) -> tuple[str, ...]:
-    status = GLYPH.get(s.status, s.status)
-    times = (elapsed(s),) if layout.elapsed else ()
-    return (s.name, status, progress(s, layout.bar), *times, eta_text(s.eta_s))
+    clock = coarse_secs if s.status == "running" else fmt_secs
+    times = (clock(s.elapsed_s),) if layout.elapsed else ()
+    return (s.name, GLYPH.get(s.status, s.status), progress(s, layout.bar), *times, eta_text(s.eta_s))
 
 
 def lay_out(stages, layout: Layout, width: int) -> LaidOut:
@@ -103,17 +99,13 @@ def figures_cell(s: StageView, room: int) -> Text:
     return cut
 
 
-def figures_shown(stages, room: int) -> int:
-    return sum(fit_figures(s.figures, room)[1] for s in stages if not is_error(s))
-
-
 def choose(laid: list[LaidOut], stages) -> LaidOut:
     """Of the layouts that keep the elapsed column and leave the figures FIGURES_MIN cells (or all they
     need), the one that shows the most figures, the richest of equals; else the leanest."""
     wanted = min(FIGURES_MIN, max((cell_len(figures_text(s.figures, short=True)) for s in stages
                                    if not is_error(s)), default=0))
     roomy = [t for t in laid if t.layout.elapsed and t.room >= wanted] or [laid[-1]]
-    return max(roomy, key=lambda t: figures_shown(stages, t.room))
+    return max(roomy, key=lambda t: sum(fit_figures(s.figures, t.room)[1] for s in stages if not is_error(s)))
 
 
 def stage_table(stages: tuple[StageView, ...], width: int):
