@@ -100,9 +100,7 @@ def load(path: Path) -> Calibration:
 @lru_cache(maxsize=8)
 def _load(path: Path, mtime_ns: int) -> Calibration:
     try:
-        data = tomllib.loads(path.read_text(encoding="utf-8"))
-    except OSError as exc:
-        raise CalibrationError(f"{path}: {exc.strerror or exc}") from None
+        data = tomllib.loads(path.read_text(encoding="utf-8"))  # an OSError is load's
     except tomllib.TOMLDecodeError as exc:
         raise CalibrationError(f"{path}: not valid TOML: {exc}") from None
     try:
@@ -166,14 +164,16 @@ def _ratios(cal: Calibration, box: Box) -> str:
             f"all-reduce {box.allreduce_us:g} µs")
 
 
-def _here(cal: Calibration, box: Box) -> bool:
-    """The box is the measuring GPU alone at a measured depth: the figure is measured, not carried."""
-    return box.tp == 1 and box.gpu_name == cal.gpu_name and box.layers in {d.layers for d in cal.depths}
+def _here(cal: Calibration, box: Box) -> Depth | None:
+    """The depth the box is, where it is the measuring GPU alone at a measured depth: its figures are
+    measured, not carried."""
+    if box.tp == 1 and box.gpu_name == cal.gpu_name:
+        return next((d for d in cal.depths if d.layers == box.layers), None)
+    return None
 
 
 def _compute_bound(cal: Calibration, box: Box, rate_of, what: str) -> Figure:
-    if _here(cal, box):
-        depth = next(d for d in cal.depths if d.layers == box.layers)
+    if (depth := _here(cal, box)):
         return Figure(rate_of(depth), "measured", f"{what}: {cal.gpu_name}, {box.layers} layers ({cal.date})")
     fixed, per_layer = fit([(d.layers, 1 / rate_of(d)) for d in cal.depths])
     layers = per_layer * box.layers * (cal.gpu_bf16_tflops / box.bf16_tflops) / box.tp
@@ -204,8 +204,7 @@ def _memory_bound_step(cal: Calibration, box: Box, step_of) -> float:
 def decode_rate(cal: Calibration, box: Box, concurrency: int) -> Figure:
     c = _measured_concurrency(cal, concurrency)
     asked = "" if c == concurrency else f" (concurrency {c} measured, {concurrency} asked: {c}'s rate)"
-    if _here(cal, box):
-        depth = next(d for d in cal.depths if d.layers == box.layers)
+    if (depth := _here(cal, box)):
         return Figure(depth.decode_tokens_per_s[str(c)], "measured",
                       f"decode: {cal.gpu_name}, {box.layers} layers ({cal.date}){asked}")
     step = _memory_bound_step(cal, box, lambda d: c / d.decode_tokens_per_s[str(c)])
@@ -215,8 +214,7 @@ def decode_rate(cal: Calibration, box: Box, concurrency: int) -> Figure:
 def break_even_tau(cal: Calibration, box: Box) -> Figure:
     """τ at which a step with the head (k = cal.k, concurrency 1) yields as much as a plain step: their
     ratio, each carried to the box as a decode step is."""
-    if _here(cal, box):
-        depth = next(d for d in cal.depths if d.layers == box.layers)
+    if (depth := _here(cal, box)):
         return Figure(depth.step_ms_with_head / depth.step_ms, "measured",
                       f"break-even τ (k = {cal.k}): {cal.gpu_name}, {box.layers} layers")
     plain = _memory_bound_step(cal, box, lambda d: d.step_ms / 1e3)

@@ -60,20 +60,16 @@ def load(path: Path) -> Loaded:
                 out.bad.append((lineno, f"not JSON ({exc.msg})"))
                 continue
             if not isinstance(row, dict):
-                out.bad.append((lineno, "not a JSON object"))
-                continue
-            if "input_ids" in row or "loss_mask" in row:
-                reason = _check_tokens(row)
-                if reason is None:
+                reason: str | None = "not a JSON object"
+            elif "input_ids" in row or "loss_mask" in row:
+                if (reason := _check_tokens(row)) is None:
                     out.token_rows.append({"input_ids": row["input_ids"], "loss_mask": row["loss_mask"]})
-                else:
-                    out.bad.append((lineno, reason))
-                continue
-            messages = row.get("messages", row.get("conversations"))
-            reason = check_messages(messages) if messages is not None else "no 'messages' or 'input_ids'"
-            if reason is None:
-                out.conversations.append({"id": str(row.get("id", f"line{lineno}")), "messages": messages})
             else:
+                messages = row.get("messages", row.get("conversations"))
+                reason = check_messages(messages) if messages is not None else "no 'messages' or 'input_ids'"
+                if reason is None:
+                    out.conversations.append({"id": str(row.get("id", f"line{lineno}")), "messages": messages})
+            if reason is not None:
                 out.bad.append((lineno, reason))
     return out
 

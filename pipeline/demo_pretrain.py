@@ -10,6 +10,7 @@ in bfloat16 (corpus_dtype), the loss recorded along the way for the notes.
 from __future__ import annotations
 
 import random
+import time
 from collections.abc import Callable, Iterator
 
 from pipeline import conversations, demo_data
@@ -27,14 +28,6 @@ def corpus(spec: DemoTargetSection, tokenizer) -> list[list[int]]:
         eos = tokenizer.eos_token_id
         rows += [ids + [eos] for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]]
     return rows
-
-
-def device_for(spec: DemoTargetSection) -> str:
-    import torch
-
-    if spec.corpus_device == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    return spec.corpus_device
 
 
 def packed_batches(rows: list[list[int]], batch: int, seq: int, seed: int) -> Iterator[list[list[int]]]:
@@ -69,10 +62,8 @@ def pretrain(model, tokenizer, spec: DemoTargetSection,
     if tokens < spec.corpus_batch * spec.corpus_seq:
         raise ValueError(f"demo_target: the corpus has {tokens} tokens, fewer than one batch "
                          f"({spec.corpus_batch} x {spec.corpus_seq})")
-    import time
-
     torch.manual_seed(spec.seed)
-    device = device_for(spec)
+    device = ("cuda" if torch.cuda.is_available() else "cpu") if spec.corpus_device == "auto" else spec.corpus_device
     model.to(device=device, dtype=getattr(torch, spec.corpus_dtype))
     optimizer = torch.optim.AdamW(model.parameters(), lr=spec.corpus_lr, betas=(0.9, 0.95), weight_decay=0.0)
     batches = packed_batches(rows, spec.corpus_batch, spec.corpus_seq, spec.seed)

@@ -6,12 +6,13 @@ from __future__ import annotations
 import json
 import shutil
 import tomllib
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Literal
 
 from pipeline import calibration
-from pipeline.profile import Profile
+from pipeline.profile import Profile, source_kind
 from pipeline.targetinfo import DraftPlan, TargetInfo, TargetInfoError, draft_plan, target_info
 
 GIB = 2**30
@@ -128,27 +129,26 @@ def state_bytes(profile: Profile) -> int:
     return 4 if profile.target.dtype == "float32" else 2
 
 
-def _earlier_runs(profile: Profile) -> list[tuple[Path, dict]]:
+def _earlier_runs(profile: Profile) -> Iterator[tuple[Path, dict]]:
     """(run dir, state) of earlier runs of the same profile name, newest first."""
-    runs = Path(profile.run.runs_dir)
-    found = []
-    for state_file in sorted(runs.glob("*/state.json"), key=lambda p: p.stat().st_mtime, reverse=True):
+    runs = Path(profile.run.runs_dir).glob("*/state.json")
+    for state_file in sorted(runs, key=lambda p: p.stat().st_mtime, reverse=True):
         try:
             name = tomllib.loads((state_file.parent / "profile.toml").read_text()).get("name")
             if name == profile.name:
-                found.append((state_file.parent, json.loads(state_file.read_text())))
+                yield state_file.parent, json.loads(state_file.read_text())
         except (OSError, ValueError):
             continue
-    return found
 
 
-def _measured(profile: Profile, stage: str, rate_of) -> tuple[float, Path] | None:
+def _measured(profile: Profile, stages: tuple[str, ...], value_of, done: bool = False) -> tuple[float, Path] | None:
+    """The newest earlier run of this profile in which `value_of` finds a figure of one of `stages` (`done`:
+    of a finished stage only), with that figure."""
     for run_dir, state in _earlier_runs(profile):
-        entry = state.get("stages", {}).get(stage, {})
-        if entry.get("status") == "done":
-            rate = rate_of(entry.get("figures") or {})
-            if rate:
-                return rate, run_dir
+        for stage in stages:
+            entry = state.get("stages", {}).get(stage, {})
+            if (not done or entry.get("status") == "done") and (value := value_of(entry.get("figures") or {})):
+                return value, run_dir
     return None
 
 
@@ -162,8 +162,6 @@ def _extract_rate(figures: dict) -> float | None:
 
 def _source_rows(src, data) -> int:
     """Conversations one source gives (its limit, the demo's count, a file's lines; 0 = unknown)."""
-    from pipeline.profile import source_kind
-
     kind = source_kind(src.source)
     have = data.num_conversations if kind == "demo" else 0
     if kind == "file":
@@ -177,20 +175,14 @@ def _source_rows(src, data) -> int:
 
 def _per_row(profile: Profile, stage: str, key: str) -> float | None:
     """An earlier run's `key` per row of `stage` (the newest that recorded both)."""
-    for _, state in _earlier_runs(profile):
-        fig = state.get("stages", {}).get(stage, {}).get("figures") or {}
-        if fig.get("rows") and fig.get(key):
-            return fig[key] / fig["rows"]
-    return None
+    m = _measured(profile, (stage,), lambda fig: fig.get("rows") and fig.get(key) and fig[key] / fig["rows"])
+    return m[0] if m else None
 
 
 def _sample_tokens(profile: Profile) -> tuple[int, int, str]:
     d = profile.data
     measured = _per_row(profile, "prepare", "tokens")
-    if d.max_samples:
-        samples = d.max_samples
-    else:
-        samples = max(0, sum(_source_rows(src, d) for src in d.sources()) - d.heldout)
+    samples = d.max_samples or max(0, sum(_source_rows(src, d) for src in d.sources()) - d.heldout)
     mean = measured or d.mean_sample_tokens or d.seq_length // 2
     source = "measured mean tokens per row" if measured else (
         "profile data.mean_sample_tokens" if d.mean_sample_tokens else "estimate: data.seq_length / 2 per row")
@@ -235,7 +227,7 @@ def _calibrated_rate(profile: Profile, tp: int, figure_of) -> Rate | None:
 def _rate(profile: Profile, stage: str, rate_of, hardware_key: str, gpus: int, calibrated=None) -> Rate:
     """What an earlier run of this profile measured for `stage`, else the calibration's figure (`calibrated`:
     a function of the calibration and the box), else the profile's per-GPU estimate."""
-    if (m := _measured(profile, stage, rate_of)):
+    if (m := _measured(profile, (stage,), rate_of, done=True)):
         return Rate(round(m[0], 1), f"measured: {m[1]}", "measured")
     if calibrated is not None and (c := _calibrated_rate(profile, gpus, calibrated)):
         return c
@@ -313,20 +305,14 @@ def evaluates_offline(profile: Profile) -> bool:
         return profile.evaluate.offline != "off"  # preflight reports the missing config
 
 
-def _measured_figure(profile: Profile, stages: tuple[str, ...], key: str,
-                     at_least: float = 0.0) -> tuple[float, Path] | None:
-    for run_dir, state in _earlier_runs(profile):
-        for stage in stages:
-            value = ((state.get("stages", {}).get(stage, {}).get("figures")) or {}).get(key)
-            if isinstance(value, (int, float)) and value > at_least:
-                return float(value), run_dir
-    return None
-
-
 def server_start_estimate(profile: Profile) -> Rate:
     """Seconds of one start of the target's vLLM server: an earlier run's (a real start, not a reuse),
     else hardware.server_start_s, else the checkpoint read at 1 GiB/s plus a minute."""
-    if (m := _measured_figure(profile, ("regenerate", "extract"), "server_start_s", at_least=5)):
+    def real_start(figures: dict) -> float | None:
+        value = figures.get("server_start_s")
+        return float(value) if isinstance(value, (int, float)) and value > 5 else None
+
+    if (m := _measured(profile, ("regenerate", "extract"), real_start)):
         return Rate(round(m[0], 1), f"measured: {m[1]}", "measured")
     if profile.hardware.server_start_s:
         return Rate(profile.hardware.server_start_s, "estimate: hardware.server_start_s", "estimate")
@@ -339,10 +325,8 @@ def decode_rate(profile: Profile, gpus: int) -> Rate:
     """Batched decode tokens/s of the served target at data.regenerate_concurrency (an earlier regeneration
     through vLLM; the transformers backend's rate says nothing about a server), else the calibration's,
     else the profile's estimate."""
-    for run_dir, state in _earlier_runs(profile):
-        fig = state.get("stages", {}).get("regenerate", {}).get("figures") or {}
-        if fig.get("backend") == "vllm" and fig.get("generated_tok_s"):
-            return Rate(round(float(fig["generated_tok_s"]), 1), f"measured: {run_dir}", "measured")
+    if (m := _measured(profile, ("regenerate",), lambda f: f.get("backend") == "vllm" and f.get("generated_tok_s"))):
+        return Rate(round(float(m[0]), 1), f"measured: {m[1]}", "measured")
     concurrency = profile.data.regenerate_concurrency
     if (c := _calibrated_rate(profile, gpus, lambda cal, box: calibration.decode_rate(cal, box, concurrency))):
         return c
@@ -459,9 +443,8 @@ def make_plan(profile: Profile, run_dir: Path | None = None, free: int | None = 
     train = _rate(profile, "train", lambda f: f.get("tokens_per_s"), "train_tokens_per_s", train_gpus)
     extract_s = tokens / extract.tokens_per_s if extract.tokens_per_s else None
     train_s = tokens * TRAIN_RATIO * t.epochs / train.tokens_per_s if train.tokens_per_s else None
-    gpu_hours = None
-    if extract_s is not None and train_s is not None and hw.gpus:
-        gpu_hours = (extract_s * extract_gpus + train_s * train_gpus) / 3600
+    gpu_hours = ((extract_s * extract_gpus + train_s * train_gpus) / 3600
+                 if extract_s is not None and train_s is not None and hw.gpus else None)
     memory = train_memory(draft, profile, info)
     online = online_plan(profile, tokens, samples, hidden / max(tokens, 1), served, train, train_s, memory)
     regen = regenerate_plan(profile, info, samples, tokens, extract_gpus)
@@ -560,8 +543,7 @@ def candidate_splits(profile: Profile, generate_tokens: float, train_tokens: flo
 
     util = profile.server.gpu_memory_utilization
     out = []
-    serve = 1
-    while serve <= hw.gpus:
+    for serve in (1 << i for i in range(hw.gpus.bit_length())):  # 1, 2, 4, … GPUs
         # weights plus a sixth for the KV cache and activations must fit the server's share
         holds = serve * per_gpu * util >= weights * 1.15
         gen = generation(serve)
@@ -575,7 +557,6 @@ def candidate_splits(profile: Profile, generate_tokens: float, train_tokens: flo
         else:
             out.append(_shared_split(profile, gen, hw.train_tokens_per_s * hw.gpus, generate_tokens, train_tokens,
                                      train_mem, weights, per_gpu))
-        serve *= 2
     return out
 
 
@@ -605,11 +586,7 @@ def disk_verdict(plan: Plan, profile: Profile, run_dir: Path | None = None, free
                  mode: str | None = None) -> tuple[bool, str]:
     """Does the plan fit the disk of the run directory (or `free` bytes: a node planned for)?"""
     mode = mode or plan.mode
-    where: Path | str
-    if free is None:
-        where, free = free_disk(profile, run_dir)
-    else:
-        where = "the node planned for"
+    where, free = free_disk(profile, run_dir) if free is None else ("the node planned for", free)
     need = plan.disk_for(mode) + int(profile.hardware.min_free_disk_gib * GIB)
     text = (f"{mode} plan needs {human(plan.disk_for(mode))} (+{profile.hardware.min_free_disk_gib:g} GiB "
             f"headroom) under {where}; {human(free)} free")

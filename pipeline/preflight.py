@@ -4,16 +4,18 @@ blocking finding stops the run (the `preflight` stage is the first of every run)
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
 import os
 import subprocess
 import sys
 from dataclasses import asdict, dataclass
+from importlib import metadata
 from pathlib import Path
 
 from packaging.version import Version
 
-from pipeline import gpu
+from pipeline import atomicio, gpu
 from pipeline.calibration import CalibrationError
 from pipeline.compat import vllm_cpu_env
 from pipeline.compat.versions import (
@@ -27,8 +29,8 @@ from pipeline.compat.versions import (
     served_vllm,
 )
 from pipeline.compat.versions import parse as _version
-from pipeline.plan import GIB, disk_verdict, human, make_plan
-from pipeline.profile import Profile
+from pipeline.plan import GIB, disk_verdict, human, make_plan, offline_evaluation, time_summary, transformers_fit
+from pipeline.profile import Profile, source_kind
 from pipeline.target import resolve_layer_ids
 from pipeline.targetinfo import TargetInfoError, draft_plan, target_info
 
@@ -92,20 +94,14 @@ def version_findings(profile: Profile) -> list[Finding]:
 def ask_vllm(profile: Profile, question: str) -> dict:
     """vLLM's answer to a probe question, remembered under the profile's cache_dir per interpreter,
     vLLM version and question (asking costs a vLLM import, ≈10 s on 2 cores)."""
-    import hashlib
-
-    from pipeline import atomicio
-
     python = profile.server.python
     version = f"{served[0]}=={served[1]}" if (served := served_vllm(python)) else None
     if version is None:
         return {"error": f"no vllm or vllm-cpu in {python or sys.executable}"}
     key = hashlib.sha256(json.dumps([os.path.realpath(python or sys.executable), version, question]).encode())
     memo = Path(profile.run.cache_dir).resolve() / "vllm-answers" / f"{key.hexdigest()[:32]}.json"
-    try:
-        return json.loads(memo.read_text())
-    except (FileNotFoundError, json.JSONDecodeError):
-        pass
+    if isinstance(known := atomicio.read_json(memo), dict):
+        return known
     answer = _ask_vllm(python, question)
     if "error" not in answer:
         try:
@@ -168,13 +164,10 @@ def vllm_target_findings(profile: Profile, info) -> list[Finding]:
     elsewhere = answer["platform"] == "cpu" and profile.hardware.gpus > 0
     stop = "warn" if elsewhere else "block"
     tail = " (this is a CPU build; the GPU box's own vLLM answers there)" if elsewhere else ""
-    found = []
-    if not mla:
-        found.append(_attention_finding(answer.get("attention") or {"error": "no attention answer"}, where, stop,
-                                        tail, profile.server.dtype))
-    if mla:
-        found.append(_mla_finding(answer.get("mla") or {"error": "no MLA answer"}, where, stop, tail, info,
-                                  extraction=profile.extract.backend == "vllm"))
+    found = [_mla_finding(answer.get("mla") or {"error": "no MLA answer"}, where, stop, tail, info,
+                          extraction=profile.extract.backend == "vllm") if mla else
+             _attention_finding(answer.get("attention") or {"error": "no attention answer"}, where, stop, tail,
+                                profile.server.dtype)]
     if int4:
         q = answer.get("int4_moe") or {"error": "no INT4 answer"}
         if q.get("backend"):
@@ -277,7 +270,6 @@ def data_findings(profile: Profile) -> list[Finding]:
     """Every conversation source readable here before any GPU work: files exist, presets read (no network
     and not cached is one line naming the preset)."""
     from pipeline import sources
-    from pipeline.profile import source_kind
 
     found = []
     for src in profile.data.sources():
@@ -305,11 +297,9 @@ def gpu_findings(profile: Profile, snapshot: gpu.GpuSnapshot | None = None) -> l
                                              f"{snap.unavailable}")]
         return [Finding("info", "gpus",
                         f"no NVIDIA GPU/driver found ({snap.unavailable}); this profile runs on the CPU")]
-    found = []
+    lost = "block" if need else "warn"
+    found = [Finding(lost, "gpus", f"GPU {g.index} is lost: {g.error}") for g in snap.gpus if g.lost]
     healthy = [g for g in snap.gpus if not g.lost]
-    for g in snap.gpus:
-        if g.lost:
-            found.append(Finding("block" if need else "warn", "gpus", f"GPU {g.index} is lost: {g.error}"))
     if len(healthy) < need:
         found.append(Finding("block", "gpus", f"{len(healthy)} GPU(s) found, the profile needs {need}"))
     else:
@@ -377,7 +367,6 @@ def disk_findings(profile: Profile, run_dir: Path | None = None, free: int | Non
     except CalibrationError as exc:  # the plan cannot be made: nothing to check the disk against
         return [Finding("block", "calibration", f"hardware.calibration: {exc}")]
     fits, text = disk_verdict(plan, profile, run_dir, free)
-    from pipeline.plan import time_summary
     timing = Finding("info", "time", time_summary(plan))
     other = "online" if plan.mode == "offline" else "offline"
     side = f"; {other} would need {human(plan.disk_for(other))}" if profile.extract.backend == "vllm" else ""
@@ -399,7 +388,6 @@ def evaluation_findings(profile: Profile, snapshot: gpu.GpuSnapshot | None = Non
     """What loads the target in transformers must fit one process (regenerate's transformers backend,
     evaluate-offline); something must measure the head; side-by-side servers must fit the GPUs."""
     from pipeline import box
-    from pipeline.plan import offline_evaluation, transformers_fit
 
     d, ev = profile.data, profile.evaluate
     found = []
@@ -436,8 +424,6 @@ def evaluation_findings(profile: Profile, snapshot: gpu.GpuSnapshot | None = Non
 def tracker_findings(profile: Profile) -> list[Finding]:
     """Each of train.loggers needs its package where the trainer runs (this interpreter): speculators would
     fail at its first metric otherwise, after the extraction."""
-    from importlib import metadata
-
     found = []
     for name in profile.train.loggers:
         try:

@@ -705,8 +705,7 @@ def _first(errors: list[dict]) -> dict:
     (an unknown key in a source table says more than "expected a string")."""
     first = errors[0]
     deeper = [e for e in errors if len(e["loc"]) > len(first["loc"]) and e["loc"][:2] == first["loc"][:2]]
-    deeper.sort(key=lambda e: e["type"] != "extra_forbidden")
-    return deeper[0] if deeper else first
+    return min(deeper, key=lambda e: e["type"] != "extra_forbidden", default=first)
 
 
 def _one_line(err: dict, data: dict, source: Path) -> str:
@@ -765,9 +764,8 @@ def _resolve_inputs(p: Profile, source: Path, check: bool = True) -> Profile:
                 raise ProfileError(f"{source}: key '{where}': file not found {str(conv)!r}{hint}")
             src = src.model_copy(update={"source": str(conv)})
         resolved.append(src)
-    conversations: str | list[DataSource] = (resolved[0].source if isinstance(data.conversations, str)
-                                             else resolved)
-    data = data.model_copy(update={"conversations": conversations})
+    data = data.model_copy(update={"conversations": (resolved[0].source if isinstance(data.conversations, str)
+                                                     else resolved)})
     # Where runs go is where the operator stands (the working directory), made absolute once, here: the
     # run's profile.toml then names the same runs/, server registry and locks for the detached job, the
     # console and `server stop`, wherever they are started from.

@@ -7,6 +7,7 @@ taken *before* the final norm. transformers 5.x hands back hidden_states[L] afte
 """
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from pipeline.compat import prenorm
@@ -27,16 +28,10 @@ def load_model(path: Path, dtype: str, device: str = "auto"):
     if device == "auto":
         device = "auto" if torch.cuda.is_available() else "cpu"
     # A multimodal wrapper (Kimi-K2.5: the text model under text_config) loads through its own class.
-    auto = AutoModelForImageTextToText if _is_wrapper(path) else AutoModelForCausalLM
+    cfg = json.loads((Path(path) / "config.json").read_text())
+    auto = AutoModelForImageTextToText if text_config(cfg) is not cfg else AutoModelForCausalLM
     model = auto.from_pretrained(str(path), dtype=getattr(torch, dtype), device_map=None if device == "cpu" else device)
     return model.eval()
-
-
-def _is_wrapper(path: Path) -> bool:
-    import json
-
-    cfg = json.loads((Path(path) / "config.json").read_text())
-    return text_config(cfg) is not cfg
 
 
 def text_config(cfg: dict) -> dict:
@@ -86,16 +81,12 @@ class HiddenStateReader:
 
     def __call__(self, input_ids, attention_mask=None):
         import torch
-        with torch.no_grad():
-            return self._forward(input_ids, attention_mask)
-
-    def _forward(self, input_ids, attention_mask):
-        import torch
         device = self.model.get_input_embeddings().weight.device
         input_ids = input_ids.to(device)
         attention_mask = attention_mask.to(device) if attention_mask is not None else None
-        out = self.model(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True,
-                         use_cache=False)
-        layers = [self._prenorm if i == self._final else out.hidden_states[i] for i in self.layer_ids]
-        # spread over several GPUs (device_map "auto"), the layers' states live on different devices
-        return out.logits, torch.stack([x.to(out.logits.device) for x in layers], dim=2)
+        with torch.no_grad():
+            out = self.model(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True,
+                             use_cache=False)
+            layers = [self._prenorm if i == self._final else out.hidden_states[i] for i in self.layer_ids]
+            # spread over several GPUs (device_map "auto"), the layers' states live on different devices
+            return out.logits, torch.stack([x.to(out.logits.device) for x in layers], dim=2)

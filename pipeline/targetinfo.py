@@ -91,7 +91,6 @@ def from_config(path: Path) -> TargetInfo:
         cfg = json.loads(Path(path).read_text())
     except (OSError, json.JSONDecodeError) as exc:
         raise TargetInfoError(f"{path}: cannot read the target's config.json: {exc}") from None
-    outer = cfg
     text = text_config(cfg)
     try:
         hidden, layers, vocab = int(text["hidden_size"]), int(text["num_hidden_layers"]), int(text["vocab_size"])
@@ -101,15 +100,15 @@ def from_config(path: Path) -> TargetInfo:
     heads = int(text.get("num_attention_heads", 0))
     kv = int(text.get("num_key_value_heads", heads) or heads)
     attention = "MLA" if any(text.get(k) for k in MLA_KEYS) else ("GQA" if kv and kv < heads else "MHA")
-    quant = text.get("quantization_config") or outer.get("quantization_config") or {}
+    quant = text.get("quantization_config") or cfg.get("quantization_config") or {}
     bits, group, act_bits = quant_weights(quant)
     if bits:
         qdesc = f"{quant.get('quant_method', '')} W{bits}A{act_bits or 16}" + (f" group {group}" if group else "")
     else:  # GPTQ, AWQ, fp8 …: their own keys
         qdesc = (f"{quant.get('quant_method', '')} {quant.get('bits', '')}-bit".replace(" -bit", "").strip()
                  if quant else "")
-    arch = (outer.get("architectures") or text.get("architectures") or ["?"])[0]
-    return TargetInfo(source=str(path), architecture=arch, model_type=str(outer.get("model_type", "")),
+    arch = (cfg.get("architectures") or text.get("architectures") or ["?"])[0]
+    return TargetInfo(source=str(path), architecture=arch, model_type=str(cfg.get("model_type", "")),
                       hidden=hidden, layers=layers, vocab=vocab, heads=heads, kv_heads=kv,
                       intermediate=int(text.get("intermediate_size", 4 * hidden)), attention=attention,
                       experts=int(text.get("n_routed_experts") or text.get("num_local_experts") or 0),

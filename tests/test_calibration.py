@@ -157,7 +157,8 @@ def test_the_kimi_profiles_plan_from_the_committed_slice_calibration():
 def test_an_earlier_runs_measurement_still_comes_first(tmp_path, monkeypatch):
     path = calibration_file(tmp_path)
     p = load_profile("kimi-k2.5-rtx6000x8-lowered", {"hardware.calibration": str(path)}, check_inputs=False)
-    monkeypatch.setattr(plan, "_measured", lambda profile, stage, rate_of: (1234.0, tmp_path / "run"))
+    monkeypatch.setattr(plan, "_measured", lambda profile, stages, value_of, done=False:
+                        (1234.0, tmp_path / "run") if done else None)
     assert plan.make_plan(p).extract == plan.Rate(1234.0, f"measured: {tmp_path / 'run'}", "measured")
 
 
