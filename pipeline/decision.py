@@ -7,7 +7,6 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class Decision:
-    """deploy-measure's verdict: whether the new head goes to production, and the measurement that says so."""
     deploy: bool
     reason: str
 

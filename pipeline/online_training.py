@@ -9,6 +9,7 @@ MooncakeBackend); docs/reference.md §1 and NOTES.md "Online training"."""
 from __future__ import annotations
 
 import argparse
+import itertools
 import threading
 import time
 from pathlib import Path
@@ -48,12 +49,8 @@ def trainer_flags(profile: Profile, endpoint: str, states_dir: Path) -> list[str
 
 def cached_prefix(seq_lens: list[int], bytes_per_token: int, budget_bytes: int) -> int:
     """How many leading rows' states fit the cache budget."""
-    used = 0
-    for n, length in enumerate(seq_lens):
-        used += length * bytes_per_token
-        if used > budget_bytes:
-            return n
-    return len(seq_lens)
+    used = itertools.accumulate(length * bytes_per_token for length in seq_lens)
+    return next((n for n, total in enumerate(used) if total > budget_bytes), len(seq_lens))
 
 
 def leading_slice(total: int, rows: int) -> tuple[int, int]:

@@ -87,11 +87,9 @@ def _bring(src: Path, dst: Path, skip: set[Path], new_root: Path) -> tuple[int, 
     linked = copied = size = 0
     for folder, dirs, files in os.walk(src):
         here = Path(folder).relative_to(src)
-        keep = [d for d in dirs if (here / d) not in skip and not (here == Path(".") and d in HISTORY)]
-        for d in set(dirs) - set(keep):
-            dirs.remove(d)
+        dirs[:] = [d for d in dirs if (here / d) not in skip and not (here == Path(".") and d in HISTORY)]
         (dst / here).mkdir(parents=True, exist_ok=True)
-        for d in keep:  # a linked directory stays a link (to what it pointed at), not a copy of its files
+        for d in list(dirs):  # a linked directory stays a link (to what it pointed at), not a copy of its files
             if (Path(folder) / d).is_symlink():
                 dirs.remove(d)
                 os.symlink(os.readlink(Path(folder) / d), dst / here / d)

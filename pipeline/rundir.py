@@ -41,95 +41,67 @@ def now_iso() -> str:
     return datetime.now(UTC).isoformat(timespec="milliseconds")
 
 
+class RunPath:
+    """A path of every run, relative to its root: RunDir's layout."""
+
+    def __init__(self, relative: str):
+        self.relative = relative
+
+    def __get__(self, run: RunDir, owner: type | None = None) -> Path:
+        return run.root / self.relative
+
+
 @dataclass(frozen=True)
 class RunDir:
     root: Path
 
     # ---- layout
-    @property
-    def profile_path(self) -> Path: return self.root / PROFILE_FILE
-    @property
-    def state_path(self) -> Path: return self.root / "state.json"
-    @property
-    def events_path(self) -> Path: return self.root / "events.jsonl"
-    @property
-    def notes_path(self) -> Path: return self.root / "notes.jsonl"
-    @property
-    def logs_dir(self) -> Path: return self.root / "logs"
-    @property
-    def data_dir(self) -> Path: return self.root / "data"
-    @property
-    def prepared_dir(self) -> Path: return self.data_dir / "prepared"
-    @property
-    def hidden_states_dir(self) -> Path: return self.prepared_dir / "hidden_states"
-    @property
-    def checkpoints_dir(self) -> Path: return self.root / "checkpoints"
-    @property
-    def eval_dir(self) -> Path: return self.root / "eval"
-    @property
-    def node_record(self) -> Path: return self.root / "train-node.json"  # another node's share of a training job
+    profile_path = RunPath(PROFILE_FILE)
+    state_path = RunPath("state.json")
+    events_path = RunPath("events.jsonl")
+    notes_path = RunPath("notes.jsonl")
+    logs_dir = RunPath("logs")
+    data_dir = RunPath("data")
+    prepared_dir = RunPath("data/prepared")
+    hidden_states_dir = RunPath("data/prepared/hidden_states")
+    checkpoints_dir = RunPath("checkpoints")
+    eval_dir = RunPath("eval")
+    node_record = RunPath("train-node.json")  # another node's share of a training job
 
-    @property
-    def cache_root(self) -> Path: return self.root / ".cache"  # HF, vLLM, inductor, triton caches of this run
-    @property
-    def job_record(self) -> Path: return self.root / "job.json"
-    @property
-    def job_log(self) -> Path: return self.logs_dir / "job.log"
-    @property
-    def trackers_dir(self) -> Path: return self.logs_dir / "trackers"  # speculators' metric loggers (train.loggers)
-    @property
-    def gpu_timeline(self) -> Path: return self.root / "gpu_timeline.jsonl"
-    @property
-    def preflight_result(self) -> Path: return self.root / "preflight.json"
+    cache_root = RunPath(".cache")  # HF, vLLM, inductor, triton caches of this run
+    job_record = RunPath("job.json")
+    job_log = RunPath("logs/job.log")
+    trackers_dir = RunPath("logs/trackers")  # speculators' metric loggers (train.loggers)
+    gpu_timeline = RunPath("gpu_timeline.jsonl")
+    preflight_result = RunPath("preflight.json")
     # data/
-    @property
-    def demo_conversations(self) -> Path: return self.data_dir / "demo_conversations.jsonl"
-    @property
-    def gathered_conversations(self) -> Path: return self.data_dir / "conversations.jsonl"  # a preset or a mix
-    @property
-    def gathered_record(self) -> Path: return self.data_dir / "conversations.sources.json"
-    @property
-    def regenerated_conversations(self) -> Path: return self.data_dir / "conversations.regenerated.jsonl"
-    @property
-    def regenerate_dir(self) -> Path: return self.data_dir / "regenerate"  # speculators' rows as they arrive
-    @property
-    def train_conversations(self) -> Path: return self.data_dir / "train_conversations.jsonl"
-    @property
-    def train_token_rows(self) -> Path: return self.data_dir / "train_token_rows.jsonl"
-    @property
-    def heldout_prompts(self) -> Path: return self.data_dir / "heldout_prompts.jsonl"
-    @property
-    def token_freq(self) -> Path: return self.prepared_dir / "token_freq.pt"
-    @property
-    def hs_raw_dir(self) -> Path: return self.data_dir / "hs_raw"  # the extraction server's states in flight
-    @property
-    def online_cache_record(self) -> Path: return self.hidden_states_dir / "online-cache.json"
+    demo_conversations = RunPath("data/demo_conversations.jsonl")
+    gathered_conversations = RunPath("data/conversations.jsonl")  # a preset or a mix
+    gathered_record = RunPath("data/conversations.sources.json")
+    regenerated_conversations = RunPath("data/conversations.regenerated.jsonl")
+    regenerate_dir = RunPath("data/regenerate")  # speculators' rows as they arrive
+    train_conversations = RunPath("data/train_conversations.jsonl")
+    train_token_rows = RunPath("data/train_token_rows.jsonl")
+    heldout_prompts = RunPath("data/heldout_prompts.jsonl")
+    token_freq = RunPath("data/prepared/token_freq.pt")
+    hs_raw_dir = RunPath("data/hs_raw")  # the extraction server's states in flight
+    online_cache_record = RunPath("data/prepared/hidden_states/online-cache.json")
 
     def vocab_mappings(self, draft_vocab_size: int) -> tuple[Path, Path]:
         """speculators' size-keyed d2t / t2d files."""
         return (self.prepared_dir / f"d2t-{draft_vocab_size}.npy", self.prepared_dir / f"t2d-{draft_vocab_size}.npy")
 
     # results
-    @property
-    def offline_result(self) -> Path: return self.eval_dir / "offline.json"
-    @property
-    def online_result(self) -> Path: return self.eval_dir / "online.json"
-    @property
-    def production_before(self) -> Path: return self.eval_dir / "production-before.json"  # measure-production
-    @property
-    def production_result(self) -> Path: return self.eval_dir / "production.json"  # before and after the handover
-    @property
-    def checkpoints_result(self) -> Path: return self.eval_dir / "checkpoints.json"  # pick-checkpoint's τ each
-    @property
-    def checkpoint_drafts(self) -> Path: return self.eval_dir / "checkpoint-drafts"  # one published per vLLM measure
-    @property
-    def draft_dir(self) -> Path: return self.root / "deploy" / "draft"  # the published head vLLM serves
-    @property
-    def handover_record(self) -> Path: return self.root / "server-handover.json"
-    @property
-    def report_dir(self) -> Path: return self.root / "report"
-    @property
-    def notes_export(self) -> Path: return self.root / "notes.md"
+    offline_result = RunPath("eval/offline.json")
+    online_result = RunPath("eval/online.json")
+    production_before = RunPath("eval/production-before.json")  # measure-production
+    production_result = RunPath("eval/production.json")  # before and after the handover
+    checkpoints_result = RunPath("eval/checkpoints.json")  # pick-checkpoint's τ each
+    checkpoint_drafts = RunPath("eval/checkpoint-drafts")  # one published per vLLM measure
+    draft_dir = RunPath("deploy/draft")  # the published head vLLM serves
+    handover_record = RunPath("server-handover.json")
+    report_dir = RunPath("report")
+    notes_export = RunPath("notes.md")
 
     def log_path(self, stage: str) -> Path:
         return self.logs_dir / f"{stage}.log"
@@ -186,13 +158,11 @@ class RunDir:
     def stage_state(self, stage: str) -> dict:
         return self.read_state()["stages"].get(stage, {})
 
-    def update_stage(self, stage: str, **fields) -> dict:
+    def update_stage(self, stage: str, **fields) -> None:
         state = self.read_state()
-        entry = state["stages"].setdefault(stage, {})
-        entry.update(fields)
+        state["stages"].setdefault(stage, {}).update(fields)
         state["updated"] = now_iso()
         atomicio.atomic_write_json(self.state_path, state)
-        return entry
 
     def update_state(self, **fields) -> None:
         state = self.read_state()

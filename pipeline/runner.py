@@ -31,20 +31,8 @@ def dir_digest(path: Path) -> dict | None:
     every file's relative path and size (a renamed, removed, added or resized file changes it). None
     when the directory has no file. Scales to 500k hidden-state files (bench/state_scale.py)."""
     entries: list[tuple[str, int]] = []
-    stack, dirs_mtime = [(path, "")], 0
-    while stack:
-        folder, prefix = stack.pop()
-        try:
-            dirs_mtime = max(dirs_mtime, os.stat(folder).st_mtime_ns)
-            with os.scandir(folder) as it:
-                for e in it:
-                    if e.is_dir(follow_symlinks=False):
-                        stack.append((Path(e.path), f"{prefix}{e.name}/"))
-                    elif e.is_file():
-                        entries.append((prefix + e.name, e.stat().st_size))
-        except FileNotFoundError:
-            return None
-    if not entries:
+    dirs_mtime = dirs_mtime_ns(path, entries)
+    if dirs_mtime is None or not entries:
         return None
     entries.sort()
     digest = hashlib.sha256("\n".join(f"{name}\t{size}" for name, size in entries).encode()).hexdigest()
@@ -52,16 +40,21 @@ def dir_digest(path: Path) -> dict | None:
             "dirs_mtime_ns": dirs_mtime}
 
 
-def dirs_mtime_ns(path: Path) -> int | None:
+def dirs_mtime_ns(path: Path, files: list[tuple[str, int]] | None = None) -> int | None:
     """The newest modification time of a directory and its subdirectories: it moves whenever a file
-    is added, removed or renamed (our writers replace files by rename), without a stat per file."""
-    newest, stack = None, [path]
+    is added, removed or renamed (our writers replace files by rename), without a stat per file.
+    With `files`, each file's relative path and size is appended to it (a stat each: dir_digest)."""
+    newest, stack = 0, [(path, "")]
     while stack:
-        folder = stack.pop()
+        folder, prefix = stack.pop()
         try:
-            newest = max(newest or 0, os.stat(folder).st_mtime_ns)
+            newest = max(newest, os.stat(folder).st_mtime_ns)
             with os.scandir(folder) as it:
-                stack += [Path(e.path) for e in it if e.is_dir(follow_symlinks=False)]
+                for e in it:
+                    if e.is_dir(follow_symlinks=False):
+                        stack.append((Path(e.path), f"{prefix}{e.name}/"))
+                    elif files is not None and e.is_file():
+                        files.append((prefix + e.name, e.stat().st_size))
         except FileNotFoundError:
             return None
     return newest
@@ -75,11 +68,7 @@ def manifest(run: RunDir, paths: list[Path]) -> dict[str, int | dict]:
         record = path.stat().st_size if path.is_file() else dir_digest(path) if path.is_dir() else None
         if record is None:
             raise StageError(f"expected output missing: {path}")
-        try:
-            key = str(path.relative_to(run.root))
-        except ValueError:
-            key = str(path)
-        out[key] = record
+        out[str(path.relative_to(run.root) if path.is_relative_to(run.root) else path)] = record
     return out
 
 
@@ -113,9 +102,8 @@ def select(profile, start: str | None, until: str | None) -> list[Stage]:
     hi = names.index(until) if until else len(names) - 1
     if lo > hi:
         raise RunnerError(f"--from {start} comes after --until {until}")
-    chosen = STAGES[lo:hi + 1]
     # Checks that must hold before any work (preflight) run whatever --from says.
-    chosen = [s for s in STAGES[:lo] if s.always_run] + chosen
+    chosen = [s for s in STAGES[:lo] if s.always_run] + STAGES[lo:hi + 1]
     return [s for s in chosen if s.applies(profile)]
 
 
@@ -139,9 +127,6 @@ def is_done(run: RunDir, stage: Stage, quick: bool = False) -> bool:
 class Interrupted(BaseException):
     """The run was told to stop (SIGTERM from `timeout`, systemd, kill): recorded as interrupted,
     its children stopped, and resumable."""
-
-
-STOP_SIGNALS = procs.STOP_SIGNALS
 
 
 def _stop_signal(signum, _frame):
@@ -182,7 +167,7 @@ def run_stages(run: RunDir, start: str | None = None, until: str | None = None,
     me = psutil.Process()
     run.update_state(runner={"pid": me.pid, "since": me.create_time()})
     in_main = threading.current_thread() is threading.main_thread()
-    previous = {sig: signal.signal(sig, _stop_signal) for sig in STOP_SIGNALS} if in_main else {}
+    previous = {sig: signal.signal(sig, _stop_signal) for sig in procs.STOP_SIGNALS} if in_main else {}
     server.STOPPING.clear()
     try:
         stop_orphans(run, profile, stages)

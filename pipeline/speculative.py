@@ -24,8 +24,7 @@ def load_draft(checkpoint: Path, dtype: torch.dtype = torch.float32):
 
     config = Eagle3SpeculatorConfig.from_pretrained(str(checkpoint))
     draft_attention.use_sdpa(config)  # the proposer passes dense masks (pipeline/compat/draft_attention.py)
-    model = Eagle3DraftModel.from_pretrained(str(checkpoint), config=config, dtype=dtype)
-    return model.eval()
+    return Eagle3DraftModel.from_pretrained(str(checkpoint), config=config, dtype=dtype).eval()
 
 
 class DraftProposer:
@@ -92,11 +91,10 @@ class DraftProposer:
                 x = layer(x, attention_mask=mask, position_ids=positions, past_key_values=cache,
                           cache_position=cache_position, position_embeddings=pe)
             last = x[rows, lens - 1] if step == 0 else x[:, -1]  # [B, H]: each row's newest position
+            normed = d.norm(last)
             if d.config.norm_output:  # the next step reads the normed state, as speculators' forward
-                last = d.norm(last)
-                logits = d.lm_head(last)
-            else:
-                logits = d.lm_head(d.norm(last))
+                last = normed
+            logits = d.lm_head(normed)
             draft_ids = logits.argmax(-1)
             tokens = draft_ids + d.d2t[draft_ids] if d.d2t is not None else draft_ids
             out[:, step] = tokens
@@ -175,19 +173,14 @@ def speculative_generate_batch(reader: HiddenStateReader, proposer: DraftPropose
         seqs[r].append(first)
     while active := [r for r in active if len(outs[r]) < max_new_tokens and not eos.intersection(outs[r])]:
         lengths = [len(seqs[r]) - 1 for r in active]
-        width = max(lengths)
-        ctx = torch.zeros(len(active), width, aux[active[0]].shape[-1], dtype=aux[active[0]].dtype,
-                          device=aux[active[0]].device)
-        for b, r in enumerate(active):
-            ctx[b, : lengths[b]] = aux[r][: lengths[b]]
+        ctx = torch.nn.utils.rnn.pad_sequence([aux[r][:n] for r, n in zip(active, lengths, strict=True)],
+                                              batch_first=True)  # right-padded with zeros
         drafts = proposer.propose(ctx, _right_padded([seqs[r][1:] for r in active], pad=0), k, lengths)
         logits = verify(active, drafts)
         for b, r in enumerate(active):
             n = len(seqs[r])
             preds = logits[b, n - 1: n + k].argmax(-1).tolist()
-            accepted = 0
-            while accepted < k and drafts[b][accepted] == preds[accepted]:
-                accepted += 1
+            accepted = next((i for i in range(k) if drafts[b][i] != preds[i]), k)
             st = stats[r]
             st.rounds += 1
             st.accepted += accepted
@@ -196,12 +189,10 @@ def speculative_generate_batch(reader: HiddenStateReader, proposer: DraftPropose
             new = drafts[b][:accepted] + [preds[accepted]]
             seqs[r] += new
             outs[r] += new
-    results = []
+    outs = [_truncate(out, eos, max_new_tokens) for out in outs]
     for out, st in zip(outs, stats, strict=True):
-        out = _truncate(out, eos, max_new_tokens)
         st.generated = len(out)
-        results.append((out, st))
-    return results
+    return list(zip(outs, stats, strict=True))
 
 
 def speculative_generate(reader: HiddenStateReader, proposer: DraftProposer, prompt: list[int], k: int,
@@ -216,14 +207,15 @@ def greedy_reference(model, prompt: list[int], max_new_tokens: int, eos: set[int
 
 
 @torch.no_grad()
-def greedy_reference_batch(model, prompts: list[list[int]], max_new_tokens: int, eos: set[int]) -> list[list[int]]:
+def greedy_reference_batch(model, prompts: list[list[int]], max_new_tokens: int, eos: set[int],
+                           pad: int = 0) -> list[list[int]]:
     """The target's own greedy outputs, through transformers' generate (an independent code path),
-    left-padded as generate expects; positions come from the attention mask."""
+    left-padded (with `pad`) as generate expects; positions come from the attention mask."""
     width = max(map(len, prompts))
-    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts], dtype=torch.long, device=model.device)
+    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], dtype=torch.long, device=model.device)
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], dtype=torch.long, device=model.device)
     out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False,
-                         pad_token_id=0)
+                         pad_token_id=pad)
     return [_truncate(row[width:].tolist(), eos, max_new_tokens) for row in out]
 
 

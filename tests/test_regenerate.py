@@ -118,12 +118,12 @@ def test_regenerate_through_vllm_resumes_after_sigkill_and_equals_the_targets_gr
 def test_a_transformers_regeneration_of_a_tokenizer_without_pad_token_pads_with_eos(tmp_path, cache_dir):
     """A Llama-3-like tokenizer has no pad token: the transformers path pads with eos, not None."""
     from pipeline import target as tgt
+    from pipeline.speculative import eos_ids, greedy_reference_batch
     from pipeline.stages.build_target import build_target
-    from pipeline.stages.regenerate import _greedy
 
     spec = load_profile(TINY).demo_target
     model = tgt.load_model(build_target(spec, cache_dir), "float32")
-    out = _greedy(model, [[1, 3, 5], [1, 3, 5, 7, 9]], 4, pad=2)
+    out = greedy_reference_batch(model, [[1, 3, 5], [1, 3, 5, 7, 9]], 4, eos_ids(model), pad=2)
     assert len(out) == 2 and all(1 <= len(c) <= 4 for c in out)
 
 

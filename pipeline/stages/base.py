@@ -10,7 +10,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pipeline import results
-from pipeline.decision import Decision
 from pipeline.profile import Profile
 from pipeline.rundir import RunDir, RunDirError
 from pipeline.server import ServerError, ServerRecord
@@ -194,14 +193,6 @@ class StageContext:
         if decided is None:
             raise StageError("extract.mode auto: preflight has not decided offline or online for this run")
         return decided
-
-    def offline_tau(self) -> float | None:
-        """τ that evaluate-offline measured for this run's head (None before it ran)."""
-        return self.run.result(results.EvaluateOfflineResult).tau
-
-    def deploy_decision(self) -> Decision | None:
-        """deploy-measure's Decision (deploy or not, and why), None when it did not run."""
-        return self.run.result(results.DeployMeasureResult).verdict()
 
     def draft_checkpoint(self) -> Path:
         """The head the run deploys: pick-checkpoint's choice (evaluate.checkpoints = "each"), else the last

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import re
 import shutil
@@ -307,10 +308,4 @@ class BuildTarget(Stage):
 def _param_count(target: Path) -> int:
     from safetensors import safe_open
     with safe_open(str(target / "model.safetensors"), framework="pt") as fh:
-        total = 0
-        for key in fh.keys():
-            n = 1
-            for d in fh.get_slice(key).get_shape():
-                n *= d
-            total += n
-    return total
+        return sum(math.prod(fh.get_slice(key).get_shape()) for key in fh.keys())

@@ -16,7 +16,7 @@ from pipeline.decision import Decision
 from pipeline.deploy import publish_draft
 from pipeline.matrix import level_of
 from pipeline.online import in_threads
-from pipeline.results import DeployMeasureResult
+from pipeline.results import DeployMeasureResult, EvaluateOfflineResult
 from pipeline.server import ServerError, port_in_use, port_owner
 from pipeline.stages.base import Stage, StageContext, StageError, argv_for
 from pipeline.stages.served import decode_steps, measure_served
@@ -201,21 +201,20 @@ class DeployMeasure(Stage):
             for level in row.get("levels", {}).values():
                 level.pop("outputs", None)
         eagle = matrix.get("eagle3")
-        offline_tau = ctx.offline_tau()
-        result = {"k": ev.k, "prompts": len(prompts), "max_new_tokens": ev.max_new_tokens,
-                  "min_new_tokens": ev.min_new_tokens, "rounds": ev.rounds,
-                  "concurrency": sorted(ev.concurrency), "matrix": matrix, "mismatches": mismatches,
-                  "mismatches_beyond_ties": failures, "tie_logprob_gap": ev.tie_logprob_gap,
-                  "offline_tau": offline_tau}
+        offline_tau = ctx.run.result(EvaluateOfflineResult).tau
         failure = head_failure(ctx, eagle, low, failures, len(prompts))
         # a head that failed its own checks is not deployed, whatever its speed: online.json says so too
         decision = decide(eagle, low, ev.deploy_speedup) if failure is None else Decision(False, failure)
-        result |= {"decision": decision.line, "deploy": decision.deploy, "reason": decision.reason}
-        atomicio.atomic_write_json(ctx.run.online_result, result)
+        verdict = {"decision": decision.line, "deploy": decision.deploy, "reason": decision.reason}
+        atomicio.atomic_write_json(ctx.run.online_result, {
+            "k": ev.k, "prompts": len(prompts), "max_new_tokens": ev.max_new_tokens,
+            "min_new_tokens": ev.min_new_tokens, "rounds": ev.rounds,
+            "concurrency": sorted(ev.concurrency), "matrix": matrix, "mismatches": mismatches,
+            "mismatches_beyond_ties": failures, "tie_logprob_gap": ev.tie_logprob_gap,
+            "offline_tau": offline_tau, **verdict})
         if failure is not None:
             raise StageError(failure)
-        figures = {"decision": decision.line, "deploy": decision.deploy, "reason": decision.reason,
-                   "offline_tau": offline_tau,
+        figures = {**verdict, "offline_tau": offline_tau,
                    "baseline_tok_s": base["levels"][low]["output_tok_s"]}
         if eagle is not None:
             lv = eagle["levels"][low]

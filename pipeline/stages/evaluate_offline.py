@@ -36,7 +36,6 @@ class EvaluateOffline(Stage):
         ngram = prompt_lookup.Acceptance(per_position=[0] * ev.k)
         per_prompt, mismatches, outputs = [], [], []
         t_spec = t_ref = 0.0
-        done = 0
         for start in range(0, len(prompts), ev.batch_size):
             batch = prompts[start: start + ev.batch_size]
             ids = bench.prompt_ids(batch)
@@ -57,8 +56,7 @@ class EvaluateOffline(Stage):
                 if not same:
                     mismatches.append({"id": p["id"], "first_difference": first_difference(out, ref)})
                 per_prompt.append({"id": p["id"], "tau": round(stats.tau, 4), "tokens": len(out), "lossless": same})
-            done += len(batch)
-            ctx.progress(self.name, done, len(prompts), "prompts", tau=round(total.tau, 3))
+            ctx.progress(self.name, start + len(batch), len(prompts), "prompts", tau=round(total.tau, 3))
         acceptance = [round(a, 4) for a in total.acceptance()]
         result = {
             "k": ev.k, "prompts": len(prompts), "tau": round(total.tau, 4),

@@ -95,7 +95,6 @@ def extract(model, dataset, hs_dir: Path, layer_ids: list[int], batch_size: int,
     lengths = {i: seq_len[i] for i in indices if not hs_path(hs_dir, i).exists()}
     total, already = len(indices), len(indices) - len(lengths)
     reader = target.HiddenStateReader(model, layer_ids)
-    pad = 0
     done, tokens, written = already, 0, 0
     start = time.perf_counter()
     pending: list[Future] = []
@@ -104,7 +103,7 @@ def extract(model, dataset, hs_dir: Path, layer_ids: list[int], batch_size: int,
         for batch in plan_batches(lengths, batch_size, batch_tokens):
             rows = [dataset[i]["input_ids"] for i in batch]
             width = max(len(r) for r in rows)
-            ids = torch.tensor([r + [pad] * (width - len(r)) for r in rows], dtype=torch.long)
+            ids = torch.tensor([r + [0] * (width - len(r)) for r in rows], dtype=torch.long)
             mask = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in rows], dtype=torch.long)
             _, states = reader(ids, mask)  # right padding: causal attention keeps real positions exact
             states, ready, slot = staging.to_host(states)
@@ -149,8 +148,8 @@ class Extract(Stage):
     def run(self, ctx: StageContext) -> ExtractResult:
         if ctx.extract_mode() == "online":
             return ExtractResult.of(extract_cache(ctx, self.name))
-        if ctx.profile.extract.backend == "vllm":
-            ex = ctx.profile.extract
+        ex = ctx.profile.extract
+        if ex.backend == "vllm":
             from pipeline.plan import extraction_clients
 
             return ExtractResult.of(extract_with_vllm(ctx, self.name, ex.world_size, ex.rank,
@@ -159,9 +158,8 @@ class Extract(Stage):
 
         ds = load_from_disk(str(ctx.run.prepared_dir))
         model = target.load_model(ctx.target_dir(), ctx.profile.target.dtype)
-        layer_ids = target.resolve_layer_ids(ctx.profile.extract.layer_ids, target.num_layers(model))
+        layer_ids = target.resolve_layer_ids(ex.layer_ids, target.num_layers(model))
         ctx.log.info("extracting %d samples, layer ids %s", len(ds), layer_ids)
-        ex = ctx.profile.extract
         figures = extract(model, ds, ctx.run.hidden_states_dir, layer_ids, ex.batch_size, ex.batch_tokens,
                           ex.writer_threads,
                           on_progress=lambda d, t, n: ctx.progress(self.name, d, t, "samples", tokens=n),
@@ -226,12 +224,10 @@ def extract_with_vllm(ctx: StageContext, stage: str, world_size: int, rank: int,
     def have_files() -> int:
         return sum(hs_path(ctx.run.hidden_states_dir, i).exists() for i in rows)
 
-    had = {i for i in rows if hs_path(ctx.run.hidden_states_dir, i).exists()}  # a resume skips them
-
+    before = have_files()  # a resume skips them
     _, mode_args = box.mode_inputs(ctx.profile, ctx.run, "extraction")
     with ctx.server("extraction", on_wait=lambda s: ctx.progress(stage, 0, total, "samples", server_wait_s=round(s)),
                     **mode_args) as srv:
-        before = len(had)
         cmd = [sys.executable, "-m", "speculators", "generate-offline-data", "--endpoint", f"{srv.base_url}/v1",
                "--preprocessed-data", str(prepared), "--concurrency", str(ctx.profile.extract.concurrency),
                "--validate-outputs", "--fail-on-error"]

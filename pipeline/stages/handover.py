@@ -7,7 +7,7 @@ from pathlib import Path
 
 from pipeline import atomicio, box
 from pipeline.decision import Decision
-from pipeline.results import HandoverResult
+from pipeline.results import DeployMeasureResult, HandoverResult
 from pipeline.rundir import now_iso
 from pipeline.stages.base import Stage, StageContext
 
@@ -41,7 +41,7 @@ class Handover(Stage):
         else:
             draft, why = None, ""
             if after == "production-with-draft":
-                deploy, why = draft_goes_to_production(ctx.deploy_decision())
+                deploy, why = draft_goes_to_production(ctx.run.result(DeployMeasureResult).verdict())
                 if deploy:
                     from pipeline.deploy import publish_draft
                     draft = publish_draft(ctx.draft_checkpoint(), ctx.run.draft_dir, ctx.target_dir())

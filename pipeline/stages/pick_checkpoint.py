@@ -39,11 +39,7 @@ def choose(measured: list[dict]) -> dict:
     outputs left the target's greedy ones is passed over while any other is lossless (evaluate-offline would
     fail on it)."""
     pool = [e for e in measured if e.get("lossless", True)] or measured
-    best = pool[0]
-    for entry in pool[1:]:
-        if entry["tau"] > best["tau"]:
-            best = entry
-    return best
+    return max(pool, key=lambda e: e["tau"])  # the first of equals
 
 
 def why_text(chosen: dict, last: dict, count: int) -> str:
@@ -181,9 +177,6 @@ class OfflineMeasure:
         return {"tau": round(total.tau, 4), "acceptance_per_position": [round(a, 4) for a in total.acceptance()],
                 "lossless": differ == 0, "outputs_differ": differ}
 
-    def outputs(self) -> list[list[int]]:
-        return self._refs or []
-
 
 class VllmMeasure:
     """One speculative vLLM server per checkpoint (its head published under eval/checkpoint-drafts/LABEL,
@@ -196,7 +189,6 @@ class VllmMeasure:
         self.ctx = ctx
         tok = target.load_tokenizer(ctx.target_dir())
         self.prompts = conversations.prompt_ids(tok, rows)
-        self._outputs: list[list[int]] = []
 
     def measure(self, ckpt: Checkpoint) -> dict:
         ctx, p = self.ctx, self.ctx.profile
@@ -215,10 +207,6 @@ class VllmMeasure:
         if not spec.drafts:
             raise StageError(f"checkpoint {ckpt.label}: the speculative server reported no drafts; see "
                              f"{ctx.run.log_path(f'server-checkpoint-{ckpt.label}')}")
-        self._outputs = level["outputs"]
         return {"tau": round(spec.mean_acceptance_length, 4),
                 "acceptance_per_position": [round(x, 4) for x in spec.per_position_rate()],
                 "server_start_s": start_s, "concurrency": concurrency, "output_tok_s": level["output_tok_s"]}
-
-    def outputs(self) -> list[list[int]]:
-        return self._outputs

@@ -63,8 +63,7 @@ class Prepare(Stage):
             return PrepareResult.of({**self._with_speculators(ctx, loaded, train, heldout), **gathered})
         tok = target.load_tokenizer(ctx.target_dir())
         if data.regenerate:
-            regenerated = conversations.load(ctx.training_conversations())
-            rows = regenerated.token_rows
+            rows = conversations.load(ctx.training_conversations()).token_rows
         else:
             rows = list(loaded.token_rows)
             for conv in train:
@@ -98,8 +97,7 @@ class Prepare(Stage):
         atomicio.fsync_dir(out.parent)
         _write_token_freq(ds, ctx.run.token_freq)
         prompts = _write_heldout(ctx, heldout)
-        n_tokens = sum(columns["seq_len"])
-        return PrepareResult.of({**gathered, "rows": len(columns["seq_len"]), "tokens": n_tokens,
+        return PrepareResult.of({**gathered, "rows": len(columns["seq_len"]), "tokens": sum(columns["seq_len"]),
                                  "loss_tokens": sum(sum(m) for m in columns["loss_mask"]),
                                  "skipped_malformed": len(loaded.bad), "skipped_unsupervised": unsupervised,
                                  "truncated": truncated, "heldout_prompts": len(prompts)})

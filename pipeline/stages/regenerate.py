@@ -162,11 +162,8 @@ def read_rows(path: Path) -> dict[str, list[dict]]:
 
 
 def read_errors(path: Path) -> dict[str, str]:
-    errors: dict[str, str] = {}
-    for row in atomicio.read_jsonl(path):
-        if isinstance(row, dict) and "id" in row:
-            errors[str(row["id"])] = str((row.get("metadata") or {}).get("error", ""))[:200]
-    return errors
+    return {str(row["id"]): str((row.get("metadata") or {}).get("error", ""))[:200]
+            for row in atomicio.read_jsonl(path) if isinstance(row, dict) and "id" in row}
 
 
 def regenerate_command(ctx: StageContext, endpoint: str, dataset: Path, outfile: Path) -> list[str]:
@@ -218,17 +215,15 @@ class Follower(threading.Thread):
         self.ended.set()
         self.join()
 
-    def _stop_client(self) -> None:
-        if self.client is not None:
-            procs.stop_group(self.client.pid, grace=5)
-
     def run(self) -> None:
         from pipeline.server import death
 
         while not self.ended.wait(0.5):
             try:
                 if self._tick(death) is not None:
-                    return self._stop_client()
+                    if self.client is not None:
+                        procs.stop_group(self.client.pid, grace=5)
+                    return
             except Exception as exc:  # noqa: BLE001 - the watcher must not die silently
                 self.ctx.log.warning("regeneration watcher: %s: %s", type(exc).__name__, exc)
 
@@ -329,6 +324,8 @@ def with_vllm(ctx: StageContext, stage: str, train: list[dict]) -> tuple[list[di
 # --------------------------------------------------------------------------------------- transformers
 
 def with_transformers(ctx: StageContext, stage: str, train: list[dict]) -> tuple[list[dict], dict]:
+    from pipeline.speculative import eos_ids, greedy_reference_batch
+
     data = ctx.profile.data
     tok = target.load_tokenizer(ctx.target_dir())
     model = target.load_model(ctx.target_dir(), ctx.profile.target.dtype)
@@ -337,23 +334,19 @@ def with_transformers(ctx: StageContext, stage: str, train: list[dict]) -> tuple
     if pad is None:
         raise StageError(f"{ctx.target_dir()}: the tokenizer has no pad token and the model no eos token to pad "
                          f"batches with; use data.regenerate_backend = \"vllm\"", resumable=False)
-    histories = [[m for m in c["messages"]] for c in train]
+    histories = [list(c["messages"]) for c in train]
+    answers = [[i for i, m in enumerate(h) if m["role"] == "assistant"] for h in histories]  # their positions
     rows: list[tuple[int, int, dict]] = []  # (conversation, turn, row): written in conversation order
-    max_turns = max(sum(m["role"] == "assistant" for m in h) for h in histories)
-    total = sum(sum(m["role"] == "assistant" for m in h) for h in histories)
+    total = sum(map(len, answers))
     generated_tokens = 0
     t0 = time.perf_counter()
-    for turn in range(max_turns):
+    for turn in range(max(map(len, answers))):
         # Conversations that still have an assistant turn number `turn` to regenerate.
-        work = []
-        for h_idx, history in enumerate(histories):
-            a_positions = [i for i, m in enumerate(history) if m["role"] == "assistant"]
-            if turn < len(a_positions):
-                work.append((h_idx, a_positions[turn]))
+        work = [(h, positions[turn]) for h, positions in enumerate(answers) if turn < len(positions)]
         for start in range(0, len(work), data.regenerate_batch_size):
             batch = work[start:start + data.regenerate_batch_size]
             prompts = [conversations.render_ids(tok, histories[h][:pos], True) for h, pos in batch]
-            completions = _greedy(model, prompts, data.regenerate_max_tokens, pad)
+            completions = greedy_reference_batch(model, prompts, data.regenerate_max_tokens, eos_ids(model), pad)
             for (h, pos), prompt, completion in zip(batch, prompts, completions, strict=True):
                 rows.append((h, turn, {"input_ids": prompt + completion,
                                        "loss_mask": [0] * len(prompt) + [1] * len(completion)}))
@@ -390,21 +383,3 @@ def answer_variety(rows: list[dict]) -> dict:
 def _eos(model) -> int | None:
     eos = model.generation_config.eos_token_id
     return (eos[0] if eos else None) if isinstance(eos, list) else eos
-
-
-def _greedy(model, prompts: list[list[int]], max_new_tokens: int, pad: int) -> list[list[int]]:
-    import torch
-
-    width = max(len(p) for p in prompts)
-    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=model.device)
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=model.device)
-    with torch.no_grad():
-        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens,
-                             do_sample=False, pad_token_id=pad)
-    eos = set(model.generation_config.eos_token_id if isinstance(model.generation_config.eos_token_id, list)
-              else [model.generation_config.eos_token_id])
-    completions = []
-    for row in out[:, width:].tolist():
-        cut = next((i + 1 for i, t in enumerate(row) if t in eos), len(row))
-        completions.append(row[:cut])
-    return completions

@@ -128,7 +128,8 @@ class Train(Stage):
         cmd = build_command(ctx, endpoint=endpoint)
         ctx.log.info("command: %s", " ".join(cmd))
         ctx.emit("command", self.name, argv=cmd, resumed_from=resumed.name if resumed else None)
-        epochs = ctx.profile.train.epochs
+        t = ctx.profile.train
+        epochs = t.epochs
         last: dict[str, float] = {}
         step_ms: list[float] = []
         fetch_ms: list[float] = []  # of each logged step, the time it waited for its batch (states online)
@@ -175,14 +176,13 @@ class Train(Stage):
         if rc != 0:
             failure = (f"speculators train exited with {rc}; see {ctx.run.log_path(self.name)}: "
                        f"{procs.last_error_line(ctx.run.log_path(self.name))}")
-            t, said = ctx.profile.train, procs.read_log(log, this_attempt) or ""
+            said = procs.read_log(log, this_attempt) or ""
             if speculators_compat.NODES_DISAGREE in said:  # the launcher's own reason comes before its echoes
                 raise StageError(said.split(speculators_compat.NODES_DISAGREE, 1)[1].splitlines()[0])
             if t.nnodes > 1 and (why := torch_distributed_errors.node_lost(said)):
                 raise StageError(f"the training job across {t.nnodes} nodes lost a node ({why}); resume every "
                                  f"node's run (node 0 hands its last checkpoint to the others)")
             raise StageError(explain_failure(server, failure) if server else failure)
-        t = ctx.profile.train
         if not t.first_node:
             figures = {"node_rank": t.node_rank, "nnodes": t.nnodes, "rdzv_endpoint": t.rdzv_endpoint,
                        "epochs": epochs, "checkpoints": "on node 0"}
