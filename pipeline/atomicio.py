@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import os
 import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -19,13 +18,6 @@ def fsync_dir(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-def atomic_write_bytes(path: Path, data: bytes, make_parents: bool = True) -> None:
-    path = Path(path)
-    if make_parents:
-        path.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write_rendered(path, lambda: data)
 
 
 def atomic_write_rendered(path: Path, render) -> None:
@@ -46,7 +38,9 @@ def atomic_write_rendered(path: Path, render) -> None:
 
 
 def atomic_write_text(path: Path, text: str) -> None:
-    atomic_write_bytes(path, text.encode())
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_rendered(path, text.encode)
 
 
 def atomic_write_json(path: Path, obj: Any) -> None:
@@ -113,16 +107,6 @@ def read_jsonl_from(path: Path, offset: int) -> tuple[list, int]:
     return records, offset + end
 
 
-def read_jsonl(path: Path) -> Iterator[dict]:
+def read_jsonl(path: Path) -> list:
     """Complete records only: a torn line (crash mid-append) is skipped, never raised."""
-    path = Path(path)
-    if not path.exists():
-        return
-    with open(path, "rb") as fh:
-        for raw in fh:
-            if not raw.endswith(b"\n"):
-                continue
-            try:
-                yield json.loads(raw)
-            except json.JSONDecodeError:
-                continue
+    return read_jsonl_from(path, 0)[0]

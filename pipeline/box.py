@@ -7,7 +7,6 @@ run that owns the server (its stages start and stop it; "" = the operator's, e.g
 handover), so that a run stopping or resuming cleans up exactly its own servers, on every port it used."""
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Callable
 from pathlib import Path
@@ -110,15 +109,8 @@ def adopt(profile: Profile, force: bool = False):
 
 def run_servers(profile: Profile, run_root: Path) -> list[tuple[Profile, ServerRecord]]:
     """Every server the run owns, on any port (its serving port and the side-by-side ones), as recorded."""
-    found = []
-    for path in sorted(registry(profile).glob("port-*.json")):
-        try:
-            rec = ServerRecord(**json.loads(path.read_text()))
-        except (OSError, ValueError, TypeError):
-            continue
-        if rec.run == str(run_root):
-            found.append((profile.with_port(rec.port), rec))
-    return found
+    recs = (ServerController(path).record() for path in sorted(registry(profile).glob("port-*.json")))
+    return [(profile.with_port(rec.port), rec) for rec in recs if rec is not None and rec.run == str(run_root)]
 
 
 def stop_run_servers(profile: Profile, run_root: Path, say: Say,
@@ -128,11 +120,10 @@ def stop_run_servers(profile: Profile, run_root: Path, say: Say,
     for port_profile, rec in run_servers(profile, run_root):
         if keep(rec):
             continue
-        ctl = controller(port_profile)
         if procs.group_members(rec.pgid):
             say(f"stopping {rec.describe()}")
         try:
-            ctl.stop(grace=profile.server.shutdown_grace)
+            controller(port_profile).stop(grace=profile.server.shutdown_grace)
         except ServerError as exc:  # the others are still stopped; this one is said
             errors.append(exc)
             continue
@@ -140,15 +131,6 @@ def stop_run_servers(profile: Profile, run_root: Path, say: Say,
     if errors:
         raise ServerError("; ".join(str(e) for e in errors))
     return stopped
-
-
-def gpus_of_server(profile: Profile) -> list[int]:
-    """The GPU indices one server of the profile uses: server.cuda_visible_devices, else the first
-    tensor_parallel_size GPUs."""
-    s = profile.server
-    if s.cuda_visible_devices:
-        return [int(d) for d in s.cuda_visible_devices.split(",")][: s.tensor_parallel_size]
-    return list(range(s.tensor_parallel_size))
 
 
 CONTEXT_BYTES = 1 << 30  # a CUDA context and allocator slack per server process, beyond its share
@@ -164,17 +146,20 @@ def side_by_side(profile: Profile, wanted: int, snapshot: gpu.GpuSnapshot | None
     snap = snapshot or gpu.sample()
     if snap.unavailable or not snap.gpus:
         return wanted, f"{wanted} servers side by side (no GPU: memory is not the limit)"
-    util = profile.server.gpu_memory_utilization
+    s = profile.server
+    # the GPUs one server uses: server.cuda_visible_devices, else the first tensor_parallel_size GPUs
+    visible = s.cuda_visible_devices
+    used = [int(d) for d in visible.split(",")] if visible else range(s.tensor_parallel_size)
+    util = s.gpu_memory_utilization
     fits, limits = wanted, []
     by_index = {g.index: g for g in snap.gpus}
-    for i in gpus_of_server(profile):
+    for i in used[: s.tensor_parallel_size]:
         g = by_index.get(i)
         if g is None or g.lost or not g.mem_total or g.mem_used is None:
             return 1, f"GPU {i} cannot be read: one server at a time"
         free = g.mem_total - g.mem_used
         share = util * g.mem_total + CONTEXT_BYTES
-        n = max(1, math.floor(free / share))
-        fits = min(fits, n)
+        fits = min(fits, max(1, math.floor(free / share)))
         limits.append(f"GPU {i}: {free / gpu.GIB:.1f} of {g.mem_total / gpu.GIB:.1f} GiB free, "
                       f"{share / gpu.GIB:.1f} GiB per server (server.gpu_memory_utilization {util:g} + context)")
     if fits >= wanted:

@@ -15,16 +15,13 @@ def _die(message: str, code: int = EXIT_USAGE) -> int:
     return code
 
 
-def _setup_env() -> None:
+ENV_DEFAULTS = {
     # No hub at run time: models, tokenizers and data sets come from local paths only.
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
-    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_NO_ADVISORY_WARNINGS": "1",
+    "TOKENIZERS_PARALLELISM": "false",
     # Library progress bars would interleave with ours; the stage logs keep the detail.
-    os.environ.setdefault("TQDM_DISABLE", "1")
-    os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
-    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    "TQDM_DISABLE": "1", "HF_DATASETS_DISABLE_PROGRESS_BARS": "1", "TRANSFORMERS_VERBOSITY": "error",
+}
 
 
 def cmd_run(args) -> int:
@@ -106,12 +103,8 @@ def _attach(run_dir: Path, readonly: bool, interval: float) -> int:
 
 
 def cmd_attach(args) -> int:
-    from pipeline.rundir import RunDir, RunDirError
-    try:
-        run = RunDir.open(Path(args.run_dir))
-    except RunDirError as exc:
-        return _die(str(exc))
-    return _attach(run.root, args.readonly, args.interval)
+    from pipeline.rundir import RunDir
+    return _attach(RunDir.open(Path(args.run_dir)).root, args.readonly, args.interval)
 
 
 def _overrides(pairs: list[str]) -> dict:
@@ -167,12 +160,9 @@ def cmd_exporter(args) -> int:
     import threading
 
     from pipeline import exporter
-    from pipeline.rundir import RunDir, RunDirError
+    from pipeline.rundir import RunDir
 
-    try:
-        runs = [RunDir.open(Path(p)).root for p in args.run_dirs]
-    except RunDirError as exc:
-        return _die(str(exc))
+    runs = [RunDir.open(Path(p)).root for p in args.run_dirs]
     if args.runs_dir and not Path(args.runs_dir).is_dir():
         return _die(f"--runs-dir {args.runs_dir}: not a directory")
     if not 0 <= args.port <= 65535:
@@ -196,11 +186,11 @@ def cmd_exporter(args) -> int:
 
 def cmd_publish(args) -> int:
     from pipeline.publish import PublishError, publish
-    from pipeline.rundir import RunDir, RunDirError
+    from pipeline.rundir import RunDir
 
     try:
         out = publish(RunDir.open(Path(args.run_dir)), Path(args.out_dir), force=args.force)
-    except (RunDirError, PublishError) as exc:
+    except PublishError as exc:
         return _die(str(exc))
     except OSError as exc:
         return _die(f"{args.out_dir}: cannot write it: {exc.strerror or exc}", EXIT_FAILED)
@@ -210,13 +200,10 @@ def cmd_publish(args) -> int:
 
 def cmd_status(args) -> int:
     from pipeline import jobs
-    from pipeline.rundir import RunDir, RunDirError
+    from pipeline.rundir import RunDir
 
-    try:
-        run = RunDir.open(Path(args.run_dir))
-        snap = jobs.snapshot(run)
-    except RunDirError as exc:
-        return _die(str(exc))
+    run = RunDir.open(Path(args.run_dir))
+    snap = jobs.snapshot(run)
     if args.json:
         print(json.dumps(snap.as_json(), indent=2))
         return 0
@@ -236,7 +223,7 @@ def cmd_status(args) -> int:
 def cmd_notes(args) -> int:
     from pipeline import jobs, notes
     from pipeline.atomicio import atomic_write_rendered
-    from pipeline.rundir import RunDir, RunDirError
+    from pipeline.rundir import RunDir
 
     try:
         run = RunDir.open(Path(args.run_dir))
@@ -257,7 +244,7 @@ def cmd_notes(args) -> int:
             return _die(f"-o {out}: cannot write it: {exc.strerror or exc}", EXIT_FAILED)
         print(f"wrote {out}")
         return 0
-    except (RunDirError, ValueError) as exc:
+    except ValueError as exc:  # a RunDirError too
         return _die(str(exc))
     except OSError as exc:
         return _die(f"{exc.filename or args.run_dir}: {exc.strerror or exc}", EXIT_FAILED)
@@ -273,30 +260,26 @@ def _server_profile(args):
     if run is None and not args.profile:
         raise ProfileError("give a PROFILE or --run-dir RUN_DIR")
     profile = load_profile(args.profile or run.profile_path, _overrides(args.set))
-    if run is not None:
-        port = run.profile().server.port
-        if profile.server.port != port:
-            raise ProfileError(f"server.port {profile.server.port} is not the port of run {run.root} ({port}): "
-                               f"a server command with --run-dir acts on that run's server")
+    if run is not None and profile.server.port != (port := run.profile().server.port):
+        raise ProfileError(f"server.port {profile.server.port} is not the port of run {run.root} ({port}): "
+                           f"a server command with --run-dir acts on that run's server")
     return run, profile
 
 
 def cmd_server(args) -> int:
     from pipeline import box
-    from pipeline.profile import ProfileError
-    from pipeline.rundir import NotBuilt, RunDirError
+    from pipeline.rundir import NotBuilt
     from pipeline.server import ServerError
     from pipeline.stages.base import StageError
 
     try:
         run, profile = _server_profile(args)
-        if args.server_cmd != "status":
-            box.guard(profile, args.force)  # before anything else: the port may be another run's
         if args.server_cmd == "status":
             status = box.controller(profile).status()
             print(json.dumps(status, indent=2) if args.json else
                   " ".join(f"{k}={v}" for k, v in status.items() if k != "argv"))
             return 0
+        box.guard(profile, args.force)  # before anything else: the port may be another run's
         if args.server_cmd == "stop":
             stopped = box.free_port(profile, print, force=args.force)
             print("stopped" if stopped else f"no vLLM server on port {profile.server.port}")
@@ -312,7 +295,7 @@ def cmd_server(args) -> int:
                              say=print, force=args.force, **mode_args)
         print(f"{args.mode} server healthy: pid {rec.pid}, {rec.base_url}, log {rec.log}")
         return 0
-    except (ProfileError, RunDirError, ServerError, StageError, ValueError) as exc:
+    except (ServerError, StageError, ValueError) as exc:  # ProfileError and RunDirError are ValueErrors
         code = _die(str(exc), EXIT_FAILED if isinstance(exc, (ServerError, StageError, NotBuilt)) else EXIT_USAGE)
         for line in getattr(exc, "tail", []):
             print(f"  | {line}", file=sys.stderr)
@@ -439,10 +422,14 @@ def cmd_schema(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    _setup_env()
+    for name, value in ENV_DEFAULTS.items():
+        os.environ.setdefault(name, value)
     args = build_parser().parse_args(argv)
+    from pipeline.rundir import RunDirError
     try:
         return args.func(args)
+    except RunDirError as exc:  # RUN_DIR is not a run: one line, as any bad input
+        return _die(str(exc))
     except BrokenPipeError:  # `status RUN | head`: the reader left; not an error of ours
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 141

@@ -46,13 +46,6 @@ def disagrees(val_acc: float, measured: float) -> bool:
     return val_acc >= MIN_VAL_ACC and measured < MAX_RATIO * val_acc and val_acc - measured >= MIN_GAP
 
 
-def checkpoint_epoch(checkpoint: Path) -> int | None:
-    """The epoch whose validation belongs to this checkpoint: an epoch's end (`checkpoints/3`); a kept
-    sub-epoch copy has no validation of its own."""
-    name = Path(checkpoint).name
-    return int(name) if name.isdigit() else None
-
-
 def vocab_coverage(t2d_path: Path, outputs: list[list[int]]) -> float | None:
     """The share of the target's own output tokens that the draft vocabulary holds."""
     tokens = [t for out in outputs for t in out]
@@ -92,11 +85,13 @@ def check_acceptance(ctx, checkpoint: Path, measured: list[float], where: str,
                      outputs: list[list[int]] | None = None) -> dict:
     """The stage's figures when the checkpoint's validation accuracy and the measured acceptance disagree by
     far (also a note and a warning in the log); {} when they agree or the checkpoint has no validation."""
-    from pipeline import atomicio, notes
+    from pipeline import notes
 
-    epoch = checkpoint_epoch(checkpoint)
-    if epoch is None:
+    # the epoch whose validation belongs to this checkpoint: an epoch's end (`checkpoints/3`); a kept
+    # sub-epoch copy has no validation of its own
+    if not (name := Path(checkpoint).name).isdigit():
         return {}
+    epoch = int(name)
     val = epoch_metrics(atomicio.read_jsonl(ctx.run.events_path)).get(epoch, {}).get("val_acc", [])
     text = gap_text(epoch, val, measured, where)
     if text is None:

@@ -33,13 +33,11 @@ def add(run: RunDir, text: str, *, source: str = "operator", stage: str | None =
 
 
 def read(run: RunDir) -> list[dict]:
-    return list(atomicio.read_jsonl(run.notes_path))
+    return atomicio.read_jsonl(run.notes_path)
 
 
 def _fmt(value) -> str:
-    if isinstance(value, float):
-        return f"{value:.4g}"
-    return str(value)
+    return f"{value:.4g}" if isinstance(value, float) else str(value)
 
 
 def _matrix_lines(res: dict) -> list[str]:
@@ -109,8 +107,7 @@ def to_markdown(run: RunDir, snapshot: RunSnapshot, out_path: Path | None = None
     profile = run.profile()
     state = run.read_state()
     stages = state.get("stages", {})
-    online_path = run.online_result
-    online = json.loads(online_path.read_text()) if online_path.exists() else None
+    online = atomicio.read_json(run.online_result)
     versions = ", ".join(f"{k} {v}" for k, v in (state.get("versions") or {}).items())
     lines = [f"# Run report: {run.root.name}", "", f"- profile: `{profile.name}` {profile.description}".rstrip(),
              f"- run directory: `{run.root}`", f"- created: {state.get('created', '?')}",

@@ -8,6 +8,7 @@ import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from itertools import zip_longest
 
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -70,10 +71,9 @@ def stream_complete(base_url: str, model: str, prompt_ids: list[int], max_tokens
                         first, first_tokens = now, len(delta)
                     last, chunks = now, chunks + 1
                     tokens += delta
-    seconds = time.perf_counter() - t0
     return {"token_ids": tokens, "text": "".join(text),
-            "completion_tokens": usage["completion_tokens"] if usage else len(tokens), "seconds": seconds,
-            "ttft": (first - t0) if first is not None else None,
+            "completion_tokens": usage["completion_tokens"] if usage else len(tokens),
+            "seconds": time.perf_counter() - t0, "ttft": (first - t0) if first is not None else None,
             "decode_seconds": (last - first) if first is not None else 0.0, "chunks": chunks,
             "first_tokens": first_tokens}
 
@@ -100,11 +100,9 @@ class SpecCounters:
     per_position: tuple = ()
 
     def __sub__(self, other: SpecCounters) -> SpecCounters:
-        n = max(len(self.per_position), len(other.per_position))
-        a = list(self.per_position) + [0.0] * (n - len(self.per_position))
-        b = list(other.per_position) + [0.0] * (n - len(other.per_position))
+        per_position = zip_longest(self.per_position, other.per_position, fillvalue=0.0)
         return SpecCounters(self.drafts - other.drafts, self.draft_tokens - other.draft_tokens,
-                            self.accepted - other.accepted, tuple(x - y for x, y in zip(a, b, strict=True)))
+                            self.accepted - other.accepted, tuple(x - y for x, y in per_position))
 
     @property
     def mean_acceptance_length(self) -> float:
@@ -152,11 +150,6 @@ def scrape(base_url: str) -> SpecCounters:
     if code != 200:
         raise RuntimeError(f"GET {base_url}/metrics answered {code}")
     return parse_spec_counters(text)
-
-
-def counter_total(text: str, name: str) -> float:
-    """A counter of /metrics summed over its label sets (engines), e.g. vllm:prompt_tokens_total."""
-    return sum(value for sample, _, value in _samples(text) if sample == name)
 
 
 def send_all(base_url: str, model: str, prompts: list[list[int]], max_tokens: int, concurrency: int,
@@ -215,8 +208,9 @@ def in_threads(fn, items: list, workers: int, wait_on_error: bool = False) -> li
 
 
 def _counter(base_url: str, name: str) -> float | None:
+    """A counter of /metrics summed over its label sets (engines), e.g. vllm:prompt_tokens_total."""
     code, text = http_get(f"{base_url}/metrics", timeout=2)
-    return counter_total(text, name) if code == 200 else None
+    return sum(value for sample, _, value in _samples(text) if sample == name) if code == 200 else None
 
 
 def prompt_tokens(base_url: str) -> float | None:
@@ -249,8 +243,7 @@ class PromptWindow(threading.Thread):
             self.before, self.last = n, time.perf_counter()
             if self.at is None:
                 self.at, self.counted = self.last, (n, n)
-            else:
-                self.counted = (self.counted[0], n)
+            self.counted = (self.counted[0], n)
         return self.at
 
     def tokens_per_s(self) -> float | None:

@@ -2,7 +2,6 @@
 acceptance per position per method, GPU utilization over the run's timeline. Read-only over the run's files."""
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from pipeline import atomicio
@@ -42,9 +41,7 @@ def acceptance(run: RunDir, out: Path) -> Path | None:
     series: dict[str, list[float]] = {}
     if offline := run.result(EvaluateOfflineResult).acceptance_per_position:
         series["eagle3 (offline)"] = offline
-    online_path = run.online_result
-    if online_path.exists():
-        res = json.loads(online_path.read_text())
+    if res := atomicio.read_json(run.online_result):
         low = min(res["concurrency"])
         for method, row in res["matrix"].items():
             level = level_of(row, low)
@@ -84,8 +81,7 @@ def checkpoints(run: RunDir, out: Path) -> Path | None:
     ax.grid(alpha=0.3)
     loss = ax.twinx()
     for key, style, name in (("train_loss", "s--", "train loss (epoch mean)"), ("val_loss", "^--", "val loss")):
-        pts = [(x, e[key]) for x, e in zip(xs, entries, strict=True) if e.get(key) is not None]
-        if pts:
+        if pts := [(x, e[key]) for x, e in zip(xs, entries, strict=True) if e.get(key) is not None]:
             loss.plot([p[0] for p in pts], [p[1] for p in pts], style, color="grey", lw=1, ms=4, label=name,
                       alpha=0.8 if key == "train_loss" else 0.5)
     loss.set_ylabel("loss")
@@ -95,7 +91,7 @@ def checkpoints(run: RunDir, out: Path) -> Path | None:
 
 
 def gpu_timeline(run: RunDir, out: Path) -> Path | None:
-    samples = list(atomicio.read_jsonl(run.gpu_timeline))
+    samples = atomicio.read_jsonl(run.gpu_timeline)
     if not samples:
         return None
     plt = _plt()
@@ -121,10 +117,6 @@ def _save(fig, plt, path: Path) -> Path:
 
 
 def all_plots(run: RunDir, out: Path) -> dict[str, Path]:
-    made = {}
-    for name, fn in (("training", training_curves), ("checkpoints", checkpoints), ("acceptance", acceptance),
-                     ("gpu", gpu_timeline)):
-        path = fn(run, out)
-        if path:
-            made[name] = path
-    return made
+    kinds = (("training", training_curves), ("checkpoints", checkpoints), ("acceptance", acceptance),
+             ("gpu", gpu_timeline))
+    return {name: path for name, plot in kinds if (path := plot(run, out))}

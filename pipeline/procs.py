@@ -28,22 +28,16 @@ def group_members(pgid: int) -> list[psutil.Process]:
 
 def stop_group(pgid: int, grace: float = 30.0) -> bool:
     """SIGTERM the group, wait up to `grace` s, SIGKILL what is left; True if it had to SIGKILL."""
-    try:
-        os.killpg(pgid, signal.SIGTERM)
-    except ProcessLookupError:
-        return False
-    deadline = time.monotonic() + grace
-    while group_members(pgid) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    if not group_members(pgid):
-        return False
-    try:
-        os.killpg(pgid, signal.SIGKILL)
-    except ProcessLookupError:
-        return False
-    deadline = time.monotonic() + 10
-    while group_members(pgid) and time.monotonic() < deadline:
-        time.sleep(0.1)
+    for sig, wait, step in ((signal.SIGTERM, grace, 0.2), (signal.SIGKILL, 10, 0.1)):
+        if sig == signal.SIGKILL and not group_members(pgid):
+            return False
+        try:
+            os.killpg(pgid, sig)
+        except ProcessLookupError:
+            return False
+        deadline = time.monotonic() + wait
+        while group_members(pgid) and time.monotonic() < deadline:
+            time.sleep(step)
     return True
 
 
@@ -128,14 +122,10 @@ def error_line(text: str, tail: int = 200) -> str | None:
             after = vllm_errors.without_prefix(lines[i + 1]) if i + 1 < len(lines) else ""
             if after[:1].isspace() and not after.strip().startswith(("File ", "raise ", "^")):
                 line = f"{line}: {after.strip()}"
-            return _with_process(lines[i], line)[:400]
+            # vLLM's process prefix kept in front: which process failed is worth saying
+            prefix = vllm_errors.PROCESS_PREFIX.match(lines[i].strip())
+            return ((prefix.group(0) if prefix else "") + line)[:400]
     return None
-
-
-def _with_process(raw: str, line: str) -> str:
-    """The error line with vLLM's process prefix kept in front (which process failed is worth saying)."""
-    prefix = vllm_errors.PROCESS_PREFIX.match(raw.strip())
-    return (prefix.group(0) if prefix else "") + line
 
 
 def last_error_text(text: str, tail: int = 200) -> str:
@@ -152,17 +142,10 @@ def redact_argv(argv: list[str]) -> list[str]:
     `--hf-token=X`) replaced by ***. Every argv written to a file or a message goes through here."""
     out, hide_next = [], False
     for arg in argv:
-        if hide_next:
-            out.append("***")
-            hide_next = False
-            continue
         flag, eq, _ = arg.partition("=")
         secret = flag.startswith("-") and any(w in flag.lower() for w in SECRET_FLAG_WORDS)
-        if secret and eq:
-            out.append(f"{flag}=***")
-        else:
-            out.append(arg)
-            hide_next = secret
+        out.append("***" if hide_next else f"{flag}=***" if secret and eq else arg)
+        hide_next = secret and not eq and not hide_next  # the flag's value is the next arg
     return out
 
 
@@ -183,11 +166,6 @@ def repo_on_path(pythonpath: str | None) -> str:
 def child_env(cache_root: Path) -> dict:
     """Environment for the speculators subprocesses of a run: offline, unbuffered, uncoloured,
     caches inside the run, and this repository importable (the CPU compat launcher lives here)."""
-    env = dict(os.environ)
-    env.setdefault("HF_HUB_OFFLINE", "1")
-    env["PYTHONUNBUFFERED"] = "1"
-    env["NO_COLOR"] = "1"
-    env.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_root / "inductor"))
-    env.setdefault("TRITON_CACHE_DIR", str(cache_root / "triton"))
-    env["PYTHONPATH"] = repo_on_path(env.get("PYTHONPATH"))
-    return env
+    return {"HF_HUB_OFFLINE": "1", "TORCHINDUCTOR_CACHE_DIR": str(cache_root / "inductor"),
+            "TRITON_CACHE_DIR": str(cache_root / "triton"), **os.environ,  # defaults the environment may change
+            "PYTHONUNBUFFERED": "1", "NO_COLOR": "1", "PYTHONPATH": repo_on_path(os.environ.get("PYTHONPATH"))}

@@ -50,8 +50,7 @@ class ProgressPrinter:
                          if k not in {"ts", "t", "stage", "kind", "done", "total", "unit"} and v is not None)
         if total:
             frac = min(1.0, done / total)
-            eta = elapsed / frac - elapsed if frac > 0 else None
-            eta_s = _fmt_secs(eta) if eta is not None else "?"
+            eta_s = _fmt_secs(elapsed / frac - elapsed) if frac > 0 else "?"
             if self.tty:
                 bar = "#" * int(frac * 30)
                 self.stream.write(f"\r\033[K[{stage}] [{bar:<30}] {done}/{total} {unit} "

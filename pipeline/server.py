@@ -37,11 +37,6 @@ class ServerError(RuntimeError):
         self.tail = tail or []
 
 
-def log_tail(log: Path, n: int = 8, since: int = 0) -> list[str]:
-    text = procs.read_log(Path(log), since)
-    return [line.rstrip() for line in (text or "").splitlines() if line.strip()][-n:]
-
-
 WILDCARD_HOSTS = {"0.0.0.0": "127.0.0.1", "": "127.0.0.1", "::": "[::1]"}
 
 
@@ -82,7 +77,9 @@ class ServerRecord:
         return last_error_line(Path(self.log), since=self.log_offset) if self.log else "no log (adopted server)"
 
     def tail(self) -> list[str]:
-        return log_tail(Path(self.log), since=self.log_offset) if self.log else []
+        """The last 8 lines of this instance's part of its log."""
+        text = procs.read_log(Path(self.log), self.log_offset) if self.log else None
+        return [line.rstrip() for line in (text or "").splitlines() if line.strip()][-8:]
 
 
 BORN_WITHIN_S = 3600.0  # a server's processes (API server, engine cores, workers) start within this of it
@@ -202,7 +199,7 @@ class ServerController:
     def record(self) -> ServerRecord | None:
         try:
             return ServerRecord(**json.loads(self.record_path.read_text()))
-        except (FileNotFoundError, json.JSONDecodeError, TypeError):
+        except (OSError, ValueError, TypeError):  # missing, unreadable or not a record
             return None
 
     def _save(self, rec: ServerRecord | None) -> None:
@@ -286,8 +283,7 @@ class ServerController:
                     "reason": f"process group {rec.pgid} is no longer the recorded server: record dropped"}
         members = [p.pid for p in group]
         killed = procs.stop_group(rec.pgid, grace) if members else False
-        left = [p.pid for p in procs.group_members(rec.pgid)]
-        if left:
+        if left := [p.pid for p in procs.group_members(rec.pgid)]:
             raise ServerError(f"processes {left} of server group {rec.pgid} survived SIGKILL")
         gpu_left = self._gpu_memory_held(members)
         self._save(None)
@@ -344,8 +340,7 @@ class ServerController:
                               f"which is not a vLLM server")
         pgid = os.getpgid(owner.pid)
         family = {owner.pid} | {c.pid for c in owner.children(recursive=True)}
-        strangers = [p.pid for p in procs.group_members(pgid) if p.pid not in family]
-        if strangers:
+        if strangers := [p.pid for p in procs.group_members(pgid) if p.pid not in family]:
             # Stopping by group would hit them too (e.g. the shell script that launched vLLM).
             raise ServerError(f"vLLM pid {owner.pid} shares process group {pgid} with other processes "
                               f"{strangers[:5]}; stop it where it was started")

@@ -107,12 +107,8 @@ def gather(data: DataSection, demo_file: Path, out: Path, record: Path) -> dict:
     """Write the run's conversations from every source (kept when already gathered for this spec);
     returns what each source gave."""
     digest = spec_digest(data)
-    try:
-        done = json.loads(record.read_text())
-        if done.get("digest") == digest and out.is_file():
-            return done["sources"]
-    except (FileNotFoundError, json.JSONDecodeError):
-        pass
+    if (done := atomicio.read_json(record)) and done.get("digest") == digest and out.is_file():
+        return done["sources"]
     everything, counts = [], {}
     several = len(data.sources()) > 1
     for i, src in enumerate(data.sources()):

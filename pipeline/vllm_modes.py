@@ -81,11 +81,6 @@ def _render_flags(profile: Profile) -> list[str]:
     return vllm_flags.render_endpoint_flags(profile.data.tokenize, served[1] if served else None)
 
 
-def eagle3_config(profile: Profile, draft_dir: Path) -> dict:
-    # Always name the method: a path without "eagle3" in it would be served as draft_model (§2.5).
-    return vllm_flags.eagle3_speculative_config(draft_dir, profile.evaluate.k)
-
-
 def server_argv(profile: Profile, mode: str, target_dir: Path, *, layer_ids: list[int] | None = None,
                 storage: Path | None = None, draft_dir: Path | None = None) -> list[str]:
     if mode not in MODES:
@@ -93,8 +88,6 @@ def server_argv(profile: Profile, mode: str, target_dir: Path, *, layer_ids: lis
     argv = base_argv(profile, target_dir, bind_host(profile, mode))
     if mode == "production":
         argv += list(profile.server.production_args)
-        if draft_dir is not None:  # production with the new head
-            argv += ["--speculative-config", json.dumps(eagle3_config(profile, draft_dir))]
     elif mode == "extraction":
         if not layer_ids or storage is None:
             raise ValueError("extraction mode needs layer ids and a storage directory")
@@ -118,10 +111,12 @@ def server_argv(profile: Profile, mode: str, target_dir: Path, *, layer_ids: lis
         argv += ["--speculative-config", json.dumps({"method": "ngram", "num_speculative_tokens": ev.k,
                                                      "prompt_lookup_min": ev.ngram_min,
                                                      "prompt_lookup_max": ev.ngram_max})]
-    elif mode == "speculative":
-        if draft_dir is None:
-            raise ValueError("speculative mode needs a draft checkpoint")
-        argv += ["--speculative-config", json.dumps(eagle3_config(profile, draft_dir))]
+    elif mode == "speculative" and draft_dir is None:
+        raise ValueError("speculative mode needs a draft checkpoint")
+    if mode in ("production", "speculative") and draft_dir is not None:  # production too: with the new head
+        # Always name the method: a path without "eagle3" in it would be served as draft_model (§2.5).
+        spec = vllm_flags.eagle3_speculative_config(draft_dir, profile.evaluate.k)
+        argv += ["--speculative-config", json.dumps(spec)]
     argv += list(profile.server.extra_args)
     return argv
 

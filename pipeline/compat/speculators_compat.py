@@ -18,6 +18,8 @@ speculators release renames or removes one of them.
 """
 from __future__ import annotations
 
+import contextlib
+import importlib
 import json
 import os
 import sys
@@ -65,18 +67,12 @@ ALWAYS_ADAPTED.append(NODE_SYNC)
 FUSED_KERNELS = ("speculators.losses.fused", ("loss_forward_kernel", "loss_backward_kernel"))
 
 
-def needs_adapting() -> bool:
-    import torch
-
-    return not torch.accelerator.is_available()
-
-
 def adapt() -> list[str]:
     """Patch speculators' trainer for CPU; return what was adapted (empty on an accelerator)."""
-    if not needs_adapting():
-        return []
-    import importlib
+    import torch
 
+    if torch.accelerator.is_available():
+        return []
     # modules reached by name and patched: typed Any, their attributes are what ADAPTED checks
     trainer: Any = importlib.import_module("speculators.train.trainer")
     checkpointer: Any = importlib.import_module("speculators.train.checkpointer")
@@ -88,18 +84,8 @@ def adapt() -> list[str]:
     trainer.get_local_rank = lambda: "cpu"
     checkpointer.get_current_device = lambda: "cpu"
 
-    timer = trainer._StepTimer
-    original_mark, original_now = timer.mark, timer.now
-
-    def mark(self, name):  # the same bookkeeping; nothing to synchronize on a CPU
-        with _no_accelerator_sync():
-            return original_mark(self, name)
-
-    def now(self):
-        with _no_accelerator_sync():
-            return original_now(self)
-
-    timer.mark, timer.now = mark, now
+    timer = trainer._StepTimer  # the same bookkeeping; nothing to synchronize on a CPU (each call, as a decorator)
+    timer.mark, timer.now = _no_accelerator_sync()(timer.mark), _no_accelerator_sync()(timer.now)
     cli: Any = importlib.import_module("speculators.train.cli")
     cli.maybe_setup_distributed = _setup_distributed_on_cpu
     # Trainer.device_type stays "cuda", which leaves autocast off (fp32 compute). Deliberately: CPU bf16
@@ -128,8 +114,6 @@ def tokenizer_when_no_processor() -> str:
     multimodal verifier such as Kimi-K2.5 (KimiK25ForConditionalGeneration) that loads the image
     processor, which needs torchvision (not installed: it pulls a CUDA torch, README); the mask token
     only needs the tokenizer, so that is used when the processor cannot load."""
-    import importlib
-
     module, name = PROCESSOR
     utils = importlib.import_module(module)
     original = getattr(utils, name, None)
@@ -153,7 +137,6 @@ def tokenizer_when_no_processor() -> str:
 def split_fused_autotuner_lists() -> list[str]:
     """Give each fused-loss kernel's autotuner its own list and dict objects (GPU only: Triton)."""
     import copy
-    import importlib
 
     try:
         fused = importlib.import_module(FUSED_KERNELS[0])
@@ -169,33 +152,29 @@ def split_fused_autotuner_lists() -> list[str]:
     return split
 
 
-class _no_accelerator_sync:
-    def __enter__(self):
-        import torch
+@contextlib.contextmanager
+def _no_accelerator_sync():
+    import torch
 
-        self._saved = torch.accelerator.synchronize
-        torch.accelerator.synchronize = lambda *a, **k: None
-
-    def __exit__(self, *exc):
-        import torch
-
-        torch.accelerator.synchronize = self._saved
-        return False
+    saved = torch.accelerator.synchronize
+    torch.accelerator.synchronize = lambda *a, **k: None
+    try:
+        yield
+    finally:
+        torch.accelerator.synchronize = saved
 
 
 def keep_copy(save_path: Path, epoch: int, local_step: int) -> Path | None:
     """Copy epoch `epoch`'s checkpoint, just saved at `local_step` of its epoch, to KEPT_DIR/EPOCH-stepSTEP
     (built aside, renamed into place: a kill leaves a hidden temporary, never a half copy)."""
-    import json
     import shutil
 
+    from pipeline.atomicio import read_json
+
     src = save_path / str(epoch)
-    try:
-        state = json.loads((src / "training_state.json").read_text())
-    except (OSError, ValueError):
-        return None
-    if state.get("local_step") != local_step:
-        return None  # speculators skipped this save (too close to the epoch's end)
+    state = read_json(src / "training_state.json")
+    if state is None or state.get("local_step") != local_step:
+        return None  # unreadable, or speculators skipped this save (too close to the epoch's end)
     dest = save_path / KEPT_DIR / f"{epoch}-step{local_step}"
     tmp = dest.with_name(f".{dest.name}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -210,8 +189,6 @@ def keep_copy(save_path: Path, epoch: int, local_step: int) -> Path | None:
 
 def keep_sub_epoch_checkpoints() -> list[str]:
     """Wrap Trainer.maybe_save_checkpoint so that rank 0 copies each sub-epoch checkpoint once it is saved."""
-    import importlib
-
     if not os.environ.get(KEEP_ENV):
         return []
     trainer_cls: Any = getattr(importlib.import_module(SAVE[0]), SAVE[1], None)
@@ -252,7 +229,6 @@ def metrics_record(line: str) -> dict[str, float] | None:
 
 def forward_metric_records() -> list[str]:
     """After speculators' CLI sets its metric logger up, add a handler that writes each record (rank 0)."""
-    import importlib
     import logging
 
     cli: Any = importlib.import_module(METRICS_SETUP[0])
@@ -306,8 +282,6 @@ def resume_point(save: Path) -> int | None:
 def share_checkpoint_across_nodes() -> list[str]:
     """Wrap speculators' distributed setup (whichever runs: gloo on a CPU, its own on an accelerator) so that,
     once the process group is up, every node resumes from the epoch rank 0 resumes from."""
-    import importlib
-
     module, name = NODE_SYNC
     cli: Any = importlib.import_module(module)
     original = getattr(cli, name, None)

@@ -35,8 +35,7 @@ def cpu_server_env(python: str, tensor_parallel_size: int, inherited_preload: st
     env: dict[str, str] = {}
     if tensor_parallel_size == 1:
         env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    lib = intel_openmp(python)
-    if lib is not None:
+    if (lib := intel_openmp(python)) is not None:
         env["LD_PRELOAD"] = " ".join(p for p in (str(lib), inherited_preload) if p)
     return env
 

@@ -20,6 +20,7 @@ one stops asking the accelerator for streams and events.
 from __future__ import annotations
 
 import contextlib
+from types import SimpleNamespace
 from typing import Any
 
 from hs_connectors import mooncake_hidden_states_connector as stock
@@ -47,16 +48,10 @@ class _Done:
         return None
 
 
-class _Host:
-    """The accelerator module's three calls the connector makes, for host memory."""
-    Stream = _NoStream
-    Event = _Done
-
-    @staticmethod
-    def stream(stream: Any) -> contextlib.AbstractContextManager:
-        return contextlib.nullcontext()
+# The accelerator module's three calls the connector makes, for host memory.
+_HOST = SimpleNamespace(Stream=_NoStream, Event=_Done, stream=lambda stream: contextlib.nullcontext())
 
 
 class CpuMooncakeHiddenStatesConnector(stock.MooncakeHiddenStatesConnector):
     def _device(self) -> Any:
-        return _Host
+        return _HOST

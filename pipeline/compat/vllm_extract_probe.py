@@ -55,11 +55,6 @@ def attention_backend(head_size: int, dtype, kv_cache_dtype: str = "auto", use_m
     return backend, [str(r) for r in invalid or []]
 
 
-def _on_cpu() -> bool:
-    from vllm.platforms import current_platform
-    return current_platform.is_cpu()
-
-
 def kv_cache_groups(backend, hidden: int, layers: int, n_aux: int, head_size: int, dtype, kv_cache_dtype: str):
     from vllm.config import VllmConfig
     from vllm.model_executor.models.extract_hidden_states import CacheOnlyAttentionBackend
@@ -102,11 +97,13 @@ def connector_group(groups) -> tuple[int | None, str]:
 
 
 def probe_mla(q: dict, dtype) -> dict:
+    from vllm.platforms import current_platform
+
     head = q["kv_lora_rank"] + q["qk_rope_head_dim"]
     out: dict = {"head_size": head}
     try:
         backend, invalid = attention_backend(head, dtype, q.get("kv_cache_dtype", "auto"),
-                                             named=q.get("mla_backend") if _on_cpu() else None)
+                                             named=q.get("mla_backend") if current_platform.is_cpu() else None)
     except (NotImplementedError, ValueError) as exc:
         # vLLM's own no: "MLA is not supported on CPU." (0.26), "No valid attention backend found … Reasons"
         return {**out, "backend": None, "refused": f"{type(exc).__name__}: {exc}"}
