@@ -31,8 +31,8 @@ async def screenshot(out: Path) -> None:
         async with app.run_test(size=(160, 48)) as pilot:
             await pilot.press("2")
             await pilot.pause(3.5)
-            rows = app.w.gpus.plain.splitlines()
-            procs = app.w.gpu_procs
+            rows = app.gpus.grid.plain.splitlines()
+            procs = app.gpus.procs
             rows += ["processes:"] + [" | ".join(str(c) for c in procs.get_row_at(i)) for i in range(procs.row_count)]
             (out / "gpu_panel.txt").write_text("\n".join(rows) + "\n")
             app.save_screenshot(str(out / "gpu_panel.svg"))

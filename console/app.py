@@ -47,9 +47,10 @@ class ConsoleApp(App):
     TITLE = "eagle3-console"
     CSS_PATH = "app.tcss"
     HORIZONTAL_BREAKPOINTS = [(0, "-narrow"), (100, "-wide")]
+    SCREENS = {"help": HelpScreen}
     BINDINGS = [
         Binding("q", "quit", "Quit", tooltip="Quit the console; the job keeps running"),
-        Binding("question_mark", "help", "Help"),
+        Binding("question_mark", "push_screen('help')", "Help"),
         Binding("1", "tab('run')", "Run", show=False), Binding("2", "tab('gpus')", "GPUs", show=False),
         Binding("3", "tab('server')", "Server", show=False), Binding("4", "tab('notes')", "Notes", show=False),
         Binding("5", "tab('eval')", "Eval", show=False),
@@ -76,20 +77,19 @@ class ConsoleApp(App):
 
     # ---- layout: the tabs build themselves
     def compose(self) -> ComposeResult:
-        yield Line(id="summary")
+        # Handlers use these references, not query_one: a query searches the active screen, which is
+        # a dialog while one is open.
+        self.summary = Line(id="summary")
+        yield self.summary
         self.notes = NotesTab(self.rundir, self.readonly)
         self.run_tab = RunTab(self.profile, len(self.watcher.stage_names))
         self.gpus, self.eval = GpusTab(), EvalTab()
         self.server_tab = ServerTab(self.profile, self.rundir, self.readonly, self.notes.note)
-        with TabbedContent(initial="run"):
+        with TabbedContent(initial="run") as self.tabs:
             yield from (self.run_tab, self.gpus, self.server_tab, self.notes, self.eval)
         yield Footer(compact=True)
 
     def on_mount(self) -> None:
-        # Handlers use these references, not query_one: a query searches the active screen, which is
-        # a dialog while one is open.
-        self.summary = self.query_one("#summary", Line)
-        self.tabs = self.query_one(TabbedContent)
         self._feed_stop = threading.Event()
         threading.Thread(target=self._feed, name="console-feed", daemon=True).start()
 
@@ -134,18 +134,15 @@ class ConsoleApp(App):
     # ---- rendering: each message handed to the tabs that show it
     @on(GpuSampled)
     def show_gpus(self, msg: GpuSampled) -> None:
-        self.snapshot = self.server_tab.snapshot = snap = msg.snapshot
-        self.gpus.sample(snap)
+        self.snapshot = self.server_tab.snapshot = msg.snapshot
+        self.gpus.sample(msg.snapshot)
         if not self.paused and self.tabs.active == "gpus-tab":  # hidden tables are drawn on activation
-            self._draw_gpus(snap)
+            self._draw_gpus()
 
-    @on(TabbedContent.TabActivated)
-    def _tab_shown(self, event: TabbedContent.TabActivated) -> None:
-        if event.pane.id == "gpus-tab" and self.snapshot is not None:
-            self._draw_gpus(self.snapshot)
-
-    def _draw_gpus(self, snap: gpu.GpuSnapshot) -> None:
-        self.gpus.draw(snap, self.polled.snap.roles if self.polled else {})
+    @on(TabbedContent.TabActivated, pane="#gpus-tab")
+    def _draw_gpus(self) -> None:
+        if self.snapshot is not None:
+            self.gpus.draw(self.snapshot, self.polled.snap.roles if self.polled else {})
 
     @on(RunPolled)
     def show_run(self, msg: RunPolled) -> None:
@@ -173,8 +170,7 @@ class ConsoleApp(App):
         return not (self.readonly and action == "on_tab" and parameters[1] in WRITES)
 
     def action_on_tab(self, tab: str, action: str) -> None:
-        keyed = {"run": self.run_tab, "server": self.server_tab, "notes": self.notes}
-        getattr(keyed[tab], f"action_{action}")()
+        getattr(self.tabs.get_pane(tab), f"action_{action}")()
 
     def action_pause(self) -> None:
         self.paused = not self.paused
@@ -184,9 +180,6 @@ class ConsoleApp(App):
 
     def action_tab(self, tab: str) -> None:
         self.tabs.active = {"gpus": "gpus-tab"}.get(tab, tab)
-
-    def action_help(self) -> None:
-        self.push_screen(HelpScreen())
 
 
 def main(run_dir: Path, readonly: bool = False, interval: float = 1.0) -> int:

@@ -33,13 +33,7 @@ def port_holder(profile: Profile) -> dict | None:
         return None
 
 
-def add_note(rundir: RunDir, text: str, **kw) -> str | None:
-    """Append to the run's notes: None, or why it was not written (a read-only run, a full disk)."""
-    try:
-        notes.add(rundir, text, **kw)
-    except OSError as exc:
-        return f"note not written: {exc}"
-    return None
+add_note = notes.add  # append to the run's notes; OSError: a read-only run, a full disk
 
 
 def export_notes(rundir: RunDir) -> Path:

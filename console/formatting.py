@@ -51,10 +51,6 @@ def count(n: float) -> str:
     return f"{n:g}"
 
 
-def progress_count(done: float | None, total: float, unit: str) -> str:
-    return f"{count(done or 0)}/{count(total)} {unit}".rstrip()
-
-
 def figure(key: str, value) -> str:
     return f"{key}={value:.4g}" if isinstance(value, float) else f"{key}={value}"
 

@@ -5,7 +5,7 @@ from pathlib import Path
 
 from rich.text import Text
 
-from console.formatting import BLOCKS, fmt_secs, human_bytes, na, spark
+from console.formatting import BLOCKS, fmt_secs, na, spark
 from pipeline import gpu, jobs
 from pipeline.matrix import level_of
 from pipeline.profile import Profile
@@ -22,17 +22,6 @@ def gpu_row(g: gpu.GpuSample, util_hist, mem_hist) -> tuple:
     power = f"{na(g.power_w, '{:.0f}')}/{na(g.power_limit_w, '{:.0f}')}W"
     return (str(g.index), name, na(g.util_pct, "{}%"), spark(util_hist), mem, spark(mem_hist),
             na(g.temp_c, "{}°C"), power, na(g.sm_clock_mhz))
-
-
-def gpu_rows(snap: gpu.GpuSnapshot, history: dict) -> list[tuple]:
-    rows: list[tuple] = [("-", snap.hint)] if snap.unavailable else []
-    return rows + [gpu_row(g, *history.get(g.index, ((), ()))) for g in snap.gpus]
-
-
-def gpu_process_rows(snap: gpu.GpuSnapshot, roles: dict[int, str]) -> list[tuple]:
-    """Per GPU process; role: serving (with the server's mode) or training this run, else blank."""
-    return [(str(g.index), str(p.pid), p.name, roles.get(p.pid, ""), human_bytes(p.used_bytes))
-            for g in snap.gpus for p in g.processes]
 
 
 def loss_curve(losses: tuple[float, ...]) -> str:
@@ -67,22 +56,18 @@ def checkpoints_text(picked: dict) -> str:
     return "\n".join([head, *rows])
 
 
-def matrix_level_row(method: str, row: dict, concurrency, level: dict) -> tuple:
-    acc = level.get("acceptance_per_position") or []
-    bars = " ".join(f"{BLOCKS[min(7, int(a * 7.999))]}{a:.2f}" for a in acc)
-    same = "" if method == "baseline" else ("✔ yes" if row.get("identical_outputs") else "✖ NO")
-    return (method, str(concurrency), f"{level['output_tok_s']:.1f}", na(level.get("ttft_ms"), "{:.1f}"),
-            na(level.get("decode_tpot_ms"), "{:.2f}"),
-            na(level.get("mean_acceptance_length"), "{:.3f}"), bars, na(level.get("speedup"), "x{}"), same)
-
-
 def matrix_rows(evaluation: dict) -> list[tuple]:
-    rows = []
+    rows: list[tuple] = []
     for method, row in evaluation["matrix"].items():
         if row.get("error") and not row.get("levels"):  # a refused method is a row saying why
             rows.append((method, "", "", "", "", "", Text(f"✖ {row['error'][:60]}"), "", ""))
+        same = "" if method == "baseline" else ("✔ yes" if row.get("identical_outputs") else "✖ NO")
         for c, level in sorted(row.get("levels", {}).items(), key=lambda kv: int(kv[0])):
-            rows.append(matrix_level_row(method, row, c, level))
+            acc = level.get("acceptance_per_position") or []
+            bars = " ".join(f"{BLOCKS[min(7, int(a * 7.999))]}{a:.2f}" for a in acc)
+            rows.append((method, str(c), f"{level['output_tok_s']:.1f}", na(level.get("ttft_ms"), "{:.1f}"),
+                         na(level.get("decode_tpot_ms"), "{:.2f}"), na(level.get("mean_acceptance_length"), "{:.3f}"),
+                         bars, na(level.get("speedup"), "x{}"), same))
     return rows
 
 
@@ -97,8 +82,7 @@ def decision_text(evaluation: dict) -> str:
             + (f"tokens per decode step at c = {low}: " + " · ".join(per_step) if per_step else ""))
 
 
-def server_text(server: dict, profile: Profile) -> str:
-    s = server
+def server_text(s: dict, profile: Profile) -> str:
     if s.get("state") != "running":
         return f"vLLM on {profile.server.host}:{profile.server.port}: not running ({s.get('state')})"
     return (f"mode {s['mode']} · pid {s['pid']} (group {s['pgid']}: {s.get('pids')}) · port {s['port']} · "
@@ -106,22 +90,12 @@ def server_text(server: dict, profile: Profile) -> str:
             f"log {s.get('log')}")
 
 
-def server_brief(server: dict) -> str:
-    if server.get("state") != "running":
-        return "no server"
-    health = "healthy" if server.get("healthy") else "not healthy"
-    return f"{server.get('mode')} pid {server.get('pid')} :{server.get('port')} {health}"
-
-
-def gpus_brief(snap: gpu.GpuSnapshot | None) -> str:
-    if snap is None:
-        return "GPUs …"
-    return "no NVML" if snap.unavailable else f"{len(snap.gpus)} GPU(s)"
-
-
 def summary(run: RunSnapshot, current: str | None, gpus: gpu.GpuSnapshot | None, flags: str) -> str:
-    return (f" {Path(run.root).name} · job {run.state} · stage {current or '-'} · {server_brief(run.server)} · "
-            f"{gpus_brief(gpus)}{flags}")
+    s = run.server
+    server = (f"{s.get('mode')} pid {s.get('pid')} :{s.get('port')} {'healthy' if s.get('healthy') else 'not healthy'}"
+              if s.get("state") == "running" else "no server")
+    gpu_count = "GPUs …" if gpus is None else "no NVML" if gpus.unavailable else f"{len(gpus.gpus)} GPU(s)"
+    return f" {Path(run.root).name} · job {run.state} · stage {current or '-'} · {server} · {gpu_count}{flags}"
 
 
 def note_line(note: dict) -> str:

@@ -75,24 +75,21 @@ class RunsCollector(Collector):
 
     @staticmethod
     def _stage(g: _Families, run: str, s: StageView, recorded: dict) -> None:
+        at = {"run": run, "stage": s.name}
         for state in STAGE_STATES:
-            g.add("stage_state", "a stage's status (1 for the one it is in)", int(s.status == state),
-                  run=run, stage=s.name, state=state)
-        g.add("stage_progress_ratio", "a stage's share done", s.fraction, run=run, stage=s.name)
-        if s.status == "running":
-            g.add("stage_eta_seconds", "a running stage's time left at its current rate", s.eta_s, run=run,
-                  stage=s.name)
-        g.add("stage_elapsed_seconds", "a stage's time so far (all its attempts)", s.elapsed_s, run=run, stage=s.name)
+            g.add("stage_state", "a stage's status (1 for the one it is in)", int(s.status == state), **at, state=state)
+        g.add("stage_progress_ratio", "a stage's share done", s.fraction, **at)
+        # the view has an ETA only for a running stage
+        g.add("stage_eta_seconds", "a running stage's time left at its current rate", s.eta_s, **at)
+        g.add("stage_elapsed_seconds", "a stage's time so far (all its attempts)", s.elapsed_s, **at)
         figures = recorded if s.status == "done" else dict(s.figures)  # live: the view's; done: all it recorded
         if s.name == "train":
-            g.add("train_tokens_per_second", "the trainer's tokens/s", _first(figures, TRAIN_KEYS), run=run,
-                  stage=s.name)
+            g.add("train_tokens_per_second", "the trainer's tokens/s", _first(figures, TRAIN_KEYS), **at)
         rate = _first(figures, ("generate_tok_s",) if s.name == "train" else GENERATION_KEYS)  # train: online's server
         if rate is None and s.name == "extract" and s.status == "done" and figures.get("seconds"):
             rate = float(figures.get("tokens") or 0) / float(figures["seconds"])  # over its requests
         if s.name in (*GENERATION_STAGES, "train"):
-            g.add("generation_tokens_per_second", "tokens/s the target generates for a stage", rate, run=run,
-                  stage=s.name)
+            g.add("generation_tokens_per_second", "tokens/s the target generates for a stage", rate, **at)
 
     @staticmethod
     def _results(g: _Families, name: str, snap: RunSnapshot, live: dict) -> None:
@@ -111,8 +108,7 @@ class RunsCollector(Collector):
             g.add("tau", "mean acceptance length (tokens per draft step)", value, run=name, source=source)
         g.add("speedup_ratio", "the head's tok/s over the baseline's at the deciding concurrency", served.speedup,
               run=name)
-        if served.deploy is not None:
-            g.add("deploy", "1 when the run decided to deploy its head", int(served.deploy), run=name)
+        g.add("deploy", "1 when the run decided to deploy its head", served.deploy, run=name)  # None: not decided
 
     def _gpus(self, g: _Families) -> None:
         snap = gpu.sample()
@@ -156,9 +152,3 @@ def registry(run_dirs: list[Path], runs_dir: Path | None = None, host: str | Non
     reg.register(RunsCollector(run_dirs, runs_dir, host))
     return reg
 
-
-def serve(reg: CollectorRegistry, host: str, port: int):
-    """The metrics on http://host:port/metrics in a thread (prometheus_client's own server)."""
-    from prometheus_client import start_http_server
-
-    return start_http_server(port, addr=host, registry=reg)

@@ -14,7 +14,6 @@ from pipeline import atomicio
 from pipeline.rundir import RunDir
 
 _ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]|\r")
-ENDED = ("done", "failed", "interrupted")
 KEY_FIGURES = ("loss", "train/loss", "val/loss_epoch", "tau", "mean_acceptance_length", "samples_per_s",
                "tokens_per_s", "profile/tokens_per_s", "generate_tok_s", "tok_s", "generated_tok_s", "speedup",
                "step")
@@ -29,7 +28,7 @@ class StageView:
     unit: str = ""
     elapsed_s: float | None = None
     eta_s: float | None = None
-    figures: tuple = ()  # (key, value) pairs, short
+    figures: tuple = ()  # (key, value) pairs, short, most telling first (the order of KEY_FIGURES)
 
     @property
     def fraction(self) -> float | None:
@@ -91,7 +90,7 @@ class RunWatcher:
             status = (statuses or {}).get(name) or recorded  # as it stands: n/a, interrupted, stale
             prog = self._progress.get(name, {})
             started = self._started.get(name)
-            if recorded in ENDED:
+            if recorded in ("done", "failed", "interrupted"):
                 elapsed = entry.get("seconds")
             else:  # up to now, or to its last event when its process is gone
                 gone = recorded == "running" and status != "running"
@@ -102,11 +101,10 @@ class RunWatcher:
             if status == "running" and started and total and done and prog.get("t", 0) > started:
                 # The rate at the last progress report, counted down since: an ETA from "now" and an
                 # old fraction would grow between reports instead of falling.
-                finish = started + (prog["t"] - started) * total / done
-                eta = max(0.0, finish - now)
+                eta = max(0.0, started + (prog["t"] - started) * total / done - now)
             # the key figures only: never a progress event's own t, done, total…
             figs = (entry.get("figures") or {}) if recorded == "done" else {**self._metrics.get(name, {}), **prog}
-            short = tuple((k, v) for k, v in figs.items() if k in KEY_FIGURES and v is not None)
+            short = tuple((k, figs[k]) for k in KEY_FIGURES if figs.get(k) is not None)
             if status in ("failed", "interrupted") and entry.get("error"):
                 short = (("error", entry["error"]),)
             if status == "running":

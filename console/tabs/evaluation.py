@@ -16,10 +16,8 @@ class EvalTab(TabPane):
         self.loss, self.checkpoints = QuietStatic(id="loss-curve"), QuietStatic(id="checkpoints", markup=False)
         self.decision = QuietStatic(id="decision", markup=False)  # wraps: never cut at 80 columns
         self.matrix = DiffTable(id="matrix")
-        super().__init__("5 Eval", self.loss, self.checkpoints, self.decision, self.matrix, id="eval")
-
-    def on_mount(self) -> None:
         self.matrix.add_columns(*MATRIX_COLUMNS)
+        super().__init__("5 Eval", self.loss, self.checkpoints, self.decision, self.matrix, id="eval")
 
     def show(self, view: RunView) -> None:
         if view.train_loss:

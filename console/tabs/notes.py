@@ -28,9 +28,12 @@ class NotesTab(TabPane):
 
     def note(self, text: str, **kw) -> bool:
         """Appended, or the operator told why not (the console stays)."""
-        if (why := commands.add_note(self.rundir, text, **kw)) is not None:
-            self.notify(why, severity="error", timeout=8)
-        return why is None
+        try:
+            commands.add_note(self.rundir, text, **kw)
+        except OSError as exc:
+            self.notify(f"note not written: {exc}", severity="error", timeout=8)
+            return False
+        return True
 
     def action_note(self) -> None:
         next(a for a in self.ancestors if isinstance(a, TabbedContent)).active = "notes"
@@ -42,13 +45,10 @@ class NotesTab(TabPane):
             event.input.value = ""
             self.notify("note appended")
 
-    def action_export(self) -> None:
-        self.notify("exporting the notes…")
-        self.export_notes()
-
     @work(thread=True, exclusive=True, group="export", exit_on_error=False)
-    def export_notes(self) -> None:
+    def action_export(self) -> None:
         """Off the UI thread: the report may render plots."""
+        self.notify("exporting the notes…")
         try:
             out = commands.export_notes(self.rundir)
         except Exception as exc:  # a read-only run, a full disk, a plot that failed: a notification, not a traceback

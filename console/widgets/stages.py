@@ -9,9 +9,9 @@ from dataclasses import dataclass, replace
 from rich.cells import cell_len
 from rich.text import Text
 
-from console.formatting import bar, coarse_secs, eta_text, figure, fmt_secs, progress_count
+from console.formatting import bar, coarse_secs, count, eta_text, figure, fmt_secs
 from console.widgets.table import DiffTable
-from pipeline.runview import KEY_FIGURES, StageView
+from pipeline.runview import StageView
 
 GLYPH = {"done": "✔ done", "running": "▶ running", "failed": "✖ failed", "interrupted": "✖ interrupted",
          "pending": "· pending", "skipped": "↷ skipped", "stale": "? stale", "n/a": "  n/a"}
@@ -20,20 +20,13 @@ SHORT_KEYS = {"samples_per_s": "samples/s", "tokens_per_s": "tok/s", "profile/to
               "val/loss_epoch": "val_loss"}
 PADDING = 1  # DataTable's cell_padding: every column costs its width + 2
 FIGURES_MIN = 16  # the elapsed column goes only when keeping it would leave the figures less than this
-
-
-@dataclass(frozen=True)
-class Layout:
-    bar: int  # progress bar cells; 0: the count alone
-    elapsed: str | None  # the elapsed column's header; None: no such column
-
-
-LAYOUTS = (Layout(12, "elapsed"), Layout(6, "elapsed"), Layout(0, "time"), Layout(0, None))
+LAYOUTS = ((12, "elapsed"), (6, "elapsed"), (0, "time"), (0, None))  # (bar, elapsed) as in LaidOut
 
 
 @dataclass(frozen=True)
 class LaidOut:
-    layout: Layout
+    bar: int  # progress bar cells; 0: the count alone
+    elapsed: str | None  # the elapsed column's header; None: no such column
     rows: list[tuple[str, ...]]
     widths: list[int]
     room: int  # cells left for the figures
@@ -42,35 +35,30 @@ class LaidOut:
 def progress(s: StageView, width: int) -> str:
     shown = [bar(s.fraction, width)] if width else []
     if s.total and s.status == "running":
-        shown.append(progress_count(s.done, s.total, s.unit))
+        shown.append(f"{count(s.done or 0)}/{count(s.total)} {s.unit}".rstrip())
     return " ".join(shown)
 
 
-def headers(layout: Layout) -> tuple[str, ...]:
-    return ("stage", "status", "progress", *((layout.elapsed,) if layout.elapsed else ()), "ETA")
+def headers(elapsed: str | None) -> tuple[str, ...]:
+    return ("stage", "status", "progress", *((elapsed,) if elapsed else ()), "ETA")
 
 
-def fixed_cells(s: StageView, layout: Layout) -> tuple[str, ...]:
+def fixed_cells(s: StageView, bar_width: int, elapsed: str | None) -> tuple[str, ...]:
     clock = coarse_secs if s.status == "running" else fmt_secs
-    times = (clock(s.elapsed_s),) if layout.elapsed else ()
-    return (s.name, GLYPH.get(s.status, s.status), progress(s, layout.bar), *times, eta_text(s.eta_s))
+    times = (clock(s.elapsed_s),) if elapsed else ()
+    return (s.name, GLYPH.get(s.status, s.status), progress(s, bar_width), *times, eta_text(s.eta_s))
 
 
-def lay_out(stages, layout: Layout, width: int) -> LaidOut:
-    rows = [fixed_cells(s, layout) for s in stages]
-    widths = [max([cell_len(h), *(cell_len(r[c]) for r in rows)]) for c, h in enumerate(headers(layout))]
+def lay_out(stages, bar_width: int, elapsed: str | None, width: int) -> LaidOut:
+    rows = [fixed_cells(s, bar_width, elapsed) for s in stages]
+    widths = [max([cell_len(h), *(cell_len(r[c]) for r in rows)]) for c, h in enumerate(headers(elapsed))]
     # the progress cell at its widest (done = total): counting up never widens the column
-    widths[2] = max([widths[2], *(cell_len(progress(replace(s, done=s.total), layout.bar)) for s in stages)])
-    return LaidOut(layout, rows, widths, width - sum(w + 2 * PADDING for w in widths) - 2 * PADDING)
-
-
-def ranked(figures: tuple) -> list[tuple]:
-    """Most telling first (the order of KEY_FIGURES): a narrow table drops from the end."""
-    return sorted(figures, key=lambda kv: KEY_FIGURES.index(kv[0]) if kv[0] in KEY_FIGURES else len(KEY_FIGURES))
+    widths[2] = max([widths[2], *(cell_len(progress(replace(s, done=s.total), bar_width)) for s in stages)])
+    return LaidOut(bar_width, elapsed, rows, widths, width - sum(w + 2 * PADDING for w in widths) - 2 * PADDING)
 
 
 def figures_text(figures: tuple, short: bool = False) -> str:
-    return ", ".join(figure(SHORT_KEYS.get(k, k) if short else k, v) for k, v in ranked(figures))
+    return ", ".join(figure(SHORT_KEYS.get(k, k) if short else k, v) for k, v in figures)
 
 
 def is_error(s: StageView) -> bool:
@@ -83,7 +71,7 @@ def fit_figures(figures: tuple, room: int) -> tuple[str, int]:
     for short in (False, True):
         if cell_len(text := figures_text(figures, short)) <= room:
             return text, len(figures)
-    parts = [figure(SHORT_KEYS.get(k, k), v) for k, v in ranked(figures)]
+    parts = [figure(SHORT_KEYS.get(k, k), v) for k, v in figures]  # most telling first: a narrow table drops the last
     for n in range(len(parts) - 1, -1, -1):
         if cell_len(text := ", ".join([*parts[:n], "…"])) <= room:
             return text, n
@@ -104,14 +92,14 @@ def choose(laid: list[LaidOut], stages) -> LaidOut:
     need), the one that shows the most figures, the richest of equals; else the leanest."""
     wanted = min(FIGURES_MIN, max((cell_len(figures_text(s.figures, short=True)) for s in stages
                                    if not is_error(s)), default=0))
-    roomy = [t for t in laid if t.layout.elapsed and t.room >= wanted] or [laid[-1]]
+    roomy = [t for t in laid if t.elapsed and t.room >= wanted] or [laid[-1]]
     return max(roomy, key=lambda t: sum(fit_figures(s.figures, t.room)[1] for s in stages if not is_error(s)))
 
 
 def stage_table(stages: tuple[StageView, ...], width: int):
     """(columns as (header, width) pairs, rows) for a table `width` cells wide."""
-    t = choose([lay_out(stages, layout, width) for layout in LAYOUTS], stages)
-    columns = (*zip(headers(t.layout), t.widths, strict=True), ("figures", max(t.room, 0)))
+    t = choose([lay_out(stages, bar_width, elapsed, width) for bar_width, elapsed in LAYOUTS], stages)
+    columns = (*zip(headers(t.elapsed), t.widths, strict=True), ("figures", max(t.room, 0)))
     return columns, [(*row, figures_cell(s, t.room)) for row, s in zip(t.rows, stages, strict=True)]
 
 
