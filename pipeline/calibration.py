@@ -25,9 +25,9 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Annotated
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import Field, ValidationError, model_validator
 
-from pipeline.profile import ProfileError, rule
+from pipeline.profile import Positive, ProfileError, Section, rule
 
 PositiveFloat = Annotated[float, Field(gt=0)]
 
@@ -37,13 +37,9 @@ class CalibrationError(ProfileError):
     naming the file and key, reported wherever a bad profile is."""
 
 
-class _Model(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True, strict=True, use_attribute_docstrings=True)
-
-
-class Depth(_Model):
+class Depth(Section):
     """One slice, measured."""
-    layers: Annotated[int, Field(ge=1)]
+    layers: Positive
     prefill_tokens_per_s: PositiveFloat
     """A bare prefill (one output token) of rows of `row_tokens` through vLLM."""
     extract_tokens_per_s: PositiveFloat
@@ -62,7 +58,7 @@ class Depth(_Model):
         return self
 
 
-class Calibration(_Model):
+class Calibration(Section):
     target: str
     """The geometry measured (profiles/targets/NAME.config.json with fewer layers)."""
     gpu_name: str
@@ -72,9 +68,9 @@ class Calibration(_Model):
     vllm: str
     date: str
     command: str
-    row_tokens: Annotated[int, Field(ge=1)]
-    k: Annotated[int, Field(ge=1)] = 3
-    hidden: Annotated[int, Field(ge=1)]
+    row_tokens: Positive
+    k: Positive = 3
+    hidden: Positive
     """The target's hidden size: what an all-reduce carries per token and layer."""
     depths: list[Depth]
 
@@ -150,13 +146,6 @@ def fit(points: list[tuple[int, float]]) -> tuple[float, float]:
     return fixed, slope
 
 
-def _comm_per_token(cal: Calibration, box: Box) -> float:
-    if box.tp <= 1:
-        return 0.0
-    per_token = box.layers * 2 * cal.hidden * 2 * 2 * (box.tp - 1) / box.tp
-    return per_token / (box.interconnect_gb_s * 1e9)
-
-
 def _ratios(cal: Calibration, box: Box) -> str:
     return (f"{cal.gpu_name} at layers {sorted({d.layers for d in cal.depths})} → {box.layers} layers, TP {box.tp} "
             f"on {box.gpu_name}: compute × {cal.gpu_bf16_tflops / box.bf16_tflops:.2f}, memory × "
@@ -177,7 +166,9 @@ def _compute_bound(cal: Calibration, box: Box, rate_of, what: str) -> Figure:
         return Figure(rate_of(depth), "measured", f"{what}: {cal.gpu_name}, {box.layers} layers ({cal.date})")
     fixed, per_layer = fit([(d.layers, 1 / rate_of(d)) for d in cal.depths])
     layers = per_layer * box.layers * (cal.gpu_bf16_tflops / box.bf16_tflops) / box.tp
-    comm = _comm_per_token(cal, box)
+    # the all-reduces a token costs (the module's docstring)
+    comm = (box.layers * 2 * cal.hidden * 2 * 2 * (box.tp - 1) / box.tp / (box.interconnect_gb_s * 1e9)
+            if box.tp > 1 else 0.0)
     return Figure(1 / (fixed + layers + comm), "extrapolated",
                   f"{what}: {_ratios(cal, box)}; a token {fixed * 1e6:.1f} µs fixed (as measured) + "
                   f"{layers * 1e6:.1f} µs its layers + {comm * 1e6:.1f} µs all-reduce")
@@ -187,14 +178,6 @@ def extract_rate(cal: Calibration, box: Box) -> Figure:
     return _compute_bound(cal, box, lambda d: d.extract_tokens_per_s, "extraction")
 
 
-def _measured_concurrency(cal: Calibration, concurrency: int) -> int:
-    """The highest concurrency measured at or below the one asked (the lowest if none is): a larger batch
-    yields more tokens a step, which the slice did not measure, so the rate is not carried above it."""
-    measured = sorted(int(c) for c in cal.depths[0].decode_tokens_per_s)
-    below = [c for c in measured if c <= concurrency]
-    return below[-1] if below else measured[0]
-
-
 def _memory_bound_step(cal: Calibration, box: Box, step_of) -> float:
     fixed, per_layer = fit([(d.layers, step_of(d)) for d in cal.depths])
     latency = box.layers * 2 * box.allreduce_us * 1e-6 if box.tp > 1 else 0.0
@@ -202,7 +185,10 @@ def _memory_bound_step(cal: Calibration, box: Box, step_of) -> float:
 
 
 def decode_rate(cal: Calibration, box: Box, concurrency: int) -> Figure:
-    c = _measured_concurrency(cal, concurrency)
+    # the highest concurrency measured at or below the one asked (the lowest if none is): a larger batch
+    # yields more tokens a step, which the slice did not measure, so the rate is not carried above it
+    measured = [int(c) for c in cal.depths[0].decode_tokens_per_s]
+    c = max((m for m in measured if m <= concurrency), default=min(measured))
     asked = "" if c == concurrency else f" (concurrency {c} measured, {concurrency} asked: {c}'s rate)"
     if (depth := _here(cal, box)):
         return Figure(depth.decode_tokens_per_s[str(c)], "measured",

@@ -56,8 +56,7 @@ def quarantine_incomplete(save_path: Path, log) -> list[str]:
 
 
 def final_checkpoint(save_path: Path) -> Path | None:
-    done = [p for p in epoch_dirs(save_path) if epoch_complete(p)]
-    return done[-1] if done else None
+    return next((p for p in reversed(epoch_dirs(save_path)) if epoch_complete(p)), None)
 
 
 @dataclass(frozen=True)
@@ -91,13 +90,10 @@ def candidates(save_path: Path) -> list[Checkpoint]:
         step = int(state.get("local_step") or 0)
         label = path.name if step == 0 else f"{path.name}-step{step}"
         found[label] = Checkpoint(label, int(path.name), step, path)
-    kept = save_path / KEPT
-    if kept.is_dir():
-        for path in kept.iterdir():
-            state = training_state(path)
-            if state is None or path.name.startswith(".") or not weights_readable(path):
-                continue
-            found.setdefault(path.name, Checkpoint(path.name, int(state["epoch"]), int(state["local_step"]), path))
+    for name in kept_sub_epoch(save_path):
+        path = save_path / KEPT / name
+        if (state := training_state(path)) is not None and weights_readable(path):
+            found.setdefault(name, Checkpoint(name, int(state["epoch"]), int(state["local_step"]), path))
     return sorted(found.values(), key=lambda c: c.order)
 
 

@@ -86,8 +86,7 @@ def split_heldout(conversations: list[dict], heldout: int, token_rows: int = 0) 
 
 def first_prompt(messages: list[dict]) -> list[dict]:
     """The turns before the first assistant turn: what an evaluation sends to the model."""
-    idx = next(i for i, m in enumerate(messages) if m["role"] == "assistant")
-    return messages[:idx]
+    return messages[:next(i for i, m in enumerate(messages) if m["role"] == "assistant")]
 
 
 def prompt_ids(tokenizer, rows: list[dict]) -> list[list[int]]:

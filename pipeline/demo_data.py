@@ -29,6 +29,7 @@ DOC_CHARS = 400
 # A GPU target's answers must run long enough that decoding, not the first token, sets a request's time
 # (NOTES.md "A win on one GPU"): a definition's own source, cut at a line, is a few hundred tokens.
 SOURCE_CHARS = 1600
+STDLIB = Path(sysconfig.get_paths()["stdlib"])
 
 
 class TooFewFunctions(RuntimeError):
@@ -37,17 +38,15 @@ class TooFewFunctions(RuntimeError):
 
 def stdlib_sources(limit: int) -> list[Path]:
     """The first `limit` stdlib modules by sorted path: deterministic on a given Python."""
-    root = Path(sysconfig.get_paths()["stdlib"])
-    files = sorted(p for p in root.glob("*.py") if p.stat().st_size > 2000)
+    files = sorted(p for p in STDLIB.glob("*.py") if p.stat().st_size > 2000)
     if not files:
-        raise RuntimeError(f"no stdlib sources under {root}")
+        raise RuntimeError(f"no stdlib sources under {STDLIB}")
     return files[:limit]
 
 
 def stdlib_tree(limit: int) -> list[Path]:
     """The first `limit` .py files of the whole stdlib tree by sorted path (site-packages left out)."""
-    root = Path(sysconfig.get_paths()["stdlib"])
-    files = sorted(p for p in root.rglob("*.py") if "site-packages" not in p.parts and "dist-packages" not in p.parts)
+    files = sorted(p for p in STDLIB.rglob("*.py") if "site-packages" not in p.parts and "dist-packages" not in p.parts)
     return files[:limit]
 
 
@@ -81,9 +80,8 @@ def conversations(count: int, seed: int, answers: Answers = "docstring") -> list
     """`count` chat conversations (some two-turn) about documented stdlib functions; the first answer is
     the docstring or the source (`answers`)."""
     rng = random.Random(seed)
-    pool = []
-    for path in stdlib_sources(400):
-        pool += [(path.stem, name, doc) for name, doc in _documented_functions(path, answers)]
+    pool = [(path.stem, name, doc) for path in stdlib_sources(400)
+            for name, doc in _documented_functions(path, answers)]
     rng.shuffle(pool)
     if len(pool) < count:
         raise TooFewFunctions(f"only {len(pool)} documented stdlib functions, {count} conversations asked")

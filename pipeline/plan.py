@@ -3,6 +3,7 @@ config.json and the rates earlier runs of the same profile measured (else the pr
 marked as such). `eagle3-console plan PROFILE [PROFILE …] [--json]` shows profiles side by side."""
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 import tomllib
@@ -59,12 +60,6 @@ class OnlinePlan:
 
 
 @dataclass(frozen=True)
-class Fit:
-    fits: bool
-    why: str
-
-
-@dataclass(frozen=True)
 class StepPlan:
     """A stage's share of the run that the disk/extract/train lines do not show: what it costs and why."""
     runs: bool
@@ -118,27 +113,17 @@ class Plan:
         return self.disk_for(self.mode)
 
     def to_dict(self) -> dict:
-        out = asdict(self)
-        out["disk_total"] = self.disk_total
-        out["disk_offline"], out["disk_online"] = self.disk_for("offline"), self.disk_for("online")
-        return out
-
-
-def state_bytes(profile: Profile) -> int:
-    """Bytes per element of the hidden states as written: the target's dtype (bf16 on GPUs)."""
-    return 4 if profile.target.dtype == "float32" else 2
+        return {**asdict(self), "disk_total": self.disk_total, "disk_offline": self.disk_for("offline"),
+                "disk_online": self.disk_for("online")}
 
 
 def _earlier_runs(profile: Profile) -> Iterator[tuple[Path, dict]]:
     """(run dir, state) of earlier runs of the same profile name, newest first."""
     runs = Path(profile.run.runs_dir).glob("*/state.json")
     for state_file in sorted(runs, key=lambda p: p.stat().st_mtime, reverse=True):
-        try:
-            name = tomllib.loads((state_file.parent / "profile.toml").read_text()).get("name")
-            if name == profile.name:
+        with contextlib.suppress(OSError, ValueError):
+            if tomllib.loads((state_file.parent / "profile.toml").read_text()).get("name") == profile.name:
                 yield state_file.parent, json.loads(state_file.read_text())
-        except (OSError, ValueError):
-            continue
 
 
 def _measured(profile: Profile, stages: tuple[str, ...], value_of, done: bool = False) -> tuple[float, Path] | None:
@@ -165,11 +150,8 @@ def _source_rows(src, data) -> int:
     kind = source_kind(src.source)
     have = data.num_conversations if kind == "demo" else 0
     if kind == "file":
-        try:
-            with open(src.source) as fh:
-                have = sum(1 for line in fh if line.strip())
-        except OSError:
-            have = 0
+        with contextlib.suppress(OSError), open(src.source) as fh:
+            have = sum(1 for line in fh if line.strip())
     return min(have, src.limit) if src.limit and have else (src.limit or have)
 
 
@@ -224,10 +206,10 @@ def _calibrated_rate(profile: Profile, tp: int, figure_of) -> Rate | None:
                 "calibrated", fig.how)
 
 
-def _rate(profile: Profile, stage: str, rate_of, hardware_key: str, gpus: int, calibrated=None) -> Rate:
-    """What an earlier run of this profile measured for `stage`, else the calibration's figure (`calibrated`:
-    a function of the calibration and the box), else the profile's per-GPU estimate."""
-    if (m := _measured(profile, (stage,), rate_of, done=True)):
+def _rate(profile: Profile, stage: str, rate_of, hardware_key: str, gpus: int, calibrated=None, done=True) -> Rate:
+    """What an earlier run of this profile measured for `stage` (`done`: a finished one), else the calibration's
+    figure (`calibrated`: a function of the calibration and the box), else the profile's per-GPU estimate."""
+    if (m := _measured(profile, (stage,), rate_of, done)):
         return Rate(round(m[0], 1), f"measured: {m[1]}", "measured")
     if calibrated is not None and (c := _calibrated_rate(profile, gpus, calibrated)):
         return c
@@ -264,7 +246,7 @@ def _estimate(profile: Profile, hardware_key: str, gpus: int) -> Rate:
     return Rate(None, f"unknown: no earlier run, no hardware.{hardware_key}", "unknown")
 
 
-def transformers_fit(profile: Profile, info: TargetInfo) -> Fit:
+def transformers_fit(profile: Profile, info: TargetInfo) -> tuple[bool, str]:
     """Whether the target loads in one transformers process on the box (regenerate's and evaluate-offline's
     transformers path): its dense weights (INT4 experts are decompressed) plus a fifth for activations,
     against 90 % of all GPUs' memory (device_map "auto"), or 80 % of the host's memory without GPUs."""
@@ -278,8 +260,8 @@ def transformers_fit(profile: Profile, info: TargetInfo) -> Fit:
         mem = hw.host_memory_gib * GIB or psutil.virtual_memory().total
         have, where = mem * 0.8, f"{mem / GIB:.0f} GiB of host memory"
     fits = dense * 1.2 <= have
-    return Fit(fits, f"{count(info.params)} parameters = {human(dense)} dense in {profile.target.dtype} "
-                     f"{'fit' if fits else 'do not fit'} {where}")
+    return fits, (f"{count(info.params)} parameters = {human(dense)} dense in {profile.target.dtype} "
+                  f"{'fit' if fits else 'do not fit'} {where}")
 
 
 def offline_evaluation(profile: Profile, info: TargetInfo) -> tuple[bool, str]:
@@ -287,10 +269,10 @@ def offline_evaluation(profile: Profile, info: TargetInfo) -> tuple[bool, str]:
     mode = profile.evaluate.offline
     if mode == "off":
         return False, "evaluate.offline = off: τ and the lossless check from vLLM (deploy-measure)"
-    fit = transformers_fit(profile, info)
+    fits, why = transformers_fit(profile, info)
     if mode == "on":
-        return True, f"evaluate.offline = on ({fit.why})"
-    return fit.fits, (f"auto: {fit.why}" + ("" if fit.fits else "; τ and the lossless check from vLLM"))
+        return True, f"evaluate.offline = on ({why})"
+    return fits, (f"auto: {why}" + ("" if fits else "; τ and the lossless check from vLLM"))
 
 
 def evaluates_offline(profile: Profile) -> bool:
@@ -325,12 +307,9 @@ def decode_rate(profile: Profile, gpus: int) -> Rate:
     """Batched decode tokens/s of the served target at data.regenerate_concurrency (an earlier regeneration
     through vLLM; the transformers backend's rate says nothing about a server), else the calibration's,
     else the profile's estimate."""
-    if (m := _measured(profile, ("regenerate",), lambda f: f.get("backend") == "vllm" and f.get("generated_tok_s"))):
-        return Rate(round(float(m[0]), 1), f"measured: {m[1]}", "measured")
     concurrency = profile.data.regenerate_concurrency
-    if (c := _calibrated_rate(profile, gpus, lambda cal, box: calibration.decode_rate(cal, box, concurrency))):
-        return c
-    return _estimate(profile, "decode_tokens_per_s", gpus)
+    return _rate(profile, "regenerate", lambda f: f.get("backend") == "vllm" and float(f.get("generated_tok_s") or 0),
+                 "decode_tokens_per_s", gpus, lambda cal, box: calibration.decode_rate(cal, box, concurrency), False)
 
 
 def regenerate_plan(profile: Profile, info: TargetInfo, samples: int, tokens: int, serve_gpus: int) -> StepPlan:
@@ -345,9 +324,8 @@ def regenerate_plan(profile: Profile, info: TargetInfo, samples: int, tokens: in
                                                                samples * d.regenerate_max_tokens))
     source = "measured answer length" if measured else f"data.answer_share {d.answer_share:g}"
     if d.regenerate_backend == "transformers":
-        fit = transformers_fit(profile, info)
         return StepPlan(True, answers, Rate(None, "transformers: not planned"), None, 0,
-                        f"transformers in one process: {fit.why}")
+                        f"transformers in one process: {transformers_fit(profile, info)[1]}")
     rate = decode_rate(profile, serve_gpus)
     seconds = answers / rate.tokens_per_s if rate.tokens_per_s else None
     return StepPlan(True, answers, rate, seconds, serve_gpus,
@@ -364,10 +342,9 @@ def matrix_plan(profile: Profile, serve_gpus: int) -> StepPlan:
     rate = decode_rate(profile, serve_gpus)
     per_level = ev.num_prompts * ev.max_new_tokens * ev.rounds
     tokens = per_level * len(ev.concurrency) * len(ev.methods)
-    seconds = None
-    if rate.tokens_per_s:
-        full = profile.data.regenerate_concurrency
-        seconds = len(ev.methods) * sum(per_level / (rate.tokens_per_s * min(c, full) / full) for c in ev.concurrency)
+    full = profile.data.regenerate_concurrency
+    seconds = (len(ev.methods) * sum(per_level / (rate.tokens_per_s * min(c, full) / full) for c in ev.concurrency)
+               if rate.tokens_per_s else None)
     return StepPlan(True, tokens, rate, seconds, serve_gpus,
                     f"{len(ev.methods)} methods × concurrency {ev.concurrency} × {ev.num_prompts} prompts × "
                     f"{ev.max_new_tokens} tokens" + (f" × {ev.rounds} rounds" if ev.rounds > 1 else ""))
@@ -379,8 +356,7 @@ def checkpoint_count(profile: Profile) -> int:
     round(steps × freq) steps but none within a quarter interval of the epoch's end."""
     t = profile.train
     if t.checkpoint_freq >= 1:
-        every = int(t.checkpoint_freq)
-        return sum(1 for e in range(t.epochs) if e == 0 or (e + 1) % every == 0)
+        return sum(1 for e in range(t.epochs) if e == 0 or (e + 1) % int(t.checkpoint_freq) == 0)
     f = t.checkpoint_freq
     return t.epochs * (1 + int((1 - 0.25 * f) / f + 1e-9))
 
@@ -410,11 +386,8 @@ def count_server_starts(profile: Profile) -> int:
     overlap), the handover's production."""
     d, ex, ev = profile.data, profile.extract, profile.evaluate
     starts = int(d.regenerate and d.regenerate_backend == "vllm")
-    rendered = d.tokenize == "render" and not d.regenerate
-    if ex.backend == "vllm":
-        starts += 1  # the extraction server (started by prepare's render when rendered, then reused)
-    elif rendered:
-        starts += 1  # prepare's baseline renderer
+    # the extraction server (started by prepare's render when rendered, then reused), else prepare's baseline renderer
+    starts += int(ex.backend == "vllm" or (d.tokenize == "render" and not d.regenerate))
     if ev.online:
         together = max(1, min(ev.start_together, len(ev.methods)))
         starts += -(-len(ev.methods) // together)
@@ -431,7 +404,8 @@ def make_plan(profile: Profile, run_dir: Path | None = None, free: int | None = 
     train_gpus = t.nproc_per_node * t.nnodes
     extract_gpus = profile.server.tensor_parallel_size
     prepared = tokens * 16  # int64 input_ids and loss_mask in arrow
-    hidden = tokens * len(draft.layer_ids) * info.hidden * state_bytes(profile)
+    # hidden states as written: the target's dtype (bf16 on GPUs)
+    hidden = tokens * len(draft.layer_ids) * info.hidden * (4 if profile.target.dtype == "float32" else 2)
     per_ckpt = (draft.trainable_params + draft.frozen_params) * 2 + draft.trainable_params * 8
     checkpoints = per_ckpt * t.epochs
     if profile.evaluate.checkpoints == "each" and t.checkpoint_freq < 1:  # kept sub-epoch copies: weights only
@@ -453,11 +427,9 @@ def make_plan(profile: Profile, run_dir: Path | None = None, free: int | None = 
     matrix = matrix_plan(profile, extract_gpus)
     picks = checkpoints_plan(profile, runs_offline_eval, extract_gpus)
     start = server_start_estimate(profile)
-    guesses = {}
-    if served.kind == "calibrated":
-        guesses["extraction"] = _estimate(profile, "extract_tokens_per_s", extract_gpus)
-    if regen.rate.kind == "calibrated":
-        guesses["regeneration"] = _estimate(profile, "decode_tokens_per_s", extract_gpus)
+    guesses = {name: _estimate(profile, key, extract_gpus) for name, rate, key in (
+        ("extraction", served, "extract_tokens_per_s"), ("regeneration", regen.rate, "decode_tokens_per_s"))
+        if rate.kind == "calibrated"}
     cb = calibrated_box(profile, extract_gpus)
     vllm_picks = checkpoint_count(profile) if picks.runs and not runs_offline_eval else 0
     starts = dict.fromkeys(("offline", "online"), count_server_starts(profile) + vllm_picks)
@@ -507,8 +479,7 @@ def online_plan(profile: Profile, tokens: int, samples: int, state_bytes_per_tok
     generate_s = generate_tokens / extract.tokens_per_s if extract.tokens_per_s else None
     cache_s = cached_tokens / extract.tokens_per_s if extract.tokens_per_s else 0.0
     splits = candidate_splits(profile, generate_tokens, tokens * TRAIN_RATIO * t.epochs, train_mem)
-    fitting = [s for s in splits if s.fits]
-    best = min(fitting, key=lambda s: s.wall_s) if fitting else None
+    best = min((s for s in splits if s.fits), key=lambda s: s.wall_s, default=None)
     if best is None:
         wall = max(generate_s, train_s) if generate_s is not None and train_s is not None else None
         recommended = ("no split measured or estimated: set hardware.gpus, extraction/training rates and "
@@ -536,57 +507,41 @@ def candidate_splits(profile: Profile, generate_tokens: float, train_tokens: flo
     if not (hw.gpus and (hw.extract_tokens_per_s or hw.calibration) and hw.train_tokens_per_s and weights
             and per_gpu):
         return []
-
-    def generation(serve: int) -> float:
-        rate = _calibrated_rate(profile, serve, calibration.extract_rate)
-        return rate.tokens_per_s if rate and rate.tokens_per_s else hw.extract_tokens_per_s * serve
-
-    util = profile.server.gpu_memory_utilization
     out = []
     for serve in (1 << i for i in range(hw.gpus.bit_length())):  # 1, 2, 4, … GPUs
+        rate = _calibrated_rate(profile, serve, calibration.extract_rate)
+        gen = rate.tokens_per_s if rate and rate.tokens_per_s else hw.extract_tokens_per_s * serve
+        trainers = hw.gpus - serve
+        trn = hw.train_tokens_per_s * (trainers or serve)
+        util = profile.server.gpu_memory_utilization
+        if not trainers:  # serve and train on every GPU: vLLM's share lowered to leave the trainer its memory
+            util = min(util, 1 - (train_mem + GIB) / per_gpu)
         # weights plus a sixth for the KV cache and activations must fit the server's share
         holds = serve * per_gpu * util >= weights * 1.15
-        gen = generation(serve)
-        if serve < hw.gpus:
-            trn = hw.train_tokens_per_s * (hw.gpus - serve)
-            wall = max(generate_tokens / gen, train_tokens / trn)
-            out.append(Split(serve, hw.gpus - serve, gen, trn, wall,
+        held = f"{serve * per_gpu * util / GIB:.0f} GiB for {weights / GIB:.0f} GiB of weights" + (
+            "" if holds else ": too small")
+        if trainers:
+            out.append(Split(serve, trainers, gen, trn, max(generate_tokens / gen, train_tokens / trn),
                              "generation" if generate_tokens / gen > train_tokens / trn else "training", holds,
-                             f"{serve} GPU(s) hold {serve * per_gpu * util / GIB:.0f} GiB for {weights / GIB:.0f} "
-                             f"GiB of weights" + ("" if holds else ": too small")))
+                             f"{serve} GPU(s) hold {held}"))
         else:
-            out.append(_shared_split(profile, gen, hw.train_tokens_per_s * hw.gpus, generate_tokens, train_tokens,
-                                     train_mem, weights, per_gpu))
+            out.append(Split(serve, 0, gen, trn, generate_tokens / gen + train_tokens / trn, "shared GPUs", holds,
+                             f"server.gpu_memory_utilization {util:.2f} leaves the trainer {train_mem / GIB:.0f} GiB "
+                             f"+ 1 GiB per GPU; vLLM then holds {held}"))
     return out
-
-
-def _shared_split(profile: Profile, gen: float, trn: float, generate_tokens: float, train_tokens: float,
-                  train_mem: int, weights: float, per_gpu: float) -> Split:
-    """Serve and train on every GPU: vLLM's share (server.gpu_memory_utilization) lowered to leave the
-    trainer its memory, if the weights still fit the rest."""
-    gpus = profile.hardware.gpus
-    util = min(profile.server.gpu_memory_utilization, 1 - (train_mem + GIB) / per_gpu)
-    fits = gpus * per_gpu * util >= weights * 1.15
-    why = (f"server.gpu_memory_utilization {util:.2f} leaves the trainer {train_mem / GIB:.0f} GiB + 1 GiB per GPU; "
-           f"vLLM then holds {gpus * per_gpu * util / GIB:.0f} GiB for {weights / GIB:.0f} GiB of weights"
-           + ("" if fits else ": too small"))
-    return Split(gpus, 0, gen, trn, generate_tokens / gen + train_tokens / trn, "shared GPUs", fits, why)
-
-
-def free_disk(profile: Profile, run_dir: Path | None = None) -> tuple[Path, int]:
-    """Free bytes where the run directory is or will be (its nearest existing parent): the one in
-    use when given, else under the profile's runs_dir."""
-    path = Path(run_dir or profile.run.runs_dir).resolve()
-    while not path.exists():
-        path = path.parent
-    return path, shutil.disk_usage(path).free
 
 
 def disk_verdict(plan: Plan, profile: Profile, run_dir: Path | None = None, free: int | None = None,
                  mode: str | None = None) -> tuple[bool, str]:
-    """Does the plan fit the disk of the run directory (or `free` bytes: a node planned for)?"""
+    """Does the plan fit the disk where the run directory is or will be (its nearest existing parent: the one in
+    use when given, else under the profile's runs_dir), or `free` bytes (a node planned for)?"""
     mode = mode or plan.mode
-    where, free = free_disk(profile, run_dir) if free is None else ("the node planned for", free)
+    where: Path | str = "the node planned for"
+    if free is None:
+        where = Path(run_dir or profile.run.runs_dir).resolve()
+        while not where.exists():
+            where = where.parent
+        free = shutil.disk_usage(where).free
     need = plan.disk_for(mode) + int(profile.hardware.min_free_disk_gib * GIB)
     text = (f"{mode} plan needs {human(plan.disk_for(mode))} (+{profile.hardware.min_free_disk_gib:g} GiB "
             f"headroom) under {where}; {human(free)} free")
@@ -620,56 +575,53 @@ def duration(s: float | None) -> str:
 
 def table(plans: list[Plan]) -> str:
     """Profiles side by side, one row per figure."""
-    def row(label, fn):
-        return [label] + [fn(p) for p in plans]
-
-    rows = [
-        row("profile", lambda p: p.profile),
-        row("target", lambda p: f"{p.target.architecture} ({p.target.attention})"),
-        row("hidden / layers / vocab", lambda p: f"{p.target.hidden} / {p.target.layers} / {p.target.vocab}"),
-        row("aux layer ids (vLLM)", lambda p: str(p.draft.layer_ids)),
-        row("draft: vocab / layers / k",
+    rows = [[label] + [fn(p) for p in plans] for label, fn in (
+        ("profile", lambda p: p.profile),
+        ("target", lambda p: f"{p.target.architecture} ({p.target.attention})"),
+        ("hidden / layers / vocab", lambda p: f"{p.target.hidden} / {p.target.layers} / {p.target.vocab}"),
+        ("aux layer ids (vLLM)", lambda p: str(p.draft.layer_ids)),
+        ("draft: vocab / layers / k",
             lambda p: f"{p.draft.draft_vocab} / {p.draft.num_layers} / {p.draft.ttt_steps}"),
-        row("draft params (trainable)", lambda p: f"{p.draft.trainable_params / 1e6:.0f} M"),
-        row("samples", lambda p: f"{p.samples:,}"),
-        row("tokens", lambda p: f"{p.tokens / 1e6:,.1f} M"),
-        row("disk: prepared data", lambda p: human(p.disk_prepared)),
-        row("disk: hidden states", lambda p: human(p.disk_hidden_states)),
-        row("disk: checkpoints", lambda p: human(p.disk_checkpoints)),
-        row("disk: total", lambda p: human(p.disk_total)),
-        row("train GPU memory / GPU (est.)", lambda p: f"{p.train_gpu_memory / GIB:.1f} GiB"),
-        row("extraction rate", lambda p: _with_guess(p.extract, p.guesses.get("extraction"))),
-        row("training rate", lambda p: f"{p.train.tokens_per_s:,.0f} tok/s" if p.train.tokens_per_s else "?"),
-        row("extraction time", lambda p: duration(p.extract_s)),
-        row("training time", lambda p: duration(p.train_s)),
-        row("GPU-hours", lambda p: f"{p.gpu_hours:,.0f}" if p.gpu_hours is not None else "?"),
-        row("online: states on disk", lambda p: f"{human(p.online.disk_states)} (cache {human(p.online.disk_cache)}"
-                                                f" + in flight {human(p.online.disk_in_flight)})"),
-        row("online: disk total", lambda p: human(p.disk_for("online"))),
-        row("online: generated per run", lambda p: f"{p.online.generate_tokens / 1e6:,.1f} M tokens "
-                                                   f"({duration(p.online.generate_s)})"),
-        row("online: wall time", lambda p: duration(p.online.wall_s)),
-        row("online: GPU-hours", lambda p: f"{p.online.gpu_hours:,.0f}" if p.online.gpu_hours is not None else "?"),
-        row("online: split", lambda p: p.online.recommended.split(":")[0].split(" (")[0]),
-        row("mode", lambda p: p.mode),
-        row("regeneration: answer tokens", lambda p: f"{p.regenerate.tokens / 1e6:,.1f} M" if p.regenerate.runs
+        ("draft params (trainable)", lambda p: f"{p.draft.trainable_params / 1e6:.0f} M"),
+        ("samples", lambda p: f"{p.samples:,}"),
+        ("tokens", lambda p: f"{p.tokens / 1e6:,.1f} M"),
+        ("disk: prepared data", lambda p: human(p.disk_prepared)),
+        ("disk: hidden states", lambda p: human(p.disk_hidden_states)),
+        ("disk: checkpoints", lambda p: human(p.disk_checkpoints)),
+        ("disk: total", lambda p: human(p.disk_total)),
+        ("train GPU memory / GPU (est.)", lambda p: f"{p.train_gpu_memory / GIB:.1f} GiB"),
+        ("extraction rate", lambda p: _with_guess(p.extract, p.guesses.get("extraction"))),
+        ("training rate", lambda p: f"{p.train.tokens_per_s:,.0f} tok/s" if p.train.tokens_per_s else "?"),
+        ("extraction time", lambda p: duration(p.extract_s)),
+        ("training time", lambda p: duration(p.train_s)),
+        ("GPU-hours", lambda p: _hours(p.gpu_hours)),
+        ("online: states on disk", lambda p: f"{human(p.online.disk_states)} (cache {human(p.online.disk_cache)}"
+                                             f" + in flight {human(p.online.disk_in_flight)})"),
+        ("online: disk total", lambda p: human(p.disk_for("online"))),
+        ("online: generated per run", lambda p: f"{p.online.generate_tokens / 1e6:,.1f} M tokens "
+                                                f"({duration(p.online.generate_s)})"),
+        ("online: wall time", lambda p: duration(p.online.wall_s)),
+        ("online: GPU-hours", lambda p: _hours(p.online.gpu_hours)),
+        ("online: split", lambda p: p.online.recommended.split(":")[0].split(" (")[0]),
+        ("mode", lambda p: p.mode),
+        ("regeneration: answer tokens", lambda p: f"{p.regenerate.tokens / 1e6:,.1f} M" if p.regenerate.runs
             else "–"),
-        row("regeneration rate", lambda p: _with_guess(p.regenerate.rate, p.guesses.get("regeneration"))
+        ("regeneration rate", lambda p: _with_guess(p.regenerate.rate, p.guesses.get("regeneration"))
             if p.regenerate.runs else "–"),
-        row("break-even τ (head, c = 1)", lambda p: f"{p.break_even_tau.value:.2f} ({p.break_even_tau.how})"
+        ("break-even τ (head, c = 1)", lambda p: f"{p.break_even_tau.value:.2f} ({p.break_even_tau.how})"
             if p.break_even_tau else "–"),
-        row("regeneration time", lambda p: f"{duration(p.regenerate.seconds)} "
+        ("regeneration time", lambda p: f"{duration(p.regenerate.seconds)} "
             f"({_hours(_step_gpu_hours(p.regenerate))} GPU-h)" if p.regenerate.runs else "–"),
-        row("offline evaluator", lambda p: "runs" if p.evaluate_offline.runs else "vLLM only"),
-        row("matrix time", lambda p: duration(p.matrix.seconds) if p.matrix.runs else "–"),
-        row("checkpoints measured", lambda p: _checkpoints_text(p.checkpoints)),
-        row("server starts × each",
+        ("offline evaluator", lambda p: "runs" if p.evaluate_offline.runs else "vLLM only"),
+        ("matrix time", lambda p: duration(p.matrix.seconds) if p.matrix.runs else "–"),
+        ("checkpoints measured", lambda p: _checkpoints_text(p.checkpoints)),
+        ("server starts × each",
             lambda p: f"{p.server_starts['offline']} × {duration(p.server_start.tokens_per_s)}"),
-        row("total wall (offline)", lambda p: duration(p.totals["offline"]["wall_s"])),
-        row("total GPU-hours (offline)", lambda p: _hours(p.totals["offline"]["gpu_hours"])),
-        row("total wall (online)", lambda p: duration(p.totals["online"]["wall_s"])),
-        row("total GPU-hours (online)", lambda p: _hours(p.totals["online"]["gpu_hours"])),
-    ]
+        ("total wall (offline)", lambda p: duration(p.totals["offline"]["wall_s"])),
+        ("total GPU-hours (offline)", lambda p: _hours(p.totals["offline"]["gpu_hours"])),
+        ("total wall (online)", lambda p: duration(p.totals["online"]["wall_s"])),
+        ("total GPU-hours (online)", lambda p: _hours(p.totals["online"]["gpu_hours"])),
+    )]
     widths = [max(len(str(r[i])) for r in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(str(c).ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))

@@ -3,6 +3,7 @@ blocking finding stops the run (the `preflight` stage is the first of every run)
 `eagle3-console preflight PROFILE` exits 1. Works on machines without GPUs: those are findings too."""
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import json
@@ -12,8 +13,6 @@ import sys
 from dataclasses import asdict, dataclass
 from importlib import metadata
 from pathlib import Path
-
-from packaging.version import Version
 
 from pipeline import atomicio, gpu
 from pipeline.calibration import CalibrationError
@@ -76,7 +75,7 @@ def version_findings(profile: Profile) -> list[Finding]:
     else:
         name, v = vllm
         if public(v) not in KNOWN[name]:
-            sev = "block" if _version(v) < Version(VLLM_EXTRACTION_MIN) else "warn"
+            sev = "block" if _version(v) < _version(VLLM_EXTRACTION_MIN) else "warn"
             why = (VLLM_EXTRACTION_WHY if sev == "block"
                    else f"untested (this project knows {name} {sorted(KNOWN[name])})")
             found.append(Finding(sev, "vllm", f"{name} {v}{where}: {why}"))
@@ -104,10 +103,8 @@ def ask_vllm(profile: Profile, question: str) -> dict:
         return known
     answer = _ask_vllm(python, question)
     if "error" not in answer:
-        try:
+        with contextlib.suppress(OSError):  # a read-only cache only costs the next preflight the question again
             atomicio.atomic_write_json(memo, answer)
-        except OSError:
-            pass  # a read-only cache only costs the next preflight the question again
     return answer
 
 
@@ -152,7 +149,6 @@ def vllm_target_findings(profile: Profile, info) -> list[Finding]:
     if not uses_vllm(profile):
         return []
     mla = info.attention == "MLA"
-    int4 = bool(info.int4_group_size and info.experts)
     answer = ask_vllm(profile, json.dumps(probe_question(profile, info), sort_keys=True))
     if "error" in answer:
         return [Finding("warn", "mla" if mla else "attention", f"could not ask vLLM about this target: "
@@ -168,7 +164,7 @@ def vllm_target_findings(profile: Profile, info) -> list[Finding]:
                           extraction=profile.extract.backend == "vllm") if mla else
              _attention_finding(answer.get("attention") or {"error": "no attention answer"}, where, stop, tail,
                                 profile.server.dtype)]
-    if int4:
+    if info.int4_group_size and info.experts:
         q = answer.get("int4_moe") or {"error": "no INT4 answer"}
         if q.get("backend"):
             found.append(Finding("ok", "int4", f"{where} serves the INT4 routed experts (W4A16 group "
@@ -208,9 +204,9 @@ def _mla_finding(m: dict, where: str, stop: str, tail: str, info, extraction: bo
                        f"{'; '.join(m['invalid'])} (head size kv_lora_rank + qk_rope_head_dim = {m['head_size']}; "
                        f"{m['backend']} supports {m['supported_head_sizes']}){tail}")
     rope = m.get("rope") or {}
-    if rope.get("error") or (rope.get("checked") and not rope.get("max_abs_diff", 0) <= 1e-3):
-        if rope.get("error"):
-            return Finding("warn", "mla", f"could not check {where}'s CPU rotary op: {rope['error']}")
+    if rope.get("error"):
+        return Finding("warn", "mla", f"could not check {where}'s CPU rotary op: {rope['error']}")
+    if rope.get("checked") and not rope.get("max_abs_diff", 0) <= 1e-3:
         return Finding(stop, "mla", f"{where}'s CPU rotary op mis-rotates this target's MLA queries (plain rope, "
                        f"[tokens, heads, {info.qk_rope_head_dim}] query: max |Δ| {rope['max_abs_diff']:.2g} against "
                        f"vLLM's own reference), so its hidden states would be wrong; YaRN targets (DeepSeek-V3, "
@@ -247,7 +243,7 @@ def target_findings(profile: Profile) -> list[Finding]:
                          f"{info.layers} layers, vocab {info.vocab}, {info.attention} attention{moe}"
                          + (f", {info.quantization}" if info.quantization else "") + f" — from {info.source}"))
     ids = profile.extract.layer_ids
-    if ids and (ids[-1] != info.layers or max(ids) > info.layers):
+    if ids and ids[-1] != info.layers:  # the profile keeps them strictly increasing
         found.append(Finding("block", "layers", f"extract.layer_ids {ids}: the last id must be the final layer "
                                                 f"{info.layers} (vLLM-style) and none above it"))
     elif profile.vocab.draft_vocab_size > info.vocab:
@@ -322,22 +318,21 @@ def port_findings(profile: Profile, run_dir: Path | None = None) -> list[Finding
     from pipeline.server import port_in_use, port_owner
 
     s = profile.server
-    if run_dir is not None and (Path(run_dir) / "eval" / "production-before.json").is_file():
-        # production was measured by this run before it stopped it: a resume needs no production up
-        profile = profile.model_copy(update={"evaluate": profile.evaluate.model_copy(
-            update={"production_before_after": False})})
+    # production measured by this run before it stopped it: a resume needs no production up
+    production = profile.evaluate.production_before_after and not (
+        run_dir is not None and (Path(run_dir) / "eval" / "production-before.json").is_file())
     if (other := portlock.holder(profile)) is not None:
         return [Finding("block", "port", f"port {s.port} belongs to another run in progress (pid {other.get('pid')}, "
                                          f"{other.get('run')}): one run at a time per serving port")]
     if not port_in_use(s.host, s.port):
         return [Finding("ok", "port", f"{s.host}:{s.port} is free")] + (
-            [_no_production(profile, "the port is free")] if profile.evaluate.production_before_after else [])
+            [_no_production(profile, "the port is free")] if production else [])
     rec = box.controller(profile).record()
     owner = port_owner(s.host, s.port)
     if rec is not None and owner is not None and owner.pid == rec.pid:
         found = [Finding("info", "port", f"{s.host}:{s.port}: the {rec.mode} vLLM this tool started (pid {rec.pid}); "
                                          f"it is reused or stopped when a stage needs another mode")]
-        if profile.evaluate.production_before_after and rec.mode != "production":
+        if production and rec.mode != "production":
             found.append(_no_production(profile, f"the {rec.mode} server is there"))
         return found
     who = f"pid {owner.pid} ({owner.name()})" if owner else "another process"
@@ -367,7 +362,6 @@ def disk_findings(profile: Profile, run_dir: Path | None = None, free: int | Non
     except CalibrationError as exc:  # the plan cannot be made: nothing to check the disk against
         return [Finding("block", "calibration", f"hardware.calibration: {exc}")]
     fits, text = disk_verdict(plan, profile, run_dir, free)
-    timing = Finding("info", "time", time_summary(plan))
     other = "online" if plan.mode == "offline" else "offline"
     side = f"; {other} would need {human(plan.disk_for(other))}" if profile.extract.backend == "vllm" else ""
     found = [Finding("ok" if fits else "block", "disk", text + side + ("" if fits else
@@ -381,7 +375,7 @@ def disk_findings(profile: Profile, run_dir: Path | None = None, free: int | Non
                              + (f"; online keeps {human(o.disk_cache)} of states ({o.cached_rows:,} rows) and "
                                 f"generates {o.generate_tokens / 1e6:,.1f} M tokens over the epochs"
                                 if plan.mode == "online" else "")))
-    return found + [timing]
+    return found + [Finding("info", "time", time_summary(plan))]
 
 
 def evaluation_findings(profile: Profile, snapshot: gpu.GpuSnapshot | None = None) -> list[Finding]:
@@ -400,13 +394,13 @@ def evaluation_findings(profile: Profile, snapshot: gpu.GpuSnapshot | None = Non
         info = target_info(profile)
     except TargetInfoError:
         return found  # the target's own trouble is reported by the target check
-    fit = transformers_fit(profile, info)
-    if d.regenerate and d.regenerate_backend == "transformers" and not fit.fits:
+    fits, fit_why = transformers_fit(profile, info)
+    if d.regenerate and d.regenerate_backend == "transformers" and not fits:
         found.append(Finding("block", "regenerate", f"data.regenerate_backend = \"transformers\" loads the target "
-                                                    f"here: {fit.why}; set it to \"vllm\""))
+                                                    f"here: {fit_why}; set it to \"vllm\""))
     runs, why = offline_evaluation(profile, info)
-    if ev.offline == "on" and not fit.fits:
-        found.append(Finding("block", "evaluate", f"evaluate.offline = \"on\" loads the target here: {fit.why}; "
+    if ev.offline == "on" and not fits:
+        found.append(Finding("block", "evaluate", f"evaluate.offline = \"on\" loads the target here: {fit_why}; "
                                                   f"set it to \"auto\" (τ from vLLM)"))
     elif not runs and not ev.online:
         found.append(Finding("block", "evaluate", f"nothing measures the head: evaluate-offline does not run ({why}) "

@@ -610,10 +610,8 @@ class Profile(Section):
 def _merge(base: dict, over: dict) -> dict:
     out = dict(base)
     for key, value in over.items():
-        if isinstance(value, dict) and isinstance(out.get(key), dict):
-            out[key] = _merge(out[key], value)
-        else:
-            out[key] = value
+        nested = isinstance(value, dict) and isinstance(out.get(key), dict)
+        out[key] = _merge(out[key], value) if nested else value
     return out
 
 
@@ -632,8 +630,7 @@ def _read_toml(path: Path, chain: tuple[Path, ...] = ()) -> dict:
         return data
     if not isinstance(parent, str):
         raise ProfileError(f"{path}: key 'extends': expected a file name, got {parent!r}")
-    base = _read_toml((path.parent / parent).resolve(), chain + (path,))
-    return _merge(base, data)
+    return _merge(_read_toml((path.parent / parent).resolve(), chain + (path,)), data)
 
 
 def _type_name(tp: Any) -> str:
@@ -653,17 +650,18 @@ def _type_name(tp: Any) -> str:
     return getattr(tp, "__name__", str(tp))
 
 
-def _field_at(loc: tuple) -> tuple[str, Any, list]:
+def _field_at(loc: tuple, data: dict) -> tuple[str, Any, Any]:
     """The dotted key of an error location (list items as [i], union member tags skipped), the declared
-    type there, and the path to its value in the raw data."""
+    type there, and the value there in the raw data (None where it has none)."""
     tp: Any = Profile
-    key, path = "", []
+    value: Any = data
+    key = ""
     for n, part in enumerate(loc):
         if isinstance(part, int):
             if typing.get_origin(tp) is not list:
                 break
             key, tp = f"{key}[{part}]", typing.get_args(tp)[0]
-            path.append(part)
+            value = value[part] if isinstance(value, list) and part < len(value) else None
             continue
         if typing.get_origin(tp) in (typing.Union, types.UnionType):
             members = {_tag(a): a for a in typing.get_args(tp)}
@@ -675,12 +673,12 @@ def _field_at(loc: tuple) -> tuple[str, Any, list]:
         if not (isinstance(tp, type) and issubclass(tp, BaseModel)):
             break
         key = f"{key}.{part}" if key else part
-        path.append(part)
+        value = value.get(part) if isinstance(value, dict) else None
         field = tp.model_fields.get(part)
         if field is None:
             break
         tp = field.annotation
-    return key, tp, path
+    return key, tp, value
 
 
 def _tag(tp: Any) -> str:
@@ -688,16 +686,6 @@ def _tag(tp: Any) -> str:
     if typing.get_origin(tp) is list:
         return f"list[{_tag(typing.get_args(tp)[0])}]"
     return getattr(tp, "__name__", str(tp))
-
-
-def _value_at(data: dict, path: list) -> Any:
-    node: Any = data
-    for part in path:
-        if isinstance(part, int):
-            node = node[part] if isinstance(node, list) and part < len(node) else None
-        else:
-            node = node.get(part) if isinstance(node, dict) else None
-    return node
 
 
 def _first(errors: list[dict]) -> dict:
@@ -715,8 +703,7 @@ def _one_line(err: dict, data: dict, source: Path) -> str:
         return f"{source}: key '{ctx['key']}': {ctx['why']}, got {ctx['value']!r}"
     if kind == "profile_missing":
         return f"{source}: missing required key '{ctx['key']}' ({ctx['because']})"
-    dotted, tp, path = _field_at(err["loc"])
-    value = _value_at(data, path)
+    dotted, tp, value = _field_at(err["loc"], data)
     if kind == "extra_forbidden":
         return f"{source}: unknown key '{dotted}' (value {err['input']!r})"
     if kind == "missing":

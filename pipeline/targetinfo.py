@@ -4,7 +4,7 @@ the EAGLE-3 draft derived from it. No torch: plain JSON."""
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -78,12 +78,10 @@ class TargetInfoError(ValueError):
 def config_path(profile: Profile) -> Path | None:
     """The weights' config.json when present, else the profile's planning copy, else None."""
     t = profile.target
-    if t.source == "path":
-        weights = Path(t.model_path) / "config.json"
-        if weights.is_file():
-            return weights
-        return Path(t.config) if t.config else None
-    return None
+    if t.source != "path":
+        return None
+    weights = Path(t.model_path) / "config.json"
+    return weights if weights.is_file() else (Path(t.config) if t.config else None)
 
 
 def from_config(path: Path) -> TargetInfo:
@@ -91,11 +89,15 @@ def from_config(path: Path) -> TargetInfo:
         cfg = json.loads(Path(path).read_text())
     except (OSError, json.JSONDecodeError) as exc:
         raise TargetInfoError(f"{path}: cannot read the target's config.json: {exc}") from None
+    return _read(cfg, str(path))
+
+
+def _read(cfg: dict, source: str) -> TargetInfo:
     text = text_config(cfg)
     try:
         hidden, layers, vocab = int(text["hidden_size"]), int(text["num_hidden_layers"]), int(text["vocab_size"])
     except KeyError as exc:
-        raise TargetInfoError(f"{path}: key {exc.args[0]!r} missing (hidden_size, num_hidden_layers and "
+        raise TargetInfoError(f"{source}: key {exc.args[0]!r} missing (hidden_size, num_hidden_layers and "
                               f"vocab_size are required)") from None
     heads = int(text.get("num_attention_heads", 0))
     kv = int(text.get("num_key_value_heads", heads) or heads)
@@ -108,7 +110,7 @@ def from_config(path: Path) -> TargetInfo:
         qdesc = (f"{quant.get('quant_method', '')} {quant.get('bits', '')}-bit".replace(" -bit", "").strip()
                  if quant else "")
     arch = (cfg.get("architectures") or text.get("architectures") or ["?"])[0]
-    return TargetInfo(source=str(path), architecture=arch, model_type=str(cfg.get("model_type", "")),
+    return TargetInfo(source=source, architecture=arch, model_type=str(cfg.get("model_type", "")),
                       hidden=hidden, layers=layers, vocab=vocab, heads=heads, kv_heads=kv,
                       intermediate=int(text.get("intermediate_size", 4 * hidden)), attention=attention,
                       experts=int(text.get("n_routed_experts") or text.get("num_local_experts") or 0),
@@ -134,33 +136,26 @@ def quant_weights(quant: dict) -> tuple[int, int, int]:
 
 
 def demo_info(profile: Profile) -> TargetInfo:
+    """The demo target described as a config.json, read as any target's."""
     d = profile.demo_target
     mla = d.architecture != "llama"
-    config = {"hidden_size": d.hidden_size, "num_hidden_layers": d.num_layers, "vocab_size": d.vocab_size,
-              "num_attention_heads": d.num_heads, "num_key_value_heads": d.num_heads if mla else d.num_kv_heads,
-              "intermediate_size": d.intermediate_size}
+    arch, model_type = {"llama": ("LlamaForCausalLM", "llama"), "deepseek_v3": ("DeepseekV3ForCausalLM", "deepseek_v3"),
+                        "kimi_k25": ("KimiK25ForConditionalGeneration", "kimi_k25")}[d.architecture]
+    config: dict[str, Any] = {
+        "architectures": [arch], "model_type": model_type, "hidden_size": d.hidden_size,
+        "num_hidden_layers": d.num_layers, "vocab_size": d.vocab_size, "num_attention_heads": d.num_heads,
+        "num_key_value_heads": d.num_heads if mla else d.num_kv_heads, "intermediate_size": d.intermediate_size}
     if mla:
         config.update(kv_lora_rank=d.kv_lora_rank, q_lora_rank=d.q_lora_rank, qk_rope_head_dim=d.qk_rope_head_dim,
                       qk_nope_head_dim=d.qk_nope_head_dim, v_head_dim=d.v_head_dim, n_routed_experts=d.n_routed_experts,
                       n_shared_experts=d.n_shared_experts, moe_intermediate_size=d.moe_intermediate_size,
-                      first_k_dense_replace=d.first_k_dense_replace)
-    common: dict[str, Any] = dict(source="profile [demo_target]", hidden=d.hidden_size, layers=d.num_layers,
-                                  vocab=d.vocab_size, heads=d.num_heads, intermediate=d.intermediate_size,
-                                  params=param_count(config))
-    if d.architecture in ("deepseek_v3", "kimi_k25"):
-        int4 = d.quantization == "w4a16"
-        arch, model_type = (("KimiK25ForConditionalGeneration", "kimi_k25") if d.architecture == "kimi_k25"
-                            else ("DeepseekV3ForCausalLM", "deepseek_v3"))
-        return TargetInfo(architecture=arch, model_type=model_type, kv_heads=d.num_heads,
-                          head_dim=d.qk_rope_head_dim,
-                          attention="MLA", experts=d.n_routed_experts, experts_per_token=d.num_experts_per_tok,
-                          kv_lora_rank=d.kv_lora_rank, qk_rope_head_dim=d.qk_rope_head_dim,
-                          rope_type="yarn" if d.yarn_factor else "default",
-                          quantization=f"compressed-tensors W4A16 group {d.quant_group_size}" if int4 else "",
-                          int4_group_size=d.quant_group_size if int4 else 0, **common)
-    return TargetInfo(architecture="LlamaForCausalLM", model_type="llama", kv_heads=d.num_kv_heads,
-                      head_dim=d.hidden_size // d.num_heads,
-                      attention="GQA" if d.num_kv_heads < d.num_heads else "MHA", **common)
+                      first_k_dense_replace=d.first_k_dense_replace, num_experts_per_tok=d.num_experts_per_tok,
+                      rope_scaling={"rope_type": "yarn" if d.yarn_factor else "default"})
+    if d.quantization == "w4a16":
+        config["quantization_config"] = {"quant_method": "compressed-tensors", "config_groups": {
+            "group_0": {"weights": {"num_bits": 4, "group_size": d.quant_group_size}}}}
+    info = _read(config, "profile [demo_target]")
+    return info if mla else replace(info, rope_type="")  # a Llama demo names no rope type
 
 
 def target_info(profile: Profile) -> TargetInfo:
