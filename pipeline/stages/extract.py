@@ -6,14 +6,19 @@ resumed run skips them."""
 from __future__ import annotations
 
 import os
+import sys
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
-from pipeline import target
+from pipeline import atomicio, box, online, online_training, procs, target, vllm_modes
+from pipeline.compat import offline_clients
 from pipeline.compat.offline_clients import shard
+from pipeline.plan import GIB, extraction_clients
 from pipeline.results import ExtractResult
+from pipeline.server import explain_failure
 from pipeline.stages.base import Stage, StageContext, StageError, argv_for
+from pipeline.targetinfo import from_config
 
 
 def hs_path(hs_dir: Path, index: int) -> Path:
@@ -147,12 +152,10 @@ class Extract(Stage):
 
     def run(self, ctx: StageContext) -> ExtractResult:
         if ctx.extract_mode() == "online":
-            return ExtractResult.of(extract_cache(ctx, self.name))
+            return ExtractResult.of(extract_cache(ctx))
         ex = ctx.profile.extract
         if ex.backend == "vllm":
-            from pipeline.plan import extraction_clients
-
-            return ExtractResult.of(extract_with_vllm(ctx, self.name, ex.world_size, ex.rank,
+            return ExtractResult.of(extract_with_vllm(ctx, ex.world_size, ex.rank,
                                                       clients=extraction_clients(ctx.profile)))
         from datasets import load_from_disk
 
@@ -161,28 +164,24 @@ class Extract(Stage):
         layer_ids = target.resolve_layer_ids(ex.layer_ids, target.num_layers(model))
         ctx.log.info("extracting %d samples, layer ids %s", len(ds), layer_ids)
         figures = extract(model, ds, ctx.run.hidden_states_dir, layer_ids, ex.batch_size, ex.batch_tokens,
-                          ex.writer_threads,
-                          on_progress=lambda d, t, n: ctx.progress(self.name, d, t, "samples", tokens=n),
+                          ex.writer_threads, on_progress=lambda d, t, n: ctx.progress(d, t, "samples", tokens=n),
                           indices=shard(len(ds), ex.world_size, ex.rank))
         figures["shard"] = f"{ex.rank}/{ex.world_size}"
         ctx.log.info("extracted %s", figures)
         return ExtractResult.of(figures)
 
 
-def extract_cache(ctx: StageContext, stage: str) -> dict:
+def extract_cache(ctx: StageContext) -> dict:
     """Online mode: extract only the leading rows whose states fit extract.cache_gib (kept for every
     epoch); the trainer generates the rest while it trains. Nothing to extract without a cache."""
     from datasets import load_from_disk
-
-    from pipeline import atomicio, online_training
-    from pipeline.plan import GIB
 
     seq_len = load_from_disk(str(ctx.run.prepared_dir)).with_format(None)["seq_len"]
     rows = online_training.cached_prefix(seq_len, state_bytes_per_token(ctx), int(ctx.profile.extract.cache_gib * GIB))
     figures: dict = {"mode": "online", "cached_rows": 0, "rows": len(seq_len)}
     if rows:
         world, rank = online_training.leading_slice(len(seq_len), rows)
-        figures.update(extract_with_vllm(ctx, stage, world, rank, keep_server=True), mode="online")
+        figures.update(extract_with_vllm(ctx, world, rank, keep_server=True), mode="online")
         figures["cached_rows"] = figures["samples"]
     ctx.run.hidden_states_dir.mkdir(parents=True, exist_ok=True)
     atomicio.atomic_write_json(ctx.run.online_cache_record, figures)
@@ -192,28 +191,18 @@ def extract_cache(ctx: StageContext, stage: str) -> dict:
 def state_bytes_per_token(ctx: StageContext) -> int:
     """Bytes of one token's states as the extraction server writes them: the aux layers plus the
     last, in the server's dtype (float32 on a CPU, bf16 on GPUs unless the profile says otherwise)."""
-    from pipeline import vllm_modes
-    from pipeline.target import resolve_layer_ids
-    from pipeline.targetinfo import from_config
-
     info = from_config(ctx.target_dir() / "config.json")
-    n = len(resolve_layer_ids(ctx.profile.extract.layer_ids, info.layers))
+    n = len(target.resolve_layer_ids(ctx.profile.extract.layer_ids, info.layers))
     return n * info.hidden * (4 if vllm_modes.served_dtype(ctx.profile) == "float32" else 2)
 
 
-def extract_with_vllm(ctx: StageContext, stage: str, world_size: int, rank: int, keep_server: bool = False,
+def extract_with_vllm(ctx: StageContext, world_size: int, rank: int, keep_server: bool = False,
                       clients: int = 1) -> dict:
     """Through a vLLM extraction server and speculators' own `generate-offline-data` (resumable: it
     skips the hs files that exist; each is renamed into place once complete). Rows: slice `rank` of
     `world_size` (its own split), over `clients` client processes (pipeline/compat/offline_clients.py).
     keep_server: hand the server on to online training, which asks it next."""
-    import sys
-
     from datasets import load_from_disk
-
-    from pipeline import box, online, procs
-    from pipeline.compat import offline_clients
-    from pipeline.server import explain_failure
 
     prepared = ctx.run.prepared_dir
     ds = load_from_disk(str(prepared))
@@ -226,7 +215,7 @@ def extract_with_vllm(ctx: StageContext, stage: str, world_size: int, rank: int,
 
     before = have_files()  # a resume skips them
     _, mode_args = box.mode_inputs(ctx.profile, ctx.run, "extraction")
-    with ctx.server("extraction", on_wait=lambda s: ctx.progress(stage, 0, total, "samples", server_wait_s=round(s)),
+    with ctx.server("extraction", on_wait=lambda s: ctx.progress(0, total, "samples", server_wait_s=round(s)),
                     **mode_args) as srv:
         cmd = [sys.executable, "-m", "speculators", "generate-offline-data", "--endpoint", f"{srv.base_url}/v1",
                "--preprocessed-data", str(prepared), "--concurrency", str(ctx.profile.extract.concurrency),
@@ -245,13 +234,13 @@ def extract_with_vllm(ctx: StageContext, stage: str, world_size: int, rank: int,
         window.stop()
         if rc != 0:
             raise StageError(explain_failure(srv.rec, f"speculators generate-offline-data exited with {rc}: "
-                                                      f"{procs.last_error_line(ctx.run.log_path(stage))}"))
+                                                      f"{procs.last_error_line(ctx.run.log_path(ctx.stage))}"))
         have = have_files()
         if have != total:
             raise StageError(f"generate-offline-data finished with {have}/{total} hidden-state files of shard "
                              f"{rank}/{world_size}")
         if keep_server:
-            srv.hand_on("train")  # online training asks this server next
+            srv.handed_on_to = "train"  # online training asks this server next
     # the server's rate, from its first prompt to its last: the CLI's start before (imports, the dataset: 15 s
     # or more) and the clients' tail after (their last files, their exit: 2–3 s) come once a run, not per token,
     # and a slice's calibration would carry them as per-token costs

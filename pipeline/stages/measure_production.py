@@ -35,7 +35,7 @@ class MeasureProduction(Stage):
                              f"server adopt)")
         ctx.gather_sources()
         ids, prompts = heldout_prompt_ids(ctx)
-        row = measure(ctx, self.name, rec, prompts)
+        row = measure(ctx, rec, prompts)
         atomicio.atomic_write_json(ctx.run.production_before, {
             "at": now_iso(), "server": rec.describe(), "argv": rec.argv, "prompt_ids": ids, "prompts": prompts,
             "row": row})

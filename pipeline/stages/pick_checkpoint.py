@@ -14,9 +14,10 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from pipeline import atomicio, diagnose, notes, online
+from pipeline import atomicio, conversations, diagnose, online, target
 from pipeline.checkpoints import Checkpoint, candidates
 from pipeline.deploy import publish_draft
+from pipeline.plan import evaluates_offline
 from pipeline.results import PickCheckpointResult
 from pipeline.rundir import now_iso
 from pipeline.stages.base import Stage, StageContext, StageError
@@ -70,8 +71,6 @@ class PickCheckpoint(Stage):
         found = candidates(ctx.run.checkpoints_dir)
         if not found:
             raise StageError(f"{ctx.run.checkpoints_dir}: no complete checkpoint to measure (train has not finished?)")
-        from pipeline.plan import evaluates_offline
-
         backend = "offline" if evaluates_offline(ctx.profile) else "vllm"
         rows = ctx.heldout_rows()
         kept = self._kept(ctx, backend, len(rows))
@@ -79,7 +78,7 @@ class PickCheckpoint(Stage):
         measurer = OfflineMeasure(ctx, rows) if backend == "offline" else VllmMeasure(ctx, rows)
         measured: list[dict] = []
         reused = 0
-        ctx.progress(self.name, 0, len(found), "checkpoints", force=True)
+        ctx.progress(0, len(found), "checkpoints", force=True)
         for ckpt in found:
             entry = kept.get(ckpt.label)
             if entry is not None and entry.get("fingerprint") == ckpt.fingerprint():
@@ -99,14 +98,14 @@ class PickCheckpoint(Stage):
                                       and diagnose.disagrees(epoch["val_acc"][0], entry["acceptance_per_position"][0]))
             measured.append(entry)
             self._write(ctx, backend, len(rows), measured, None)
-            ctx.progress(self.name, len(measured), len(found), "checkpoints", tau=entry["tau"], force=True)
+            ctx.progress(len(measured), len(found), "checkpoints", tau=entry["tau"], force=True)
         if reused:
             ctx.log.info("kept %d checkpoint measurement(s) from an earlier attempt", reused)
         chosen, last = choose(measured), measured[-1]
         why = why_text(chosen, last, len(measured))
         self._write(ctx, backend, len(rows), measured, {"label": chosen["label"], "why": why})
         ctx.log.info("deploying %s", why)
-        notes.add(ctx.run, f"deploys {why}", source="auto", stage=self.name)
+        ctx.note(f"deploys {why}")
         fresh = [e["seconds"] for e in measured if e.get("seconds")]
         figures = {"checkpoint": chosen["path"], "chosen": chosen["label"], "tau": chosen["tau"],
                    "acceptance_per_position": chosen["acceptance_per_position"], "last": last["label"],
@@ -184,8 +183,6 @@ class VllmMeasure:
     per position from /metrics."""
 
     def __init__(self, ctx: StageContext, rows: list[dict]):
-        from pipeline import conversations, target
-
         self.ctx = ctx
         tok = target.load_tokenizer(ctx.target_dir())
         self.prompts = conversations.prompt_ids(tok, rows)
@@ -201,7 +198,6 @@ class VllmMeasure:
                 before = online.scrape(srv.base_url)
                 level = online.send_all(srv.base_url, model, self.prompts, p.evaluate.max_new_tokens, concurrency)
                 spec = online.scrape(srv.base_url) - before
-                start_s = srv.start_s
         finally:
             shutil.rmtree(draft, ignore_errors=True)
         if not spec.drafts:
@@ -209,4 +205,4 @@ class VllmMeasure:
                              f"{ctx.run.log_path(f'server-checkpoint-{ckpt.label}')}")
         return {"tau": round(spec.mean_acceptance_length, 4),
                 "acceptance_per_position": [round(x, 4) for x in spec.per_position_rate()],
-                "server_start_s": start_s, "concurrency": concurrency, "output_tok_s": level["output_tok_s"]}
+                "server_start_s": srv.start_s, "concurrency": concurrency, "output_tok_s": level["output_tok_s"]}

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pipeline import atomicio, notes
+from pipeline import atomicio
 from pipeline import preflight as checks
 from pipeline.results import PreflightResult
 from pipeline.stages.base import Stage, StageContext, StageError
@@ -23,9 +23,8 @@ class Preflight(Stage):
         atomicio.atomic_write_text(ctx.run.preflight_result, checks.to_json(findings))
         for f in findings:
             ctx.log.info("%s", f.line())
-        worth_noting = [f for f in findings if f.severity in ("warn", "block")]
-        for f in worth_noting:
-            notes.add(ctx.run, f"preflight {f.severity}: {f.check}: {f.message}", source="auto", stage=self.name)
+            if f.severity in ("warn", "block"):
+                ctx.note(f"preflight {f.severity}: {f.check}: {f.message}")
         if blocked := checks.blocking(findings):
             raise StageError(f"preflight: {len(blocked)} blocking finding(s); first: {blocked[0].check}: "
                              f"{blocked[0].message}",

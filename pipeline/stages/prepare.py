@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import json
 import shutil
+import sys
 from pathlib import Path
 
-from pipeline import atomicio, conversations, target
+from pipeline import atomicio, box, conversations, procs, target
 from pipeline.results import PrepareResult
+from pipeline.server import explain_failure
 from pipeline.stages.base import Stage, StageContext, StageError, argv_for
 
 
@@ -107,12 +109,7 @@ class Prepare(Stage):
         """speculators' own prepare-data: conversations rendered by the served chat template (through
         the extraction server, which extract then reuses), pre-tokenized rows passed through (a second
         prepare-data without a server: speculators takes one kind of row per file), the two concatenated."""
-        import sys
-
         from datasets import concatenate_datasets, load_from_disk
-
-        from pipeline import box, procs
-        from pipeline.server import explain_failure
 
         data = ctx.profile.data
         out = ctx.run.prepared_dir
@@ -152,11 +149,10 @@ class Prepare(Stage):
             _, mode_args = box.mode_inputs(ctx.profile, ctx.run, mode)
             with ctx.server(mode, **mode_args) as srv:
                 parts.append(tmp.with_name(tmp.name + "-rendered") if parts else tmp)
-                rc = prepare_data(parts[-1], ["--data", str(source), "--render-endpoint", srv.base_url])
-                if rc != 0:
+                if (rc := prepare_data(parts[-1], ["--data", str(source), "--render-endpoint", srv.base_url])) != 0:
                     raise StageError(explain_failure(srv.rec, failed(rc)))
                 if mode == "extraction":  # the next stage that serves asks for exactly this server
-                    srv.hand_on("extract" if ctx.extract_mode() == "offline" else "train")
+                    srv.handed_on_to = "extract" if ctx.extract_mode() == "offline" else "train"
         if not parts:
             raise StageError(f"{ctx.source_conversations()}: no training row or conversation left "
                              f"after {len(heldout)} held out")

@@ -36,8 +36,8 @@ def level_summary(row: dict) -> dict:
             for c, lv in row.get("levels", {}).items()}
 
 
-def measure(ctx: StageContext, stage: str, rec, prompts: list[list[int]]) -> dict:
-    row = measure_served(ctx, stage, "production", rec, 0.0, prompts, headers=production_headers(ctx.profile))
+def measure(ctx: StageContext, rec, prompts: list[list[int]]) -> dict:
+    row = measure_served(ctx, "production", rec, 0.0, prompts, headers=production_headers(ctx.profile))
     if row.get("error"):
         raise StageError(f"measuring production ({rec.describe()}): {row['error']}")
     for level in row["levels"].values():
@@ -49,8 +49,6 @@ def after(ctx: StageContext, rec, with_draft: bool) -> dict:
     """The handover's half: production measured again on the very requests measured before (kept in
     eval/production-before.json); eval/production.json. Production is up by then and the operator's: a
     measurement that fails is said (note, figure), it does not fail the handover."""
-    from pipeline import notes
-
     try:
         before = json.loads(ctx.run.production_before.read_text())
         prompts = before["prompts"]
@@ -58,10 +56,9 @@ def after(ctx: StageContext, rec, with_draft: bool) -> dict:
         raise StageError(f"{ctx.run.production_before}: no measurement of production before the run "
                          f"(measure-production did not finish?): {exc}") from None
     try:
-        row = measure(ctx, ctx.stage, rec, prompts)
+        row = measure(ctx, rec, prompts)
     except StageError as exc:
-        ctx.log.warning("production after the handover not measured: %s", exc)
-        notes.add(ctx.run, f"production after the handover not measured: {exc}", source="auto", stage=ctx.stage)
+        ctx.note(f"production after the handover not measured: {exc}", ctx.log.warning)
         return {"production_after_error": str(exc)}
     b, a = level_summary(before["row"]), level_summary(row)
     ratios = {c: round(a[c]["output_tok_s"] / b[c]["output_tok_s"], 3) for c in a if c in b and b[c]["output_tok_s"]}
@@ -71,8 +68,7 @@ def after(ctx: StageContext, rec, with_draft: bool) -> dict:
     text = "production before → after" + (" (with the new head)" if with_draft else " (without a head)") + ": " + \
         ", ".join(f"c={c} {b[c]['output_tok_s']:.1f} → {a[c]['output_tok_s']:.1f} tok/s (x{ratios[c]:.2f})"
                   for c in sorted(ratios, key=int))
-    ctx.log.info(text)
-    notes.add(ctx.run, text, source="auto", stage=ctx.stage)
+    ctx.note(text, ctx.log.info)
     low = str(min(int(c) for c in ratios)) if ratios else None
     if not low:
         return {}
@@ -81,8 +77,7 @@ def after(ctx: StageContext, rec, with_draft: bool) -> dict:
     disagreements = against_matrix(atomicio.read_json(ctx.run.online_result), low, b[low]["output_tok_s"],
                                    ratios[low], with_draft, str(ctx.run.root))
     for line in disagreements:
-        ctx.log.warning(line)
-        notes.add(ctx.run, line, source="auto", stage=ctx.stage)
+        ctx.note(line, ctx.log.warning)
     return figures | ({"production_vs_matrix": disagreements} if disagreements else {})
 
 

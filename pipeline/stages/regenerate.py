@@ -19,8 +19,11 @@ import time
 from pathlib import Path
 
 from pipeline import atomicio, conversations, procs, target
+from pipeline.compat import vllm_flags
 from pipeline.online import PromptWindow, generation_tokens
+from pipeline.profile import GREEDY
 from pipeline.results import RegenerateResult
+from pipeline.server import death, explain_failure
 from pipeline.stages.base import Stage, StageContext, StageError, argv_for
 
 
@@ -57,9 +60,9 @@ class Regenerate(Stage):
             ctx.log.info("%d pre-tokenized rows pass through unregenerated", len(loaded.token_rows))
         train = enough_for(train, data.max_samples)
         if data.regenerate_backend == "vllm":
-            rows, figures = with_vllm(ctx, self.name, train)
+            rows, figures = with_vllm(ctx, train)
         else:
-            rows, figures = with_transformers(ctx, self.name, train)
+            rows, figures = with_transformers(ctx, train)
         rows += loaded.token_rows
         atomicio.atomic_write_text(ctx.training_conversations(), "".join(json.dumps(r) + "\n" for r in rows))
         return RegenerateResult.of({"backend": data.regenerate_backend, "rows": len(rows),
@@ -161,17 +164,9 @@ def read_rows(path: Path) -> dict[str, list[dict]]:
     return by_conv
 
 
-def read_errors(path: Path) -> dict[str, str]:
-    return {str(row["id"]): str((row.get("metadata") or {}).get("error", ""))[:200]
-            for row in atomicio.read_jsonl(path) if isinstance(row, dict) and "id" in row}
-
-
 def regenerate_command(ctx: StageContext, endpoint: str, dataset: Path, outfile: Path) -> list[str]:
     """speculators regenerate-responses with the profile's settings; --model is the target's path, which
     the regenerate server answers to and speculators loads its tokenizer from (compat/vllm_flags.py)."""
-    from pipeline.compat import vllm_flags
-    from pipeline.profile import GREEDY
-
     d = ctx.profile.data
     # greedy unless the profile says otherwise: {top_p = 0.9} alone keeps temperature 0
     context, sampling = vllm_flags.regenerate_limits(d.seq_length, d.regenerate_max_tokens,
@@ -194,9 +189,9 @@ class Follower(threading.Thread):
     server's death and a stall (alive, generating nothing for data.regenerate_stall_s) — either stops the
     client at once, since its requests have no timeout and retrying a dead server is no use."""
 
-    def __init__(self, ctx: StageContext, stage: str, rec, watch: RowsWatch, total: int):
+    def __init__(self, ctx: StageContext, rec, watch: RowsWatch, total: int):
         super().__init__(name="regenerate-progress", daemon=True)
-        self.ctx, self.stage, self.rec, self.watch, self.total = ctx, stage, rec, watch, total
+        self.ctx, self.rec, self.watch, self.total = ctx, rec, watch, total
         self.tokens_before = watch.tokens
         self.first = PromptWindow(rec.base_url)
         self.t0 = self.moved_at = time.perf_counter()
@@ -216,23 +211,21 @@ class Follower(threading.Thread):
         self.join()
 
     def run(self) -> None:
-        from pipeline.server import death
-
         while not self.ended.wait(0.5):
             try:
-                if self._tick(death) is not None:
+                if self._tick() is not None:
                     if self.client is not None:
                         procs.stop_group(self.client.pid, grace=5)
                     return
             except Exception as exc:  # noqa: BLE001 - the watcher must not die silently
                 self.ctx.log.warning("regeneration watcher: %s: %s", type(exc).__name__, exc)
 
-    def _tick(self, death) -> str | None:
+    def _tick(self) -> str | None:
         now, w = time.perf_counter(), self.watch
         w.poll()
         made = w.tokens - self.tokens_before
         since = now - (self.first.at or self.first.check() or now)  # once it has moved, one /metrics a tick
-        self.ctx.progress(self.stage, len(w.done), self.total, "conversations", tokens=made,
+        self.ctx.progress(len(w.done), self.total, "conversations", tokens=made,
                           tok_s=round(made / since, 1) if since > 0 else None)
         self.died = death(self.rec, wait=0)
         if self.died is not None:
@@ -254,16 +247,13 @@ class Follower(threading.Thread):
         last_row = last_row or self.watch.last_row_at or end
         wall = end - self.t0
         first = self.first.at
-        start = first - self.t0 if first else None
         generating = last_row - first if first else None
-        return {"generate_seconds": round(wall, 1), "client_start_s": round(start, 1) if start is not None else None,
+        return {"generate_seconds": round(wall, 1), "client_start_s": round(first - self.t0, 1) if first else None,
                 "generated_tok_s": round(made / generating, 1) if made > 0 and generating else None,
                 "generated_tok_s_with_client_start": round(made / wall, 1) if wall and made > 0 else None}
 
 
-def with_vllm(ctx: StageContext, stage: str, train: list[dict]) -> tuple[list[dict], dict]:
-    from pipeline.server import explain_failure
-
+def with_vllm(ctx: StageContext, train: list[dict]) -> tuple[list[dict], dict]:
     d = ctx.profile.data
     work = ctx.run.regenerate_dir
     work.mkdir(parents=True, exist_ok=True)
@@ -280,11 +270,11 @@ def with_vllm(ctx: StageContext, stage: str, train: list[dict]) -> tuple[list[di
     total = len(convs)
     if before:
         ctx.log.info("%d of %d conversations already regenerated: only the rest is asked", before, total)
-    with ctx.server("regenerate", on_wait=lambda s: ctx.progress(stage, before, total, "conversations",
+    with ctx.server("regenerate", on_wait=lambda s: ctx.progress(before, total, "conversations",
                                                                  server_wait_s=round(s))) as srv:
         cmd = regenerate_command(ctx, srv.base_url, dataset, outfile)
         ctx.log.info("command: %s", " ".join(cmd))
-        follower = Follower(ctx, stage, srv.rec, watch, total)
+        follower = Follower(ctx, srv.rec, watch, total)
         follower.start()
         try:
             rc = ctx.run_child(cmd, on_start=follower.watch_client)
@@ -294,9 +284,11 @@ def with_vllm(ctx: StageContext, stage: str, train: list[dict]) -> tuple[list[di
             raise StageError(f"{srv.rec.describe()} {follower.stalled}; the client was stopped (a resume goes on)")
         if follower.died or rc != 0:
             client_says = (f"speculators regenerate-responses exited with {rc}: "
-                           f"{procs.last_error_line(ctx.run.log_path(stage))}")
+                           f"{procs.last_error_line(ctx.run.log_path(ctx.stage))}")
             raise StageError(explain_failure(srv.rec, client_says))
-    by_conv, errors = read_rows(outfile), read_errors(errfile)
+    by_conv = read_rows(outfile)
+    errors = {str(row["id"]): str((row.get("metadata") or {}).get("error", ""))[:200]
+              for row in atomicio.read_jsonl(errfile) if isinstance(row, dict) and "id" in row}
     failed = {c["id"]: errors.get(c["id"], "no row and no error recorded") for c in convs if c["id"] not in by_conv}
     made = sum(int((r.get("metadata") or {}).get("usage", {}).get("completion_tokens") or 0)
                for rows in by_conv.values() for r in rows) - tokens_before
@@ -323,7 +315,7 @@ def with_vllm(ctx: StageContext, stage: str, train: list[dict]) -> tuple[list[di
 
 # --------------------------------------------------------------------------------------- transformers
 
-def with_transformers(ctx: StageContext, stage: str, train: list[dict]) -> tuple[list[dict], dict]:
+def with_transformers(ctx: StageContext, train: list[dict]) -> tuple[list[dict], dict]:
     from pipeline.speculative import eos_ids, greedy_reference_batch
 
     data = ctx.profile.data
@@ -353,7 +345,7 @@ def with_transformers(ctx: StageContext, stage: str, train: list[dict]) -> tuple
                 text = tok.decode([t for t in completion if t not in tok.all_special_ids])
                 histories[h][pos] = {"role": "assistant", "content": text}
                 generated_tokens += len(completion)
-            ctx.progress(stage, len(rows), total, "turns")
+            ctx.progress(len(rows), total, "turns")
     seconds = time.perf_counter() - t0
     return [row for _, _, row in sorted(rows, key=lambda r: r[:2])], {
         "generated_tokens": generated_tokens, "generate_seconds": round(seconds, 1),
@@ -369,13 +361,12 @@ def answer_variety(rows: list[dict]) -> dict:
     for row in rows:
         ids, mask = row["input_ids"], row["loss_mask"]
         seen: set[tuple[int, ...]] = set()
-        for i, token in enumerate(ids):
-            if i >= 2 and mask[i]:
+        for i in range(2, len(ids)):
+            if mask[i]:
                 total += 1
-                repeated += (ids[i - 2], ids[i - 1], token) in seen
-                distinct.add(token)
-            if i >= 2:
-                seen.add((ids[i - 2], ids[i - 1], token))
+                repeated += (ids[i - 2], ids[i - 1], ids[i]) in seen
+                distinct.add(ids[i])
+            seen.add((ids[i - 2], ids[i - 1], ids[i]))
     return {"answer_distinct_tokens": len(distinct),
             "answer_repeated_trigram_share": round(repeated / total, 3) if total else 0.0}
 

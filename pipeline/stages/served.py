@@ -10,9 +10,8 @@ from pipeline.server import explain_failure
 from pipeline.stages.base import StageContext, first_difference
 
 
-def measure_served(ctx: StageContext, stage: str, method: str, rec, start_s: float,
-                   prompts: list[list[int]], reference: list[list[int]] | None = None,
-                   headers: dict | None = None) -> dict:
+def measure_served(ctx: StageContext, method: str, rec, start_s: float, prompts: list[list[int]],
+                   reference: list[list[int]] | None = None, headers: dict | None = None) -> dict:
     """One method's row; with the baseline's outputs (`reference`), every output that differs at the lowest
     concurrency is located and the target's own margin there asked of this server (`divergences`).
     `headers`: production's key (measure-production, handover)."""
@@ -24,10 +23,11 @@ def measure_served(ctx: StageContext, stage: str, method: str, rec, start_s: flo
         for c in sorted(ev.concurrency):
             rounds = []
             for r in range(ev.rounds):  # each round with its own counters: a level's figures are one round's
+                label = f", round {r + 1}/{ev.rounds}" if ev.rounds > 1 else ""
                 before = online.scrape(rec.base_url)
                 level = send_all(rec.base_url, p.server.served_model_name, prompts, ev.max_new_tokens, c,
-                                 on_done=partial(ctx.progress, stage, total=len(prompts),
-                                                 unit=f"prompts ({method}, c={c}{round_label(r, ev.rounds)})"),
+                                 on_done=partial(ctx.progress, total=len(prompts),
+                                                 unit=f"prompts ({method}, c={c}{label})"),
                                  headers=headers, min_tokens=ev.min_new_tokens)
                 spec = online.scrape(rec.base_url) - before
                 if spec.drafts:
@@ -39,17 +39,12 @@ def measure_served(ctx: StageContext, stage: str, method: str, rec, start_s: flo
                                                            int(level.get("drafts", 0)))
                 rounds.append(level)
             row["levels"][c] = median_round(rounds)
-        low = min(p.evaluate.concurrency)
         if reference is not None:
             row["divergences"] = divergences(rec, p.server.served_model_name, prompts, reference,
-                                             row["levels"][low]["outputs"])
+                                             row["levels"][min(ev.concurrency)]["outputs"])
     except Exception as exc:  # noqa: BLE001 - a method that fails mid-way is a row, not a crash
         row["error"] = explain_failure(rec, f"{type(exc).__name__}: {exc}")
     return row
-
-
-def round_label(index: int, rounds: int) -> str:
-    return f", round {index + 1}/{rounds}" if rounds > 1 else ""
 
 
 def median_round(rounds: list[dict]) -> dict:

@@ -10,7 +10,7 @@ import sys
 import time
 from pathlib import Path
 
-from pipeline import atomicio, mooncake, online_training, procs, vllm_modes
+from pipeline import atomicio, box, mooncake, online_training, procs, vllm_modes
 from pipeline.checkpoints import final_checkpoint, kept_sub_epoch, quarantine_incomplete
 from pipeline.compat import speculators_compat, torch_distributed_errors
 from pipeline.results import TrainResult
@@ -101,16 +101,14 @@ class Train(Stage):
     def run(self, ctx: StageContext) -> TrainResult:
         if ctx.extract_mode() != "online":
             return TrainResult.of(self.train(ctx))
-        from pipeline import box
-
         _, mode_args = box.mode_inputs(ctx.profile, ctx.run, "extraction")
         epochs = ctx.profile.train.epochs
         try:
             master = mooncake.master(ctx.profile, ctx.run, self.name)  # Mooncake transfer: before both, after both
             with master, ctx.server("extraction", on_wait=lambda w: ctx.progress(
-                    self.name, 0, epochs, "epochs", server_wait_s=round(w)), **mode_args) as srv:
+                    0, epochs, "epochs", server_wait_s=round(w)), **mode_args) as srv:
                 watch = online_training.StatesWatch(mode_args["storage"], srv.base_url,
-                                                    lambda **f: ctx.emit("metric", self.name, **f))
+                                                    lambda **f: ctx.emit("metric", **f))
                 with watch:
                     figures = self.train(ctx, endpoint=f"{srv.base_url}/v1", server=srv.rec)
         except mooncake.MasterError as exc:
@@ -127,7 +125,7 @@ class Train(Stage):
         resumed = final_checkpoint(save)
         cmd = build_command(ctx, endpoint=endpoint)
         ctx.log.info("command: %s", " ".join(cmd))
-        ctx.emit("command", self.name, argv=cmd, resumed_from=resumed.name if resumed else None)
+        ctx.emit("command", argv=cmd, resumed_from=resumed.name if resumed else None)
         t = ctx.profile.train
         epochs = t.epochs
         last: dict[str, float] = {}
@@ -149,11 +147,11 @@ class Train(Stage):
                     step_ms.append(metrics["profile/step_ms"])
                     fetch_ms.append(metrics.get("profile/fetch_ms", 0.0))
                 last.update(metrics)
-                ctx.emit("metric", self.name, step=int(step) if step is not None else steps, epoch=epoch, **metrics)
-                ctx.progress(self.name, epoch, epochs, "epochs", step=steps, loss=metrics.get("train/loss"))
+                ctx.emit("metric", step=int(step) if step is not None else steps, epoch=epoch, **metrics)
+                ctx.progress(epoch, epochs, "epochs", step=steps, loss=metrics.get("train/loss"))
             elif any(k.startswith("val/") for k in metrics):
                 last.update(metrics)
-                ctx.emit("metric", self.name, epoch=epoch, **metrics)
+                ctx.emit("metric", epoch=epoch, **metrics)
 
         # Recorded so that a resume after this process was SIGKILLed can stop the orphaned trainer
         # (it runs in its own session and would keep writing checkpoints).
@@ -174,8 +172,7 @@ class Train(Stage):
         rc = ctx.run_child(cmd, env=env, on_line=on_line)
         ctx.run.update_stage(self.name, train_seconds=round(time.monotonic() - t0, 2))
         if rc != 0:
-            failure = (f"speculators train exited with {rc}; see {ctx.run.log_path(self.name)}: "
-                       f"{procs.last_error_line(ctx.run.log_path(self.name))}")
+            failure = f"speculators train exited with {rc}; see {log}: {procs.last_error_line(log)}"
             said = procs.read_log(log, this_attempt) or ""
             if speculators_compat.NODES_DISAGREE in said:  # the launcher's own reason comes before its echoes
                 raise StageError(said.split(speculators_compat.NODES_DISAGREE, 1)[1].splitlines()[0])

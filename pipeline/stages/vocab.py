@@ -7,6 +7,7 @@ from pathlib import Path
 from pipeline import atomicio
 from pipeline.results import VocabResult
 from pipeline.stages.base import Stage, StageContext, StageError
+from pipeline.targetinfo import from_config
 
 
 class Vocab(Stage):
@@ -21,8 +22,6 @@ class Vocab(Stage):
     def run(self, ctx: StageContext) -> VocabResult:
         import torch
         from speculators.train.vocab_mapping import build_vocab_mappings_from_distribution
-
-        from pipeline.targetinfo import from_config
 
         freq = torch.load(ctx.run.token_freq, weights_only=True)
         target_vocab = from_config(ctx.target_dir() / "config.json").vocab  # multimodal wrappers: text_config
