@@ -15,7 +15,7 @@ from pipeline import gpu, portlock, procs, vllm_modes
 from pipeline.profile import Profile
 from pipeline.server import ServerController, ServerError, ServerRecord, is_vllm, port_owner
 
-Say = Callable[[str], None]
+Say = Callable[[str], object]  # what it returns is not used
 
 
 class PortHeld(ServerError):
@@ -124,10 +124,9 @@ def stop_run_servers(profile: Profile, run_root: Path, say: Say,
             say(f"stopping {rec.describe()}")
         try:
             controller(port_profile).stop(grace=profile.server.shutdown_grace)
+            stopped.append(rec)
         except ServerError as exc:  # the others are still stopped; this one is said
             errors.append(exc)
-            continue
-        stopped.append(rec)
     if errors:
         raise ServerError("; ".join(str(e) for e in errors))
     return stopped

@@ -159,6 +159,8 @@ def cmd_exporter(args) -> int:
     import signal
     import threading
 
+    from prometheus_client import start_http_server
+
     from pipeline import exporter
     from pipeline.rundir import RunDir
 
@@ -168,8 +170,8 @@ def cmd_exporter(args) -> int:
     if not 0 <= args.port <= 65535:
         return _die(f"--port {args.port}: not a port (0-65535; 0 picks a free one)")
     try:
-        httpd, _ = exporter.serve(exporter.registry(runs, Path(args.runs_dir) if args.runs_dir else None),
-                                  args.host, args.port)
+        httpd, _ = start_http_server(args.port, addr=args.host,
+                                     registry=exporter.registry(runs, Path(args.runs_dir) if args.runs_dir else None))
     except (OSError, ValueError) as exc:  # in use, an address this host does not have
         return _die(f"exporter on {args.host}:{args.port}: {getattr(exc, 'strerror', None) or exc}")
     watched = [str(r) for r in runs] + ([f"every run under {Path(args.runs_dir).resolve()}"] if args.runs_dir else [])
@@ -230,19 +232,17 @@ def cmd_notes(args) -> int:
         if args.notes_cmd == "add":
             if not args.text.strip():
                 return _die("note text is empty")
-            rec = notes.add(run, args.text)
-            print(f"noted at {rec['ts']}")
-            return 0
-        if not args.output:
+            print(f"noted at {notes.add(run, args.text)['ts']}")
+        elif not args.output:
             sys.stdout.write(notes.export(run, args.format, jobs.snapshot(run)))
-            return 0
-        out = Path(args.output)
-        notes.check_destination(out)
-        try:
-            atomic_write_rendered(out, lambda: notes.export(run, args.format, jobs.snapshot(run), out).encode())
-        except OSError as exc:
-            return _die(f"-o {out}: cannot write it: {exc.strerror or exc}", EXIT_FAILED)
-        print(f"wrote {out}")
+        else:
+            out = Path(args.output)
+            notes.check_destination(out)
+            try:
+                atomic_write_rendered(out, lambda: notes.export(run, args.format, jobs.snapshot(run), out).encode())
+            except OSError as exc:
+                return _die(f"-o {out}: cannot write it: {exc.strerror or exc}", EXIT_FAILED)
+            print(f"wrote {out}")
         return 0
     except ValueError as exc:  # a RunDirError too
         return _die(str(exc))
@@ -281,19 +281,18 @@ def cmd_server(args) -> int:
             return 0
         box.guard(profile, args.force)  # before anything else: the port may be another run's
         if args.server_cmd == "stop":
-            stopped = box.free_port(profile, print, force=args.force)
-            print("stopped" if stopped else f"no vLLM server on port {profile.server.port}")
-            return 0
-        if args.server_cmd == "adopt":
+            print("stopped" if box.free_port(profile, print, force=args.force) else
+                  f"no vLLM server on port {profile.server.port}")
+        elif args.server_cmd == "adopt":
             rec = box.adopt(profile, force=args.force)
             print(f"adopted vLLM pid {rec.pid} (process group {rec.pgid}) on port {rec.port}")
-            return 0
-        target_dir, mode_args = box.mode_inputs(profile, run, args.mode, args.draft, args.storage)
-        logs = (run.logs_dir if run else Path(profile.run.runs_dir).resolve() / ".servers")
-        rec = box.start_mode(profile, args.mode, target_dir, log_path=logs / f"server-{args.mode}.log",
-                             cache_root=run.cache_root if run else Path(profile.run.cache_dir).resolve() / ".cache",
-                             say=print, force=args.force, **mode_args)
-        print(f"{args.mode} server healthy: pid {rec.pid}, {rec.base_url}, log {rec.log}")
+        else:
+            target_dir, mode_args = box.mode_inputs(profile, run, args.mode, args.draft, args.storage)
+            logs = (run.logs_dir if run else Path(profile.run.runs_dir).resolve() / ".servers")
+            rec = box.start_mode(profile, args.mode, target_dir, log_path=logs / f"server-{args.mode}.log",
+                                 cache_root=run.cache_root if run else Path(profile.run.cache_dir).resolve() / ".cache",
+                                 say=print, force=args.force, **mode_args)
+            print(f"{args.mode} server healthy: pid {rec.pid}, {rec.base_url}, log {rec.log}")
         return 0
     except (ServerError, StageError, ValueError) as exc:  # ProfileError and RunDirError are ValueErrors
         code = _die(str(exc), EXIT_FAILED if isinstance(exc, (ServerError, StageError, NotBuilt)) else EXIT_USAGE)
@@ -337,7 +336,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     parser = argparse.ArgumentParser(prog="eagle3-console",
                                      description="Train, deploy and measure an EAGLE-3 draft head for a served target.")
-    sub = parser.add_subparsers(dest="cmd", required=True)
+    sub = parser.add_subparsers(dest="cmd", required=True)  # the command NAME runs cmd_NAME
     run = sub.add_parser("run", help="run (or resume) the pipeline")
     run.add_argument("profile", nargs="?", help="profile TOML file or name in profiles/")
     run.add_argument("--resume", metavar="RUN_DIR", help="finish an existing run")
@@ -354,12 +353,9 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--readonly", action="store_true", help="show only: every control disabled")
         p.add_argument("--interval", type=float, default=1.0, help="GPU sampling period in seconds (>= 0.25)")
     at.add_argument("run_dir")
-    at.set_defaults(func=cmd_attach)
-    run.set_defaults(func=cmd_run)
     st = sub.add_parser("status", help="show a run's stages")
     st.add_argument("run_dir")
     st.add_argument("--json", action="store_true")
-    st.set_defaults(func=cmd_status)
     nt = sub.add_parser("notes", help="the run's notes log")
     nsub = nt.add_subparsers(dest="notes_cmd", required=True)
     na = nsub.add_parser("add", help="append an operator note")
@@ -369,18 +365,15 @@ def build_parser() -> argparse.ArgumentParser:
     ne.add_argument("run_dir")
     ne.add_argument("--format", choices=["md", "json"], default="md")
     ne.add_argument("-o", "--output")
-    nt.set_defaults(func=cmd_notes)
     pb = sub.add_parser("publish", help="the chosen head with its model card and evaluation, as vLLM loads it")
     pb.add_argument("run_dir")
     pb.add_argument("out_dir", help="a new or empty directory")
     pb.add_argument("--force", action="store_true", help="publish a head whose run did not decide deploy")
-    pb.set_defaults(func=cmd_publish)
     ex = sub.add_parser("exporter", help="runs and GPUs as Prometheus metrics (docs/grafana-eagle3.json)")
     ex.add_argument("run_dirs", nargs="*", metavar="RUN_DIR")
     ex.add_argument("--runs-dir", help="also every run under this directory, as they appear")
     ex.add_argument("--port", type=int, default=9401, help="default 9401; 0 picks a free one")
     ex.add_argument("--host", default="127.0.0.1", help="the address to bind (default 127.0.0.1: this host only)")
-    ex.set_defaults(func=cmd_exporter)
     sv = sub.add_parser("server", help="start, stop, adopt or inspect the vLLM server of a profile's port")
     ssub = sv.add_subparsers(dest="server_cmd", required=True)
     for name, text in (("start", "start vLLM in a mode (stops what serves the port first)"),
@@ -391,7 +384,9 @@ def build_parser() -> argparse.ArgumentParser:
         sp.add_argument("profile", nargs="?", help="profile (default: the run's, with --run-dir)")
         sp.add_argument("--run-dir", help="a run: its port, target, draft and log directory")
         sp.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a profile value")
-        if name != "status":
+        if name == "status":
+            sp.add_argument("--json", action="store_true")
+        else:
             sp.add_argument("--force", action="store_true",
                             help="act even while a run in progress holds the port (pulls its server from under it)")
         if name == "start":
@@ -399,19 +394,14 @@ def build_parser() -> argparse.ArgumentParser:
             sp.add_argument("--mode", choices=MODES, default="production")
             sp.add_argument("--draft", help="published draft directory (speculative / production with draft)")
             sp.add_argument("--storage", help="hidden-state directory (extraction)")
-        if name == "status":
-            sp.add_argument("--json", action="store_true")
-    sv.set_defaults(func=cmd_server)
     pl = sub.add_parser("plan", help="disk, GPU memory, time and GPU-hours of profiles, side by side")
     pl.add_argument("profiles", nargs="+", metavar="PROFILE")
     pf = sub.add_parser("preflight", help="check target, versions, GPUs, port and disk before a run")
     pf.add_argument("profile")
-    for p, func in ((pl, cmd_plan), (pf, cmd_preflight)):
+    for p in (pl, pf):
         p.add_argument("--json", action="store_true")
         p.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a profile value")
-        p.set_defaults(func=func)
-    sc = sub.add_parser("schema", help="the profile's JSON schema (for editors; docs/profile.schema.json)")
-    sc.set_defaults(func=cmd_schema)
+    sub.add_parser("schema", help="the profile's JSON schema (for editors; docs/profile.schema.json)")
     return parser
 
 
@@ -427,7 +417,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from pipeline.rundir import RunDirError
     try:
-        return args.func(args)
+        return globals()[f"cmd_{args.cmd}"](args)
     except RunDirError as exc:  # RUN_DIR is not a run: one line, as any bad input
         return _die(str(exc))
     except BrokenPipeError:  # `status RUN | head`: the reader left; not an error of ours

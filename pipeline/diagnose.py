@@ -96,10 +96,8 @@ def check_acceptance(ctx, checkpoint: Path, measured: list[float], where: str,
     text = gap_text(epoch, val, measured, where)
     if text is None:
         return {}
-    coverage = None
-    if outputs:
-        _, t2d = ctx.run.vocab_mappings(ctx.profile.vocab.draft_vocab_size)
-        coverage = vocab_coverage(t2d, outputs)
+    # no outputs: no coverage (vocab_coverage says None)
+    coverage = vocab_coverage(ctx.run.vocab_mappings(ctx.profile.vocab.draft_vocab_size)[1], outputs or [])
     causes = likely_causes(ctx.profile, ctx.target_dir(), coverage)
     line = f"{text}; likely: " + "; ".join(causes)
     ctx.log.warning(line)

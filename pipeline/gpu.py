@@ -108,12 +108,10 @@ def _sample_one(i: int) -> GpuSample:
         procs = _query(nv.nvmlDeviceGetComputeRunningProcesses, handle) or []
     except _Lost as exc:
         return GpuSample(index=i, name=name, lost=True, error=str(exc))
-    return GpuSample(
-        index=i, name=name,
-        util_pct=util.gpu if util is not NA else NA,
-        mem_used=mem.used if mem is not NA else NA, mem_total=mem.total if mem is not NA else NA,
-        temp_c=temp, power_w=power / 1000 if power is not NA else NA,
-        power_limit_w=limit / 1000 if limit is not NA else NA, sm_clock_mhz=clock,
+    return GpuSample(  # a field NVML would not tell (NA) stays NA
+        index=i, name=name, util_pct=getattr(util, "gpu", NA), mem_used=getattr(mem, "used", NA),
+        mem_total=getattr(mem, "total", NA), temp_c=temp, sm_clock_mhz=clock,
+        power_w=power / 1000 if power is not NA else NA, power_limit_w=limit / 1000 if limit is not NA else NA,
         processes=tuple(GpuProcess(p.pid, getattr(p, "usedGpuMemory", None), _proc_name(p.pid)) for p in procs),
     )
 
@@ -183,9 +181,8 @@ class StageMonitor:
         if not self._samples:
             return None
         per_gpu: dict[int, dict] = {}
-        prevs: list[GpuSnapshot | None] = [None, *self._samples[:-1]]
-        for prev, snap in zip(prevs, self._samples, strict=True):
-            dt = snap.t - prev.t if prev else 0.0
+        for n, snap in enumerate(self._samples):
+            dt = snap.t - self._samples[n - 1].t if n else 0.0
             for g in snap.gpus:
                 if g.lost:
                     continue

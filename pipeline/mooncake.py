@@ -44,13 +44,6 @@ def binary() -> Path:
     return Path(sys.executable).parent / "mooncake_master"
 
 
-def master_argv(profile: Profile) -> list[str]:
-    host, port = address(profile)
-    return [str(binary()), "-rpc_address=127.0.0.1" if host in LOOPBACK else f"-rpc_address={host}",
-            f"-rpc_port={port}", "-metrics_host=127.0.0.1", "-metrics_port=0", "-logtostderr",
-            "-enable_metric_reporting=false"]
-
-
 def _answers(port: int) -> bool:
     with closing(socket.socket()) as s:
         s.settimeout(0.5)
@@ -79,9 +72,11 @@ def master(profile: Profile, run: RunDir, stage: str, timeout: float = 30.0) -> 
                               "already in use by another process")
         log = run.log_path("mooncake-master")
         log.parent.mkdir(parents=True, exist_ok=True)
+        argv = [str(binary()), "-rpc_address=127.0.0.1", f"-rpc_port={port}", "-metrics_host=127.0.0.1",
+                "-metrics_port=0", "-logtostderr", "-enable_metric_reporting=false"]  # all on loopback
         with open(log, "ab") as out:
-            proc = subprocess.Popen(master_argv(profile), stdout=out, stderr=subprocess.STDOUT,
-                                    stdin=subprocess.DEVNULL, start_new_session=True)
+            proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                    start_new_session=True)
         run.update_stage(stage, **{RECORD: proc.pid})
         try:
             deadline = time.monotonic() + timeout

@@ -232,13 +232,12 @@ def check_destination(path: Path) -> None:
     """An export destination the operator named: a file in an existing, writable directory. Checked
     before anything is rendered; no directory is created for it."""
     path = Path(path)
-    parent = path.parent
     if path.is_dir():
         raise ValueError(f"-o {path}: is a directory; name the file to write")
-    if not parent.is_dir():
-        raise ValueError(f"-o {path}: directory {parent} does not exist (export creates none)")
-    if not os.access(parent, os.W_OK):
-        raise ValueError(f"-o {path}: directory {parent} is not writable")
+    if not path.parent.is_dir():
+        raise ValueError(f"-o {path}: directory {path.parent} does not exist (export creates none)")
+    if not os.access(path.parent, os.W_OK):
+        raise ValueError(f"-o {path}: directory {path.parent} is not writable")
 
 
 def export(run: RunDir, fmt: str, snapshot: RunSnapshot, out_path: Path | None = None) -> str:

@@ -8,7 +8,7 @@ import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from itertools import zip_longest
+from itertools import count, zip_longest
 
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -17,12 +17,16 @@ from pipeline.server import http_get
 SPEC_PREFIX = "vllm:spec_decode_"
 
 
+def _request(base_url: str, model: str, prompt_ids: list[int], max_tokens: int, headers: dict, fields: dict):
+    """A greedy request to the server's completions API (token ids in, `fields` added)."""
+    body = {"model": model, "prompt": prompt_ids, "max_tokens": max_tokens, "temperature": 0.0, **fields}
+    return urllib.request.Request(f"{base_url}/v1/completions", data=json.dumps(body).encode(),
+                                  headers={"Content-Type": "application/json", **headers}, method="POST")
+
+
 def complete(base_url: str, model: str, prompt_ids: list[int], max_tokens: int, headers: dict,
              timeout: float = 600) -> dict:
-    body = {"model": model, "prompt": prompt_ids, "max_tokens": max_tokens, "temperature": 0.0,
-            "return_token_ids": True}
-    req = urllib.request.Request(f"{base_url}/v1/completions", data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json", **headers}, method="POST")
+    req = _request(base_url, model, prompt_ids, max_tokens, headers, {"return_token_ids": True})
     t0 = time.perf_counter()
     with urllib.request.urlopen(req, timeout=timeout) as resp:  # noqa: S310 - the server we started
         data = json.loads(resp.read())
@@ -37,10 +41,8 @@ def stream_complete(base_url: str, model: str, prompt_ids: list[int], max_tokens
     the tokens of one engine step (one with plain decoding, up to k + 1 with a draft), so the client sees
     the first token's wait (`ttft`) apart from the decode that follows (`decode_seconds`, `chunks`) — the
     split vLLM's own benchmark reports as TTFT and TPOT."""
-    body = {"model": model, "prompt": prompt_ids, "max_tokens": max_tokens, "temperature": 0.0,
-            "return_token_ids": True, "stream": True, "stream_options": {"include_usage": True}, **(extra or {})}
-    req = urllib.request.Request(f"{base_url}/v1/completions", data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json", **headers}, method="POST")
+    req = _request(base_url, model, prompt_ids, max_tokens, headers, {"return_token_ids": True, "stream": True,
+                   "stream_options": {"include_usage": True}, **(extra or {})})
     t0 = time.perf_counter()
     tokens: list[int] = []
     text: list[str] = []
@@ -82,10 +84,7 @@ def top_logprobs(base_url: str, model: str, prompt_ids: list[int], headers: dict
                  timeout: float = 600) -> list[tuple[int, float]]:
     """The served model's n most likely next tokens after `prompt_ids` as (token id, logprob), best first
     (vLLM's completions API with `return_tokens_as_token_ids`: keys read "token_id:123")."""
-    body = {"model": model, "prompt": prompt_ids, "max_tokens": 1, "temperature": 0.0, "logprobs": n,
-            "return_tokens_as_token_ids": True}
-    req = urllib.request.Request(f"{base_url}/v1/completions", data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json", **headers}, method="POST")
+    req = _request(base_url, model, prompt_ids, 1, headers, {"logprobs": n, "return_tokens_as_token_ids": True})
     with urllib.request.urlopen(req, timeout=timeout) as resp:  # noqa: S310 - the server we started
         data = json.loads(resp.read())
     top = data["choices"][0]["logprobs"]["top_logprobs"][0]
@@ -160,14 +159,12 @@ def send_all(base_url: str, model: str, prompts: list[list[int]], max_tokens: in
     what the speedup is of), `ttft_ms` the first token's wait, `decode_tpot_ms` the time per token after
     it, `chunk_ms` the time between two chunks of tokens (a decode step, as the client sees it).
     `min_tokens`: vLLM holds the end of text back until each answer has that many tokens."""
-    headers = headers or {}
-    done = [0]
+    done = count(1)
 
     def one(ids):
-        out = stream_complete(base_url, model, ids, max_tokens, headers,
+        out = stream_complete(base_url, model, ids, max_tokens, headers or {},
                               extra={"min_tokens": min_tokens} if min_tokens else None)
-        done[0] += 1
-        on_done(done[0])
+        on_done(next(done))
         return out
 
     t0 = time.perf_counter()
@@ -235,22 +232,21 @@ class PromptWindow(threading.Thread):
         self.base_url, self.before = base_url, prompt_tokens(base_url) or 0.0
         self.at: float | None = None  # the first move
         self.last: float | None = None
-        self.counted = (0.0, 0.0)  # the counter at the first move and at the last
+        self.first_count = 0.0  # the counter at the first move (at the last: `before`)
         self.ended = threading.Event()
 
     def check(self) -> float | None:
         if (n := prompt_tokens(self.base_url)) is not None and n > self.before:
             self.before, self.last = n, time.perf_counter()
             if self.at is None:
-                self.at, self.counted = self.last, (n, n)
-            self.counted = (self.counted[0], n)
+                self.at, self.first_count = self.last, n
         return self.at
 
     def tokens_per_s(self) -> float | None:
         """The server's prefill rate between the first and the last move seen (0.25 s apart at the finest)."""
         if self.at is None or self.last is None or self.last <= self.at:
             return None
-        return (self.counted[1] - self.counted[0]) / (self.last - self.at)
+        return (self.before - self.first_count) / (self.last - self.at)
 
     def run(self) -> None:
         while not self.ended.wait(0.25):

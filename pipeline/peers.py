@@ -4,7 +4,6 @@ progress and ETA, or why it cannot be read. Prometheus text, parsed by prometheu
 from __future__ import annotations
 
 import http.client
-import urllib.error
 import urllib.request
 
 from prometheus_client.parser import text_string_to_metric_families
@@ -13,6 +12,7 @@ from pipeline.results import Peer
 
 TIMEOUT_S = 1.5  # a node that does not answer in this long is shown as such, the watcher does not wait on it
 SHOWN = ("running", "failed", "interrupted", "stale", "done")  # the stage a node is shown at, in this order
+PER_STAGE = {"eagle3_stage_progress_ratio": "progress", "eagle3_stage_eta_seconds": "eta"}  # a figure per stage
 
 
 def read(url: str, timeout: float = TIMEOUT_S) -> list[Peer]:
@@ -20,9 +20,8 @@ def read(url: str, timeout: float = TIMEOUT_S) -> list[Peer]:
     try:
         with urllib.request.urlopen(url, timeout=timeout) as resp:
             text = resp.read().decode(errors="replace")
-    except (urllib.error.URLError, http.client.HTTPException, OSError, ValueError) as exc:  # not HTTP there too
-        reason = getattr(exc, "reason", None) or exc
-        return [Peer(url, error=f"unreachable ({reason})")]
+    except (http.client.HTTPException, OSError, ValueError) as exc:  # OSError: URLError too; not HTTP there too
+        return [Peer(url, error=f"unreachable ({getattr(exc, 'reason', None) or exc})")]
     runs: dict[str, dict] = {}
     try:
         for family in text_string_to_metric_families(text):
@@ -35,10 +34,8 @@ def read(url: str, timeout: float = TIMEOUT_S) -> list[Peer]:
                     r["state"] = s.labels.get("state")
                 elif s.name == "eagle3_stage_state" and s.value == 1:
                     r["stages"][s.labels["stage"]] = s.labels.get("state")
-                elif s.name == "eagle3_stage_progress_ratio":
-                    r["progress"][s.labels["stage"]] = s.value
-                elif s.name == "eagle3_stage_eta_seconds":
-                    r["eta"][s.labels["stage"]] = s.value
+                elif s.name in PER_STAGE:
+                    r[PER_STAGE[s.name]][s.labels["stage"]] = s.value
     except ValueError as exc:  # not Prometheus text
         return [Peer(url, error=f"not an eagle3-console exporter ({exc})")]
     if not runs:

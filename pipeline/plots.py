@@ -22,10 +22,9 @@ def training_curves(run: RunDir, out: Path) -> Path | None:
                if e.get("stage") == "train" and e.get("kind") == "metric" and any(k.startswith("train/") for k in e)]
     if not metrics:
         return None
-    plt = _plt()
     steps = list(range(1, len(metrics) + 1))
     ttt = sorted({int(k.rsplit("_", 1)[1]) for e in metrics for k in e if k.startswith("train/loss_")})
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 3.8))
+    fig, (ax1, ax2) = _plt().subplots(1, 2, figsize=(11, 3.8))
     for i in ttt:
         ax1.plot(steps, [e.get(f"train/loss_{i}") for e in metrics], label=f"TTT step {i}", lw=1)
         ax2.plot(steps, [e.get(f"train/full_acc_{i}") for e in metrics], label=f"TTT step {i}", lw=1)
@@ -34,7 +33,7 @@ def training_curves(run: RunDir, out: Path) -> Path | None:
     for ax in (ax1, ax2):
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
-    return _save(fig, plt, out / "training.png")
+    return _save(fig, out / "training.png")
 
 
 def acceptance(run: RunDir, out: Path) -> Path | None:
@@ -44,13 +43,11 @@ def acceptance(run: RunDir, out: Path) -> Path | None:
     if res := atomicio.read_json(run.online_result):
         low = min(res["concurrency"])
         for method, row in res["matrix"].items():
-            level = level_of(row, low)
-            if level.get("acceptance_per_position"):
-                series[f"{method} (vLLM)"] = level["acceptance_per_position"]
+            if per_position := level_of(row, low).get("acceptance_per_position"):
+                series[f"{method} (vLLM)"] = per_position
     if not series:
         return None
-    plt = _plt()
-    fig, ax = plt.subplots(figsize=(7, 3.8))
+    fig, ax = _plt().subplots(figsize=(7, 3.8))
     width = 0.8 / len(series)
     for j, (name, values) in enumerate(series.items()):
         ax.bar([i + j * width for i in range(len(values))], values, width, label=name)
@@ -59,7 +56,7 @@ def acceptance(run: RunDir, out: Path) -> Path | None:
     ax.set(title="acceptance per draft position", ylabel="accepted / verify steps", ylim=(0, 1))
     ax.grid(axis="y", alpha=0.3)
     ax.legend(fontsize=8)
-    return _save(fig, plt, out / "acceptance.png")
+    return _save(fig, out / "acceptance.png")
 
 
 def checkpoints(run: RunDir, out: Path) -> Path | None:
@@ -68,8 +65,7 @@ def checkpoints(run: RunDir, out: Path) -> Path | None:
     entries = (picked or {}).get("checkpoints") or []
     if not entries:
         return None
-    plt = _plt()
-    fig, ax = plt.subplots(figsize=(9, 3.8))
+    fig, ax = _plt().subplots(figsize=(9, 3.8))
     xs = list(range(len(entries)))
     ax.plot(xs, [e["tau"] for e in entries], "o-", color="tab:blue", label="τ (held-out prompts)")
     chosen = (picked.get("chosen") or {}).get("label")
@@ -87,32 +83,30 @@ def checkpoints(run: RunDir, out: Path) -> Path | None:
     loss.set_ylabel("loss")
     handles = ax.get_legend_handles_labels()[0] + loss.get_legend_handles_labels()[0]
     ax.legend(handles=handles, fontsize=8, loc="lower right")
-    return _save(fig, plt, out / "checkpoints.png")
+    return _save(fig, out / "checkpoints.png")
 
 
 def gpu_timeline(run: RunDir, out: Path) -> Path | None:
     samples = atomicio.read_jsonl(run.gpu_timeline)
     if not samples:
         return None
-    plt = _plt()
     t0 = samples[0]["t"]
-    fig, ax = plt.subplots(figsize=(11, 3.2))
+    fig, ax = _plt().subplots(figsize=(11, 3.2))
     for idx in sorted({int(k) for s in samples for k in s["util"]}):
-        pts = [(s["t"] - t0, s["util"].get(str(idx))) for s in samples]
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], lw=1, label=f"GPU {idx}")
+        ax.plot([s["t"] - t0 for s in samples], [s["util"].get(str(idx)) for s in samples], lw=1, label=f"GPU {idx}")
     for e in atomicio.read_jsonl(run.events_path):
         if e.get("kind") == "start" and e.get("t", 0) >= t0:
             ax.axvline(e["t"] - t0, color="grey", lw=0.5)
             ax.text(e["t"] - t0, 101, e["stage"], fontsize=7, rotation=45)
     ax.set(title="GPU utilization over the run", xlabel="seconds", ylabel="%", ylim=(0, 100))
     ax.legend(fontsize=8)
-    return _save(fig, plt, out / "gpu_utilization.png")
+    return _save(fig, out / "gpu_utilization.png")
 
 
-def _save(fig, plt, path: Path) -> Path:
+def _save(fig, path: Path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     atomicio.atomic_write_with(path, lambda p: fig.savefig(p, dpi=110, bbox_inches="tight", format="png"))
-    plt.close(fig)
+    _plt().close(fig)
     return path
 
 

@@ -14,10 +14,10 @@ from pipeline.compat import vllm_errors
 
 
 def group_members(pgid: int) -> list[psutil.Process]:
-    """Live (non-zombie) processes of a process group. A zombie holds nothing and, in a container
-    whose init does not reap, may never go away, so it does not count."""
+    """Live (non-zombie) processes of a process group, each with its `info` (status, create_time). A zombie
+    holds nothing and, in a container whose init does not reap, may never go away, so it does not count."""
     members = []
-    for proc in psutil.process_iter(["pid", "status"]):
+    for proc in psutil.process_iter(["pid", "status", "create_time"]):
         try:
             if os.getpgid(proc.pid) == pgid and proc.info["status"] != psutil.STATUS_ZOMBIE:
                 members.append(proc)
@@ -159,8 +159,7 @@ def shown_cmdline(proc, width: int = 120) -> str:
 
 def repo_on_path(pythonpath: str | None) -> str:
     """A PYTHONPATH with this repository first: children import pipeline.compat from it."""
-    root = str(Path(__file__).resolve().parent.parent)
-    return root + (os.pathsep + pythonpath if pythonpath else "")
+    return str(Path(__file__).resolve().parent.parent) + (os.pathsep + pythonpath if pythonpath else "")
 
 
 def child_env(cache_root: Path) -> dict:

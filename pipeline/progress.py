@@ -52,8 +52,7 @@ class ProgressPrinter:
             frac = min(1.0, done / total)
             eta_s = _fmt_secs(elapsed / frac - elapsed) if frac > 0 else "?"
             if self.tty:
-                bar = "#" * int(frac * 30)
-                self.stream.write(f"\r\033[K[{stage}] [{bar:<30}] {done}/{total} {unit} "
+                self.stream.write(f"\r\033[K[{stage}] [{'#' * int(frac * 30):<30}] {done}/{total} {unit} "
                                   f"{_fmt_secs(elapsed)} ETA {eta_s} {extra}")
                 self.stream.flush()
                 self._bar_open = True

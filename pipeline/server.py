@@ -88,13 +88,7 @@ BORN_WITHIN_S = 3600.0  # a server's processes (API server, engine cores, worker
 def _started_with(rec: ServerRecord, group: list[psutil.Process]) -> bool:
     """Whether the process group is still the recorded server's: one of its processes was born when the
     server started (a group id reused after a reboot names processes born much later)."""
-    for p in group:
-        try:
-            if rec.started - 5 <= p.create_time() <= rec.started + BORN_WITHIN_S:
-                return True
-        except psutil.Error:
-            continue
-    return False
+    return any(rec.started - 5 <= (p.info["create_time"] or 0) <= rec.started + BORN_WITHIN_S for p in group)
 
 
 def exit_status(pid: int) -> str | None:
@@ -226,8 +220,7 @@ class ServerController:
         me = psutil.Process()
         with open(log, "ab") as fh, procs.stop_signals_deferred():  # started and recorded, or neither
             offset = fh.tell()
-            shown = " ".join(procs.redact_argv(argv))
-            fh.write(f"\n=== eagle3-console: starting {mode} server: {shown}\n".encode())
+            fh.write(f"\n=== eagle3-console: starting {mode} server: {' '.join(procs.redact_argv(argv))}\n".encode())
             fh.flush()
             proc = subprocess.Popen(argv, stdout=fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                     start_new_session=True, env={**os.environ, **(env or {})})

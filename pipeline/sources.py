@@ -80,9 +80,8 @@ def read_source(src: DataSource, demo_file: Path) -> tuple[list[dict], int]:
     kind = source_kind(src.source)
     limit = src.limit or None
     if kind in ("demo", "file"):
-        path = demo_file if kind == "demo" else Path(src.source)
         try:
-            loaded = conversations.load(path)
+            loaded = conversations.load(demo_file if kind == "demo" else Path(src.source))
         except FileNotFoundError as exc:
             raise SourceError(str(exc)) from None
         rows = [{"id": c["id"], "messages": c["messages"]} for c in loaded.conversations] + loaded.token_rows
@@ -134,6 +133,5 @@ def offline_problem(src: DataSource) -> str | None:
     try:
         next(iter(_preset_rows(src)), None)
     except Exception as exc:  # noqa: BLE001
-        first = str(exc).splitlines()[0] if str(exc) else ""
-        return f"{type(exc).__name__}: {first}"[:300]
+        return f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:300]
     return None

