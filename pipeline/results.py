@@ -19,10 +19,6 @@ class Result(BaseModel):
     model_config = ConfigDict(extra="allow", frozen=True)
     STAGE: ClassVar[str] = ""
 
-    def figures(self) -> dict:
-        """As state.json keeps them: what the stage set, declared or not."""
-        return self.model_dump(mode="json", exclude_unset=True)
-
     @classmethod
     def of(cls, figures: dict) -> Self:
         """What a stage returns: its figures as its model (ValueError naming the figure of the wrong type)."""
@@ -164,7 +160,7 @@ def stored(stage: str, result: Result | dict) -> dict:
         result = model.of(result)
     if type(result) is not model:
         raise ValueError(f"{stage} returned a {type(result).__name__}, not its {model.__name__}")
-    return result.figures()
+    return result.model_dump(mode="json", exclude_unset=True)  # what the stage set, declared or not
 
 
 def read(model: type[R], figures: dict | None) -> R:

@@ -61,7 +61,7 @@ def _flat(d: dict, prefix: str = "") -> dict:
 
 
 def changed_settings(old: Profile, new: Profile) -> list[str]:
-    a, b = _flat(old.to_dict()), _flat(new.to_dict())
+    a, b = _flat(old.model_dump()), _flat(new.model_dump())
     return [f"{k}: {json.dumps(a.get(k))} -> {json.dumps(b.get(k))}" for k in sorted(a.keys() | b.keys())
             if a.get(k) != b.get(k) and k != "name"]
 

@@ -114,7 +114,7 @@ class RunDir:
         root.mkdir(parents=True, exist_ok=True)
         run = cls(root)
         run.logs_dir.mkdir(exist_ok=True)
-        atomicio.atomic_write_text(run.profile_path, dump_toml(profile.to_dict()))
+        atomicio.atomic_write_text(run.profile_path, dump_toml(profile.model_dump()))
         atomicio.atomic_write_json(run.state_path, {"created": now_iso(), "profile": profile.name,
                                                     "versions": package_versions(), "stages": {}})
         return run

@@ -241,10 +241,8 @@ class ServerController:
         t0 = time.monotonic()
         while True:
             code, _ = http_get(f"{rec.base_url}/health", timeout=2)
-            if code == 200:
-                mcode, body = http_get(f"{rec.base_url}/v1/models", timeout=5)
-                if mcode in (200, 401):  # 401: an API key guards /v1, the server is up
-                    return
+            if code == 200 and http_get(f"{rec.base_url}/v1/models", timeout=5)[0] in (200, 401):
+                return  # 401: an API key guards /v1, the server is up
             exited = proc.poll() if proc is not None else (None if procs.group_members(rec.pgid) else -1)
             if exited is not None:
                 how = exit_status(rec.pid) or f"exited with {exited}"

@@ -50,8 +50,8 @@ def base_argv(profile: Profile, target_dir: Path, host: str) -> list[str]:
             "--dtype", s.dtype, "--tensor-parallel-size", str(s.tensor_parallel_size)]
     if accelerator_available():
         argv += ["--gpu-memory-utilization", str(s.gpu_memory_utilization)]
-    else:
-        argv += vllm_cpu_env.mla_backend_flags(_is_mla(target_dir), served_dtype(profile))
+    elif backend := vllm_cpu_env.mla_backend(_is_mla(target_dir), served_dtype(profile)):
+        argv += ["--attention-backend", backend]
     if s.enforce_eager:
         argv.append("--enforce-eager")
     return argv

@@ -29,7 +29,7 @@ def flat(d, prefix=""):
 
 
 def test_lowered_and_full_differ_only_in_numbers_and_hardware():
-    low, full = (flat(load_profile(n, check_inputs=False).to_dict()) for n in KIMI)
+    low, full = (flat(load_profile(n, check_inputs=False).model_dump()) for n in KIMI)
     differing = {k for k in low if low[k] != full[k]}
     assert differing and differing <= NUMBERS_AND_HARDWARE, differing - NUMBERS_AND_HARDWARE
     assert low["target.model_path"] == full["target.model_path"] and low["extract.layer_ids"] == [2, 30, 58, 61]

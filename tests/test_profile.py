@@ -57,7 +57,7 @@ def test_extends_missing_file_and_cycle(tmp_path):
 
 def test_resolved_profile_round_trips(tmp_path):
     tiny = load_profile(TINY)
-    p = write(tmp_path, "resolved.toml", dump_toml(tiny.to_dict()))
+    p = write(tmp_path, "resolved.toml", dump_toml(tiny.model_dump()))
     assert load_profile(p) == tiny
 
 

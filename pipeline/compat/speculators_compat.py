@@ -36,7 +36,6 @@ ADAPTED = [
 # Always (speculators 0.9.0): the verifier's processor, which speculators loads to pick the draft's mask
 # token; a multimodal verifier's (Kimi-K2.5) needs torchvision, which is not installed.
 PROCESSOR = ("speculators.train.utils", "load_processor")
-ALWAYS_ADAPTED = [PROCESSOR]
 # When the run asks for it (evaluate.checkpoints = "each" with train.checkpoint_freq < 1): speculators 0.9.0
 # (trainer.py, Trainer.train_epoch → maybe_save_checkpoint(epoch, local_step)) writes a sub-epoch checkpoint
 # into its epoch's directory, where the next one overwrites it; wrapped, each is copied
@@ -56,13 +55,12 @@ METRICS_SETUP = ("speculators.train.cli", "setup_metric_logger")
 METRICS_LOGGER = "speculators.metrics"
 METRICS_FILTERS = ("speculators.train.logger", ("IsMappingFilter", "IsRank0Filter", "_flatten_dict"))
 METRICS_MARK = "@eagle3-console:metrics "
-ALWAYS_ADAPTED.append(METRICS_SETUP)
 # Always, under torchrun across nodes: speculators 0.9.0 saves checkpoints on rank 0 only (checkpointer.py)
 # and every rank resumes from the newest numbered directory of its own --save-path; a node without node 0's
 # disk would start at epoch 0 while node 0 resumes, and the job would fall apart. After the process group is
 # up, rank 0 sends the checkpoint it resumes from to every node whose save path lacks it.
 NODE_SYNC = ("speculators.train.cli", "maybe_setup_distributed")
-ALWAYS_ADAPTED.append(NODE_SYNC)
+ALWAYS_ADAPTED = [PROCESSOR, METRICS_SETUP, NODE_SYNC]
 # With an accelerator: the fused loss kernels whose shared autotuner lists are split.
 FUSED_KERNELS = ("speculators.losses.fused", ("loss_forward_kernel", "loss_backward_kernel"))
 CHANGED = "speculators changed: {} no longer exists; pipeline/compat/speculators_compat.py must be updated"
@@ -215,11 +213,9 @@ def metrics_record(line: str) -> dict[str, float] | None:
     """A metric record of the trainer's from one line of its output (None for any other line): keys as
     speculators flattens them ("train/loss", "val/full_acc_0_epoch", "epoch", "global_step"), full
     precision."""
-    at = line.find(METRICS_MARK)
-    if at < 0:
-        return None
+    _, mark, rest = line.partition(METRICS_MARK)
     try:
-        record = json.loads(line[at + len(METRICS_MARK):])
+        record = json.loads(rest) if mark else None
     except ValueError:
         return None
     return {k: float(v) for k, v in record.items() if isinstance(v, (int, float))} if isinstance(record, dict) else None
@@ -231,9 +227,8 @@ def forward_metric_records() -> list[str]:
 
     cli: Any = importlib.import_module(METRICS_SETUP[0])
     module = importlib.import_module(METRICS_FILTERS[0])
-    names = (METRICS_SETUP[1], *METRICS_FILTERS[1])
     if not hasattr(cli, METRICS_SETUP[1]) or not all(hasattr(module, n) for n in METRICS_FILTERS[1]):
-        raise RuntimeError(CHANGED.format(f"one of {names}"))
+        raise RuntimeError(CHANGED.format(f"one of {(METRICS_SETUP[1], *METRICS_FILTERS[1])}"))
     is_mapping, is_rank0, flatten = (getattr(module, n) for n in METRICS_FILTERS[1])
     out = sys.stdout
 
@@ -285,7 +280,11 @@ def share_checkpoint_across_nodes() -> list[str]:
         raise RuntimeError(CHANGED.format(f"{module}.{name}"))
 
     def setup(*args, **kwargs):  # after adapt(): on a CPU, original is the gloo setup
+        import torch.distributed as dist
+
         result = original(*args, **kwargs)
+        if not dist.is_initialized() or dist.get_world_size() < 2:  # one process: nothing to agree on
+            return result
         data, save = _flag_value("--data-path"), _flag_value("--save-path")
         if data:
             _same_rows_everywhere(Path(data))
@@ -321,8 +320,6 @@ def rows_digest(data: Path) -> str:
 def _same_rows_everywhere(data: Path) -> None:
     import torch.distributed as dist
 
-    if not dist.is_initialized() or dist.get_world_size() < 2:
-        return
     seen: list = [None] * dist.get_world_size()
     dist.all_gather_object(seen, (int(os.environ.get("GROUP_RANK", "0")), rows_digest(data)))
     if len({digest for _, digest in seen}) > 1:  # every rank sees the same list and stops alike
@@ -338,8 +335,6 @@ def _sync_resume_point(save: Path) -> None:
 
     import torch.distributed as dist
 
-    if not dist.is_initialized() or dist.get_world_size() < 2:
-        return
     rank, local = dist.get_rank(), int(os.environ.get("LOCAL_RANK", "0"))
     points: list = [None] * dist.get_world_size()
     dist.all_gather_object(points, resume_point(save))
@@ -386,13 +381,9 @@ def main(argv: list[str] | None = None) -> None:
     if requests > 1:
         from pipeline.compat import speculators_online
         print(f"[eagle3-console] online: {speculators_online.install(requests)}", file=sys.stderr, flush=True)
-    if adapted:
-        print(f"[eagle3-console] no accelerator: adapted {', '.join(adapted)} for CPU", file=sys.stderr,
-              flush=True)
-    else:
-        split = split_fused_autotuner_lists()
-        print(f"[eagle3-console] fused loss: split shared autotuner state {split or 'none found'}",
-              file=sys.stderr, flush=True)
+    said = (f"no accelerator: adapted {', '.join(adapted)} for CPU" if adapted
+            else f"fused loss: split shared autotuner state {split_fused_autotuner_lists() or 'none found'}")
+    print(f"[eagle3-console] {said}", file=sys.stderr, flush=True)
     from speculators.cli import app
 
     app(args=list(sys.argv[1:] if argv is None else argv), prog_name="speculators")

@@ -25,17 +25,12 @@ INTEL_OPENMP = "libiomp5.so"
 CPU_MLA = "CPU_MLA"
 
 
-def intel_openmp(python: str) -> Path | None:
-    """The Intel OpenMP runtime installed in the environment of the interpreter `python`, if any."""
-    lib = Path(python).parent.parent / "lib" / INTEL_OPENMP
-    return lib if lib.is_file() else None
-
-
 def cpu_server_env(python: str, tensor_parallel_size: int, inherited_preload: str = "") -> dict[str, str]:
     env: dict[str, str] = {}
     if tensor_parallel_size == 1:
         env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    if (lib := intel_openmp(python)) is not None:
+    lib = Path(python).parent.parent / "lib" / INTEL_OPENMP  # installed in the environment of `python`
+    if lib.is_file():
         env["LD_PRELOAD"] = " ".join(p for p in (str(lib), inherited_preload) if p)
     return env
 
@@ -43,8 +38,3 @@ def cpu_server_env(python: str, tensor_parallel_size: int, inherited_preload: st
 def mla_backend(mla: bool, dtype: str) -> str | None:
     """The MLA backend a CPU server must name for a target of this dtype (None: the platform's choice)."""
     return CPU_MLA if mla and dtype != "bfloat16" else None
-
-
-def mla_backend_flags(mla: bool, dtype: str) -> list[str]:
-    backend = mla_backend(mla, dtype)
-    return ["--attention-backend", backend] if backend else []

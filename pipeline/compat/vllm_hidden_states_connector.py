@@ -102,17 +102,13 @@ class StagedHiddenStatesConnector(stock.ExampleHiddenStatesConnector):
         if self._kv_cache.device.type == "cpu":  # the KV cache is host memory: gathering is the copy
             return stock.extract_from_kv_cache(self._kv_cache, self._slots(ids), num_tokens), _Done(), None
         stream = self._get_copy_stream()
-        ready = torch.cuda.Event()
-        ready.record()
-        stream.wait_event(ready)
+        stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             slots = self._slots(ids.pin_memory().to(self._kv_cache.device, non_blocking=True))
             states = stock.extract_from_kv_cache(self._kv_cache, slots, num_tokens)
             host, slab = self._slab_pool().take(states)
             host.copy_(states, non_blocking=True)
-        done = torch.cuda.Event()
-        done.record(stream)
-        return host, done, slab
+        return host, stream.record_event(), slab
 
     def _write_staged(self, tensors, event, filename: str, lock_fd: int | None, slab) -> None:
         try:

@@ -6,7 +6,7 @@ import logging
 import shutil
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -175,9 +175,7 @@ class StageContext:
         return rows
 
     def training_conversations(self) -> Path:
-        if self.profile.data.regenerate:
-            return self.run.regenerated_conversations
-        return self.source_conversations()
+        return self.run.regenerated_conversations if self.profile.data.regenerate else self.source_conversations()
 
     def extract_mode(self) -> str:
         """offline / online: the profile's, or what preflight decided for `auto` on this run's disk."""
@@ -241,12 +239,9 @@ def stop_orphan_child(run: RunDir, stage: str, log: logging.Logger) -> bool:
     pgid = entry.get("child_pgid")
     if not pgid or not procs.group_members(pgid):
         return False
-    try:
-        leader_cmd = psutil.Process(pgid).cmdline()[:4]
-    except psutil.Error:
-        leader_cmd = None
-    if leader_cmd is not None and leader_cmd != entry.get("child_cmd"):
-        return False  # the pid was reused by something else
+    with suppress(psutil.Error):  # a leader gone with its group still there: the group is stopped
+        if psutil.Process(pgid).cmdline()[:4] != entry.get("child_cmd"):
+            return False  # the pid was reused by something else
     log.warning("stopping %s's child process group %d (%s) left by an earlier attempt", stage, pgid,
                 " ".join(entry.get("child_cmd") or []))
     procs.stop_group(pgid)

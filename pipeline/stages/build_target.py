@@ -132,8 +132,7 @@ def kimi_k25_model(spec: DemoTargetSection, vocab_size: int, tokenizer=None):
     vLLM and transformers run the exact Kimi code path on text."""
     from transformers import Kimi_K25Config, Kimi_K25ForConditionalGeneration
     media = {t: tokenizer.convert_tokens_to_ids(t) for t in MEDIA_TOKENS}
-    text = deepseek_v3_config(spec, vocab_size).to_dict()
-    text["model_type"] = "deepseek_v3"
+    text = {**deepseek_v3_config(spec, vocab_size).to_dict(), "model_type": "deepseek_v3"}
     vision = dict(patch_size=14, pos_emb_height=8, pos_emb_width=8, pos_emb_time=4, num_attention_heads=2,
                   num_hidden_layers=1, hidden_size=32, intermediate_size=64, merge_kernel_size=[2, 2])
     config = Kimi_K25Config(text_config=text, vision_config=vision, projection_hidden_size=32,
@@ -185,11 +184,11 @@ def int4_quantization_config(group_size: int) -> dict:
     }
 
 
-def quantize_routed_experts(model_dir: Path, group_size: int) -> int:
+def quantize_routed_experts(model_dir: Path, group_size: int) -> None:
     """Rewrite the saved routed-expert weights as compressed-tensors pack-quantized INT4 (symmetric,
-    min-max scale per group of `group_size` inputs), with compressed-tensors' own packer; returns how
-    many matrices were quantized. transformers keeps the experts as fused 3-D parameters in memory, so
-    the quantizer works on the per-expert tensors save_pretrained writes."""
+    min-max scale per group of `group_size` inputs), with compressed-tensors' own packer. transformers
+    keeps the experts as fused 3-D parameters in memory, so the quantizer works on the per-expert tensors
+    save_pretrained writes."""
     from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
     from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
     from compressed_tensors.quantization.utils import calculate_qparams
@@ -199,7 +198,7 @@ def quantize_routed_experts(model_dir: Path, group_size: int) -> int:
                             observer="minmax", dynamic=False)
     scheme = QuantizationScheme(targets=["Linear"], weights=args)
     path = model_dir / "model.safetensors"
-    tensors, out, count = load_file(str(path)), {}, 0
+    tensors, out = load_file(str(path)), {}
     for name, w in tensors.items():
         if not ROUTED_EXPERT.match(name):
             out[name] = w
@@ -209,12 +208,10 @@ def quantize_routed_experts(model_dir: Path, group_size: int) -> int:
         packed = PackedQuantizationCompressor.compress(
             {"weight": w, "weight_scale": scale.to(w.dtype), "weight_zero_point": zero}, scheme)
         out.update({name[: -len("weight")] + k: v.contiguous() for k, v in packed.items()})
-        count += 1
     save_file(out, str(path), metadata={"format": "pt"})
     config = json.loads((model_dir / "config.json").read_text())
     config["quantization_config"] = int4_quantization_config(group_size)
     (model_dir / "config.json").write_text(json.dumps(config, indent=2))
-    return count
 
 
 def build_target(spec: DemoTargetSection, cache_dir: Path,
@@ -263,12 +260,8 @@ class BuildTarget(Stage):
         return profile.target.source == "demo" or profile.data.uses_demo()
 
     def outputs(self, ctx: StageContext) -> list[Path]:
-        out = []
-        if ctx.profile.target.source == "demo":
-            out.append(ctx.target_dir())
-        if ctx.profile.data.uses_demo():
-            out.append(ctx.run.demo_conversations)
-        return out
+        return ([ctx.target_dir()] if ctx.profile.target.source == "demo" else []) + (
+            [ctx.run.demo_conversations] if ctx.profile.data.uses_demo() else [])
 
     def fresh_paths(self, ctx: StageContext) -> list[Path]:
         return [ctx.run.demo_conversations]  # the target lives in the shared cache, no run's to leave behind

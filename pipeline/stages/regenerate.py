@@ -16,6 +16,7 @@ import json
 import sys
 import threading
 import time
+from itertools import accumulate
 from pathlib import Path
 
 from pipeline import atomicio, conversations, procs, target
@@ -59,10 +60,7 @@ class Regenerate(Stage):
         if loaded.token_rows:
             ctx.log.info("%d pre-tokenized rows pass through unregenerated", len(loaded.token_rows))
         train = enough_for(train, data.max_samples)
-        if data.regenerate_backend == "vllm":
-            rows, figures = with_vllm(ctx, train)
-        else:
-            rows, figures = with_transformers(ctx, train)
+        rows, figures = (with_vllm if data.regenerate_backend == "vllm" else with_transformers)(ctx, train)
         rows += loaded.token_rows
         atomicio.atomic_write_text(ctx.training_conversations(), "".join(json.dumps(r) + "\n" for r in rows))
         return RegenerateResult.of({"backend": data.regenerate_backend, "rows": len(rows),
@@ -74,13 +72,8 @@ def enough_for(train: list[dict], rows: int) -> list[dict]:
     regenerating more would be answers prepare drops."""
     if not rows:
         return train
-    kept, turns = [], 0
-    for conv in train:
-        if turns >= rows:
-            break
-        kept.append(conv)
-        turns += sum(m["role"] == "assistant" for m in conv["messages"])
-    return kept
+    turns_before = accumulate((sum(m["role"] == "assistant" for m in c["messages"]) for c in train), initial=0)
+    return [conv for conv, turns in zip(train, turns_before, strict=False) if turns < rows]
 
 
 # ---------------------------------------------------------------------------------------------- vllm
@@ -322,7 +315,10 @@ def with_transformers(ctx: StageContext, train: list[dict]) -> tuple[list[dict],
     tok = target.load_tokenizer(ctx.target_dir())
     model = target.load_model(ctx.target_dir(), ctx.profile.target.dtype)
     tok.padding_side = "left"
-    pad = tok.pad_token_id if tok.pad_token_id is not None else _eos(model)
+    pad = tok.pad_token_id
+    if pad is None:  # the model's (first) eos token instead
+        eos = model.generation_config.eos_token_id
+        pad = (eos[0] if eos else None) if isinstance(eos, list) else eos
     if pad is None:
         raise StageError(f"{ctx.target_dir()}: the tokenizer has no pad token and the model no eos token to pad "
                          f"batches with; use data.regenerate_backend = \"vllm\"", resumable=False)
@@ -330,7 +326,6 @@ def with_transformers(ctx: StageContext, train: list[dict]) -> tuple[list[dict],
     answers = [[i for i, m in enumerate(h) if m["role"] == "assistant"] for h in histories]  # their positions
     rows: list[tuple[int, int, dict]] = []  # (conversation, turn, row): written in conversation order
     total = sum(map(len, answers))
-    generated_tokens = 0
     t0 = time.perf_counter()
     for turn in range(max(map(len, answers))):
         # Conversations that still have an assistant turn number `turn` to regenerate.
@@ -344,9 +339,9 @@ def with_transformers(ctx: StageContext, train: list[dict]) -> tuple[list[dict],
                                        "loss_mask": [0] * len(prompt) + [1] * len(completion)}))
                 text = tok.decode([t for t in completion if t not in tok.all_special_ids])
                 histories[h][pos] = {"role": "assistant", "content": text}
-                generated_tokens += len(completion)
             ctx.progress(len(rows), total, "turns")
     seconds = time.perf_counter() - t0
+    generated_tokens = sum(sum(row["loss_mask"]) for _, _, row in rows)
     return [row for _, _, row in sorted(rows, key=lambda r: r[:2])], {
         "generated_tokens": generated_tokens, "generate_seconds": round(seconds, 1),
                   "generated_tok_s": round(generated_tokens / seconds, 1) if seconds else None}
@@ -369,8 +364,3 @@ def answer_variety(rows: list[dict]) -> dict:
             seen.add((ids[i - 2], ids[i - 1], ids[i]))
     return {"answer_distinct_tokens": len(distinct),
             "answer_repeated_trigram_share": round(repeated / total, 3) if total else 0.0}
-
-
-def _eos(model) -> int | None:
-    eos = model.generation_config.eos_token_id
-    return (eos[0] if eos else None) if isinstance(eos, list) else eos

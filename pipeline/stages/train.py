@@ -102,14 +102,12 @@ class Train(Stage):
         if ctx.extract_mode() != "online":
             return TrainResult.of(self.train(ctx))
         _, mode_args = box.mode_inputs(ctx.profile, ctx.run, "extraction")
-        epochs = ctx.profile.train.epochs
         try:
             master = mooncake.master(ctx.profile, ctx.run, self.name)  # Mooncake transfer: before both, after both
             with master, ctx.server("extraction", on_wait=lambda w: ctx.progress(
-                    0, epochs, "epochs", server_wait_s=round(w)), **mode_args) as srv:
-                watch = online_training.StatesWatch(mode_args["storage"], srv.base_url,
-                                                    lambda **f: ctx.emit("metric", **f))
-                with watch:
+                    0, ctx.profile.train.epochs, "epochs", server_wait_s=round(w)), **mode_args) as srv:
+                with online_training.StatesWatch(mode_args["storage"], srv.base_url,
+                                                 lambda **f: ctx.emit("metric", **f)) as watch:
                     figures = self.train(ctx, endpoint=f"{srv.base_url}/v1", server=srv.rec)
         except mooncake.MasterError as exc:
             raise StageError(str(exc)) from None
@@ -127,7 +125,6 @@ class Train(Stage):
         ctx.log.info("command: %s", " ".join(cmd))
         ctx.emit("command", argv=cmd, resumed_from=resumed.name if resumed else None)
         t = ctx.profile.train
-        epochs = t.epochs
         last: dict[str, float] = {}
         step_ms: list[float] = []
         fetch_ms: list[float] = []  # of each logged step, the time it waited for its batch (states online)
@@ -148,7 +145,7 @@ class Train(Stage):
                     fetch_ms.append(metrics.get("profile/fetch_ms", 0.0))
                 last.update(metrics)
                 ctx.emit("metric", step=int(step) if step is not None else steps, epoch=epoch, **metrics)
-                ctx.progress(epoch, epochs, "epochs", step=steps, loss=metrics.get("train/loss"))
+                ctx.progress(epoch, t.epochs, "epochs", step=steps, loss=metrics.get("train/loss"))
             elif any(k.startswith("val/") for k in metrics):
                 last.update(metrics)
                 ctx.emit("metric", epoch=epoch, **metrics)
@@ -182,14 +179,14 @@ class Train(Stage):
             raise StageError(explain_failure(server, failure) if server else failure)
         if not t.first_node:
             figures = {"node_rank": t.node_rank, "nnodes": t.nnodes, "rdzv_endpoint": t.rdzv_endpoint,
-                       "epochs": epochs, "checkpoints": "on node 0"}
+                       "epochs": t.epochs, "checkpoints": "on node 0"}
             atomicio.atomic_write_json(ctx.run.node_record, figures)
             return figures
         ckpt = final_checkpoint(save)
-        if ckpt is None or int(ckpt.name) != epochs - 1:
+        if ckpt is None or int(ckpt.name) != t.epochs - 1:
             raise StageError(f"speculators train exited 0 but the last complete epoch is "
-                             f"{ckpt.name if ckpt else 'none'}, expected {epochs - 1}")
-        figures = {"checkpoint": str(ckpt), "epochs": epochs, "logged_steps": steps,
+                             f"{ckpt.name if ckpt else 'none'}, expected {t.epochs - 1}")
+        figures = {"checkpoint": str(ckpt), "epochs": t.epochs, "logged_steps": steps,
                    # the planner's measured rate: median step after the first (compile), all ranks
                    "tokens_per_s": steady_tokens_per_s(step_ms, ctx.profile),
                    "data_wait_share": data_wait_share(step_ms, fetch_ms),
