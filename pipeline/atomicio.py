@@ -91,20 +91,22 @@ def read_json(path: Path) -> Any:
 def read_jsonl_from(path: Path, offset: int) -> tuple[list, int]:
     """The records appended since byte `offset`, and where the next read starts: complete lines only (a
     torn tail waits for the next poll), unreadable ones skipped; nothing while the file is missing."""
+    records: list = []
     try:
-        with open(path, "rb") as fh:
-            fh.seek(offset)
-            data = fh.read()
+        fh = open(path, "rb")
     except FileNotFoundError:
-        return [], offset
-    end = data.rfind(b"\n") + 1
-    records = []
-    for raw in data[:end].splitlines():
-        try:
-            records.append(json.loads(raw))
-        except json.JSONDecodeError:
-            continue
-    return records, offset + end
+        return records, offset
+    with fh:  # line by line: a large rows file is never held whole beside its records
+        fh.seek(offset)
+        for raw in fh:
+            if not raw.endswith(b"\n"):
+                break
+            offset += len(raw)
+            try:
+                records.append(json.loads(raw))
+            except json.JSONDecodeError:
+                continue
+    return records, offset
 
 
 def read_jsonl(path: Path) -> list:

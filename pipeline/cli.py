@@ -417,7 +417,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from pipeline.rundir import RunDirError
     try:
-        return globals()[f"cmd_{args.cmd}"](args)
+        return globals()[f"cmd_{args.cmd.replace('-', '_')}"](args)
     except RunDirError as exc:  # RUN_DIR is not a run: one line, as any bad input
         return _die(str(exc))
     except BrokenPipeError:  # `status RUN | head`: the reader left; not an error of ours

@@ -40,9 +40,10 @@ def trainer_flags(profile: Profile, endpoint: str, states_dir: Path) -> list[str
     flags = ["--on-missing", "generate", "--vllm-endpoint", endpoint, "--hidden-states-backend", ex.transfer]
     if ex.transfer == "file":
         return flags + ["--hidden-states-path", str(states_dir)]
-    for key, value in vars(mooncake_args(profile)).items():
-        if key != "mooncake_writer_threads":  # every Mooncake key but the writer threads
-            flags += ["--" + key.replace("_", "-"), str(value)]
+    ns = vars(mooncake_args(profile))
+    for key in ("mooncake_master", "mooncake_metadata_server", "mooncake_protocol", "mooncake_device",
+                "mooncake_global_segment_gib", "mooncake_local_buffer_gib"):  # the trainer's, named
+        flags += ["--" + key.replace("_", "-"), str(ns[key])]
     return flags
 
 

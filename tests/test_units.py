@@ -454,3 +454,14 @@ def test_the_data_wait_share_leaves_the_compile_step_out():
     assert data_wait_share([9000.0, 100.0, 300.0], [0.0, 25.0, 75.0]) == 0.25
     assert data_wait_share([80.0], [20.0]) == 0.25  # one step: it is all there is
     assert data_wait_share([], []) is None
+
+
+def test_every_subcommand_dispatches_to_its_function():
+    """main() runs cmd_NAME for the subcommand NAME: a subcommand without one would fail only when typed."""
+    import argparse
+
+    from pipeline import cli
+    sub = next(a for a in cli.build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    assert len(sub.choices) >= 10
+    missing = [n for n in sub.choices if not callable(getattr(cli, f"cmd_{n.replace('-', '_')}", None))]
+    assert missing == []
