@@ -85,8 +85,6 @@ def check_acceptance(ctx, checkpoint: Path, measured: list[float], where: str,
                      outputs: list[list[int]] | None = None) -> dict:
     """The stage's figures when the checkpoint's validation accuracy and the measured acceptance disagree by
     far (also a note and a warning in the log); {} when they agree or the checkpoint has no validation."""
-    from pipeline import notes
-
     # the epoch whose validation belongs to this checkpoint: an epoch's end (`checkpoints/3`); a kept
     # sub-epoch copy has no validation of its own
     if not (name := Path(checkpoint).name).isdigit():
@@ -100,6 +98,5 @@ def check_acceptance(ctx, checkpoint: Path, measured: list[float], where: str,
     coverage = vocab_coverage(ctx.run.vocab_mappings(ctx.profile.vocab.draft_vocab_size)[1], outputs or [])
     causes = likely_causes(ctx.profile, ctx.target_dir(), coverage)
     line = f"{text}; likely: " + "; ".join(causes)
-    ctx.log.warning(line)
-    notes.add(ctx.run, line, source="auto", stage=ctx.stage)
+    ctx.note(line, ctx.log.warning)
     return {"acceptance_gap": text, "likely_causes": causes}
