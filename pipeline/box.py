@@ -1,47 +1,191 @@
-"""The serving ports of the box: which vLLM runs on each, switching a port between modes, and which run
+"""The serving ports of the host: which vLLM runs on each, switching a port between modes, and which run
 owns which server.
 
-One record per port under `<runs_dir>/.servers/`, shared by runs and by `eagle3-console server`, so a
-server started by a run can be stopped from the command line and the other way round. A record names the
-run that owns the server (its stages start and stop it; "" = the operator's, e.g. production after a
-handover), so that a run stopping or resuming cleans up exactly its own servers, on every port it used."""
+A port is the host's, so its records are too: one place for every folder and user of the tool
+(portlock.runtime_dir, e.g. /tmp/eagle3-console), where each user writes its own record file per port
+(`port-N.u<UID>.json`) and every user reads all of them. A server started by a run can be stopped from
+the command line and the other way round, from any folder. A record names the run that owns the server
+(its stages start and stop it; "" = the operator's, e.g. production after a handover), so that a run
+stopping or resuming cleans up exactly its own servers, on every port it used. Records an older version
+left in a folder's runs/.servers/ are moved here when a command of that folder reads them (migrate)."""
 from __future__ import annotations
 
+import logging
 import math
+import os
 from collections.abc import Callable
+from dataclasses import asdict
 from pathlib import Path
 
 from pipeline import gpu, portlock, procs, vllm_modes
 from pipeline.profile import Profile
-from pipeline.server import ServerController, ServerError, ServerRecord, is_vllm, port_owner
+from pipeline.server import ServerController, ServerError, ServerRecord, is_live, is_vllm, port_in_use, port_owner
 
 Say = Callable[[str], object]  # what it returns is not used
+log = logging.getLogger("eagle3.box")
 
 
 class PortHeld(ServerError):
-    """A run in progress holds the port: its stages own the server there."""
+    """A run in progress holds the port, or owns the server there: its stages use it."""
 
-    def __init__(self, holder: dict, port: int):
+    def __init__(self, holder: dict, port: int, message: str | None = None):
         self.holder = holder
-        super().__init__(f"port {port} is held by a run in progress (pid {holder.get('pid', '?')}, "
-                         f"{holder.get('run', '?')}): its stages use the server there; wait for it, stop it, "
-                         f"or pass --force")
+        super().__init__(message or (
+            f"port {port} is held by a run in progress (pid {holder.get('pid', '?')}"
+            f"{', user ' + holder['user'] if holder.get('user') else ''}, {holder.get('run', '?')}): its stages "
+            f"use the server there; wait for it, stop it, or pass --force"))
 
 
-def guard(profile: Profile, force: bool = False) -> None:
-    """Refuse to touch the port's server while another process's run holds the port (the operator may
-    insist with force). The run's own stages hold the lock themselves and pass."""
-    holder = portlock.holder(profile)
-    if holder is not None and not force:
-        raise PortHeld(holder, profile.server.port)
+class Unrecorded(ServerError):
+    """A vLLM serves the port that no record names: it is stopped only when the operator named it."""
+
+    def __init__(self, listener: dict, port: int):
+        self.listener = listener
+        super().__init__(f"port {port} is served by a vLLM that no record names: {listener_text(listener)}; "
+                         f"not stopped — `server adopt` records it, `--force` stops it")
 
 
-def registry(profile: Profile) -> Path:
+def listener_text(s: dict) -> str:
+    """An unrecorded listener for the operator: pid, group, user and argv."""
+    return f"pid {s.get('pid')} (process group {s.get('pgid')}, user {s.get('user')}): {s.get('argv')}"
+
+
+class PortController(ServerController):
+    """The server of one port as the host-wide registry knows it. Each user writes its own file
+    (`port-N.u<UID>.json`, 0644); the port's record is the one naming a live server, else this user's
+    own, else the newest. `record_path` is where this user writes."""
+
+    def __init__(self, directory: Path, port: int, host: str = "127.0.0.1"):
+        super().__init__(directory / f"port-{port}.u{os.getuid()}.json")
+        self.directory, self.port, self.host = directory, port, host
+        self.source: Path | None = None  # the file the last record() came from
+
+    def files(self) -> list[Path]:
+        return sorted(self.directory.glob(f"port-{self.port}.u*.json"))
+
+    def record(self) -> ServerRecord | None:
+        best = None
+        for path in self.files():
+            rec = ServerController(path).record()
+            if rec is None:
+                continue
+            rank = (is_live(rec), path == self.record_path, rec.started)
+            if best is None or rank > best[0]:
+                best = (rank, path, rec)
+        self.source = best[1] if best else None
+        return best[2] if best else None
+
+    def user(self) -> str:
+        """The user whose file holds the port's record (who started or adopted the server)."""
+        try:
+            return portlock.user_name(self.source.stat().st_uid) if self.source else "?"
+        except OSError:
+            return "?"
+
+    def _save(self, rec: ServerRecord | None) -> None:
+        if rec is not None:
+            portlock.write_shared(self.record_path, asdict(rec))
+        # the record it replaces (claimed or dropped) goes; another user's file stays unless we are root,
+        # and a dead record is ranked below a live one anyway
+        if self.source is not None and (rec is None or self.source != self.record_path):
+            try:
+                self.source.unlink(missing_ok=True)
+            except PermissionError:
+                pass
+        self.source = self.record_path if rec is not None else None
+
+    def status(self) -> dict:
+        status = super().status()
+        if status["state"] != "none":
+            rec = self.record()
+            status |= {"user": self.user(), "argv": rec.argv if rec else []}
+        elif (found := unrecorded(self.host, self.port)) is not None:
+            status = found
+        return status
+
+
+def unrecorded(host: str, port: int) -> dict | None:
+    """What listens on the port when no record names a server there: pid, group, user, argv and whether
+    it is vLLM; a listener of another user that this user cannot see is said as such. None: nothing."""
+    if not port_in_use(host, port):
+        return None
+    owner = port_owner(host, port)
+    if owner is None:  # another user's socket: its pid is not ours to read
+        return {"state": "unrecorded", "port": port, "host": host, "pid": None, "pgid": None, "user": "?",
+                "argv": "(a process this user cannot see)", "vllm": False}
+    try:
+        pgid = os.getpgid(owner.pid)
+    except OSError:
+        pgid = None
+    return {"state": "unrecorded", "port": port, "host": host, "pid": owner.pid, "pgid": pgid,
+            "user": procs.user_of(owner.pid), "argv": procs.shown_cmdline(owner, 400), "vllm": is_vllm(owner)}
+
+
+def registry(profile: Profile | None = None, writable: bool = True) -> Path:
+    """The host-wide registry (the same for every profile and folder: the port is the host's)."""
+    return portlock.runtime_dir(writable)
+
+
+def legacy_registry(profile: Profile) -> Path:
     return Path(profile.run.runs_dir).resolve() / ".servers"
 
 
-def controller(profile: Profile) -> ServerController:
-    return ServerController(registry(profile) / f"port-{profile.server.port}.json")
+def migrate(profile: Profile, say: Say = log.warning) -> list[str]:
+    """Move the records an older version kept in the folder's runs/.servers/ into the host-wide registry:
+    a live server's record moves (so every folder sees it), a dead one's is dropped. Each said."""
+    said: list[str] = []
+    old = legacy_registry(profile)
+    if not old.is_dir():
+        return said
+    for path in sorted(old.glob("port-*.json")):
+        rec = ServerController(path).record()
+        if rec is None:
+            continue
+        here = PortController(registry(), rec.port, rec.host)
+        if is_live(rec):
+            current = here.record()
+            if current is not None and is_live(current) and current.pgid != rec.pgid:
+                said.append(f"{path}: {rec.describe()} left where it is: the host-wide registry already names "
+                            f"{current.describe()} on that port")
+                continue
+            if current is None or current.pgid != rec.pgid:
+                portlock.write_shared(here.record_path, asdict(rec))
+            said.append(f"{rec.describe()}: its record moved from {path} to the host-wide {here.record_path}")
+        else:
+            said.append(f"{path}: dropped the record of {rec.describe()}, which is gone")
+        try:
+            path.unlink()
+        except OSError as exc:
+            said.append(f"{path}: cannot remove it ({exc.strerror}); the host-wide record is the one used")
+    for line in said:
+        say(line)
+    return said
+
+
+def guard(profile: Profile, force: bool = False) -> None:
+    """Refuse to touch the port's server while another process's run holds the port, or while a run
+    that still lives owns the server there (the operator may insist with force). The run's own stages
+    hold the lock and own their servers themselves, and pass."""
+    if force:
+        return
+    holder = portlock.holder(profile)
+    if holder is not None:
+        raise PortHeld(holder, profile.server.port)
+    ctl = controller(profile)
+    rec = ctl.record()
+    if rec is not None and rec.run and rec.owner_pid != os.getpid() and rec.owner_alive() and is_live(rec):
+        owner = {"pid": rec.owner_pid, "run": rec.run, "user": procs.user_of(rec.owner_pid)}
+        raise PortHeld(owner, profile.server.port, (
+            f"{rec.describe()} belongs to run {rec.run} (pid {rec.owner_pid}, user {owner['user']}), still "
+            f"running: not touched; wait for it, stop it, or pass --force"))
+
+
+def controller(profile: Profile) -> PortController:
+    try:
+        migrate(profile)
+    except (OSError, portlock.PortTaken) as exc:  # the host-wide records are still read
+        log.warning("%s: the records there were not moved: %s", legacy_registry(profile), exc)
+    return PortController(registry(writable=False), profile.server.port, profile.server.host)
 
 
 def orphan_text(rec: ServerRecord) -> str:
@@ -49,26 +193,35 @@ def orphan_text(rec: ServerRecord) -> str:
     return f"{rec.describe()}, left by a run whose process is gone"
 
 
-def free_port(profile: Profile, say: Say, force: bool = False) -> dict | None:
-    """Stop whatever vLLM serves the profile's port (recorded, or found there and adopted). Returns
-    what was stopped. A non-vLLM process on the port is an error: it is not ours to stop."""
+def free_port(profile: Profile, say: Say, force: bool = False, *, expect: int | None = None,
+              by: str = "") -> dict | None:
+    """Stop whatever vLLM serves the profile's port. Returns what was stopped. A vLLM that no record names
+    is stopped only with `force` or when `expect` names its pid (the operator was asked, naming it); a
+    non-vLLM process on the port is an error: it is not ours to stop. `expect`: the pid the operator was
+    told of — another server there now is refused, not stopped. `by`: the command, for the run it hits."""
     guard(profile, force)
     ctl = controller(profile)
     status = ctl.status()
-    if status["state"] == "none":
-        owner = port_owner(profile.server.host, profile.server.port)
-        if owner is None:
-            return None
-        if not is_vllm(owner):
-            raise ServerError(f"port {profile.server.port} is in use by pid {owner.pid} "
-                              f"({procs.shown_cmdline(owner)}), which is not vLLM")
+    if status["state"] == "unrecorded":
+        if status["pid"] is None:
+            raise ServerError(f"port {profile.server.port} is in use by {status['argv']} (another user's?): "
+                              f"not stopped")
+        if not status["vllm"]:
+            raise ServerError(f"port {profile.server.port} is in use by {listener_text(status)}, which is not vLLM")
+        if not force and expect != status["pid"]:
+            raise Unrecorded(status, profile.server.port)
         ctl.adopt(profile.server.host, profile.server.port)
         status = ctl.status()
+    if status["state"] == "none":
+        return None
+    if expect is not None and status.get("pid") != expect:
+        raise ServerError(f"port {profile.server.port} is now served by pid {status.get('pid')}, not pid {expect} "
+                          f"as asked: nothing stopped")
     rec = ctl.record()
     whose = f" ({orphan_text(rec)})" if rec and rec.run and not rec.owner_alive() else ""
-    say(f"stopping {status['mode']} server pid {status['pid']} (processes {status.get('pids')}) on port "
-        f"{profile.server.port}{whose}")
-    return ctl.stop(grace=profile.server.shutdown_grace)
+    say(f"stopping {status['mode']} server pid {status['pid']} (processes {status.get('pids')}, user "
+        f"{status.get('user')}) on port {profile.server.port}{whose}")
+    return ctl.stop(grace=profile.server.shutdown_grace, by=by)
 
 
 def free_ports(profiles: list[Profile], say: Say) -> None:
@@ -85,17 +238,21 @@ def free_ports(profiles: list[Profile], say: Say) -> None:
 
 
 def start_mode(profile: Profile, mode: str, target_dir: Path, *, log_path: Path, cache_root: Path, say: Say,
-               on_wait=lambda s: None, force: bool = False, owner: str = "", **mode_args) -> ServerRecord:
-    """Serve `mode` on the port: reuse the running server if it is exactly this command and healthy,
-    else stop what is there and start it. `owner`: the run whose stages own it ("" = the operator)."""
+               on_wait=lambda s: None, force: bool = False, owner: str = "", expect: int | None = None,
+               by: str = "", restart: bool = False, **mode_args) -> ServerRecord:
+    """Serve `mode` on the port: reuse the running server if it is exactly this command and healthy
+    (unless `restart`), else stop what is there (free_port: `expect`, `by`) and start it. `owner`: the
+    run whose stages own it ("" = the operator)."""
     guard(profile, force)
     argv = vllm_modes.server_argv(profile, mode, target_dir, **mode_args)
     ctl = controller(profile)
     rec, status = ctl.record(), ctl.status()
-    if rec is not None and rec.argv == procs.redact_argv(argv) and status.get("healthy"):
+    # another user's server is never taken over: this user could not stop it when the run ends
+    if (not restart and rec is not None and rec.argv == procs.redact_argv(argv) and status.get("healthy")
+            and (ctl.source is None or ctl.source.stat().st_uid == os.getuid() or os.getuid() == 0)):
         say(f"reusing the running {mode} server pid {rec.pid}")
         return ctl.claim(owner) if owner else rec  # this process owns it now (an orphan's owner was dead)
-    free_port(profile, say, force)
+    free_port(profile, say, force, expect=expect, by=by)
     say(f"starting {mode} server: {' '.join(procs.redact_argv(argv))}")
     return ctl.start(argv, host=vllm_modes.bind_host(profile, mode), port=profile.server.port, mode=mode,
                      log=log_path, env=vllm_modes.server_env(profile, cache_root, mode),
@@ -104,26 +261,42 @@ def start_mode(profile: Profile, mode: str, target_dir: Path, *, log_path: Path,
 
 def adopt(profile: Profile, force: bool = False):
     guard(profile, force)
-    return controller(profile).adopt(profile.server.host, profile.server.port, mode="production")
+    ctl = controller(profile)
+    if (rec := ctl.record()) is not None and is_live(rec):
+        raise ServerError(f"{rec.describe()} is already recorded (user {ctl.user()}): nothing to adopt")
+    return ctl.adopt(profile.server.host, profile.server.port, mode="production")
+
+
+def run_records(profile: Profile, run_root: Path) -> list[tuple[Path, ServerRecord]]:
+    """The record files naming servers that the run owns, on any port, in the host-wide registry."""
+    try:
+        migrate(profile)
+    except (OSError, portlock.PortTaken) as exc:
+        log.warning("%s: the records there were not moved: %s", legacy_registry(profile), exc)
+    found = []
+    for path in sorted(registry(writable=False).glob("port-*.u*.json")):
+        rec = ServerController(path).record()
+        if rec is not None and rec.run == str(run_root):
+            found.append((path, rec))
+    return found
 
 
 def run_servers(profile: Profile, run_root: Path) -> list[tuple[Profile, ServerRecord]]:
     """Every server the run owns, on any port (its serving port and the side-by-side ones), as recorded."""
-    recs = (ServerController(path).record() for path in sorted(registry(profile).glob("port-*.json")))
-    return [(profile.with_port(rec.port), rec) for rec in recs if rec is not None and rec.run == str(run_root)]
+    return [(profile.with_port(rec.port), rec) for _, rec in run_records(profile, run_root)]
 
 
 def stop_run_servers(profile: Profile, run_root: Path, say: Say,
                      keep: Callable[[ServerRecord], bool] = lambda rec: False) -> list[ServerRecord]:
     """Stop every server the run owns (by process group), except those `keep` names. Returns the stopped."""
     stopped, errors = [], []
-    for port_profile, rec in run_servers(profile, run_root):
+    for path, rec in run_records(profile, run_root):
         if keep(rec):
             continue
         if procs.group_members(rec.pgid):
             say(f"stopping {rec.describe()}")
         try:
-            controller(port_profile).stop(grace=profile.server.shutdown_grace)
+            ServerController(path).stop(grace=profile.server.shutdown_grace)  # this record, whoever's the port
             stopped.append(rec)
         except ServerError as exc:  # the others are still stopped; this one is said
             errors.append(exc)

@@ -266,39 +266,62 @@ def _server_profile(args):
     return run, profile
 
 
+def _server_status_text(status: dict, holder: dict | None) -> str:
+    """`server status` for a person: the state line, then the argv and the run holding the port."""
+    shown = " ".join(f"{k}={v}" for k, v in status.items() if k not in ("argv", "held_by"))
+    argv = status.get("argv")
+    lines = [shown] + ([f"argv: {argv if isinstance(argv, str) else ' '.join(argv)}"] if argv else [])
+    if status.get("state") == "unrecorded":
+        lines.append("no record names this listener: `server adopt` records it (if it is vLLM), "
+                     "`server stop --force` stops it")
+    if holder:
+        lines.append(f"held by run {holder.get('run', '?')} (pid {holder.get('pid', '?')}, user "
+                     f"{holder.get('user', '?')}): its stages use the port")
+    return "\n".join(lines)
+
+
 def cmd_server(args) -> int:
-    from pipeline import box
+    from pipeline import box, portlock
     from pipeline.rundir import NotBuilt
     from pipeline.server import ServerError
     from pipeline.stages.base import StageError
 
     try:
         run, profile = _server_profile(args)
+        # records an older version left in this folder move host-wide first, said on stderr
+        box.migrate(profile, lambda line: print(f"eagle3-console: {line}", file=sys.stderr))
         if args.server_cmd == "status":
             status = box.controller(profile).status()
-            print(json.dumps(status, indent=2) if args.json else
-                  " ".join(f"{k}={v}" for k, v in status.items() if k != "argv"))
+            holder = portlock.holder(profile)
+            if args.json:
+                print(json.dumps({**status, **({"held_by": holder} if holder else {})}, indent=2))
+            else:
+                print(_server_status_text(status, holder))
             return 0
         box.guard(profile, args.force)  # before anything else: the port may be another run's
         if args.server_cmd == "stop":
-            print("stopped" if box.free_port(profile, print, force=args.force) else
-                  f"no vLLM server on port {profile.server.port}")
+            print("stopped" if box.free_port(profile, print, force=args.force, by="eagle3-console server stop")
+                  else f"no vLLM server on port {profile.server.port}")
         elif args.server_cmd == "adopt":
             rec = box.adopt(profile, force=args.force)
-            print(f"adopted vLLM pid {rec.pid} (process group {rec.pgid}) on port {rec.port}")
+            print(f"adopted vLLM pid {rec.pid} (process group {rec.pgid}) on port {rec.port}: {' '.join(rec.argv)}")
         else:
             target_dir, mode_args = box.mode_inputs(profile, run, args.mode, args.draft, args.storage)
             logs = (run.logs_dir if run else Path(profile.run.runs_dir).resolve() / ".servers")
             rec = box.start_mode(profile, args.mode, target_dir, log_path=logs / f"server-{args.mode}.log",
                                  cache_root=run.cache_root if run else Path(profile.run.cache_dir).resolve() / ".cache",
-                                 say=print, force=args.force, **mode_args)
+                                 say=print, force=args.force, by=f"eagle3-console server start --mode {args.mode}",
+                                 **mode_args)
             print(f"{args.mode} server healthy: pid {rec.pid}, {rec.base_url}, log {rec.log}")
         return 0
-    except (ServerError, StageError, ValueError) as exc:  # ProfileError and RunDirError are ValueErrors
-        code = _die(str(exc), EXIT_FAILED if isinstance(exc, (ServerError, StageError, NotBuilt)) else EXIT_USAGE)
+    except (ServerError, StageError, portlock.PortTaken, ValueError) as exc:  # ProfileError, RunDirError: ValueErrors
+        failed = (ServerError, StageError, NotBuilt, portlock.PortTaken)
+        code = _die(str(exc), EXIT_FAILED if isinstance(exc, failed) else EXIT_USAGE)
         for line in getattr(exc, "tail", []):
             print(f"  | {line}", file=sys.stderr)
         return code
+    except OSError as exc:  # a registry or log file this user cannot write
+        return _die(f"{exc.filename or 'server'}: {exc.strerror or exc}", EXIT_FAILED)
 
 
 def cmd_plan(args) -> int:
@@ -388,7 +411,8 @@ def build_parser() -> argparse.ArgumentParser:
             sp.add_argument("--json", action="store_true")
         else:
             sp.add_argument("--force", action="store_true",
-                            help="act even while a run in progress holds the port (pulls its server from under it)")
+                            help="act even while a run in progress holds the port or owns its server (pulls it "
+                                 "from under it), and stop a vLLM that no record names")
         if name == "start":
             from pipeline.vllm_modes import MODES
             sp.add_argument("--mode", choices=MODES, default="production")

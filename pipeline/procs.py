@@ -157,6 +157,17 @@ def shown_cmdline(proc, width: int = 120) -> str:
         return "?"
 
 
+def user_of(pid: int) -> str:
+    """The user a process runs as, for a message ("?" when it is gone)."""
+    try:
+        return psutil.Process(pid).username()
+    except (psutil.Error, KeyError):  # KeyError: a uid without a passwd entry
+        try:
+            return f"uid {psutil.Process(pid).uids().real}"
+        except psutil.Error:
+            return "?"
+
+
 def repo_on_path(pythonpath: str | None) -> str:
     """A PYTHONPATH with this repository first: children import pipeline.compat from it."""
     return str(Path(__file__).resolve().parent.parent) + (os.pathsep + pythonpath if pythonpath else "")

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import psutil
 
-from pipeline import atomicio, procs
+from pipeline import atomicio, portlock, procs
 from pipeline.procs import last_error_line
 
 # Set by the runner when the run is told to stop: a server start waiting for health gives up at once
@@ -91,6 +91,12 @@ def _started_with(rec: ServerRecord, group: list[psutil.Process]) -> bool:
     return any(rec.started - 5 <= (p.info["create_time"] or 0) <= rec.started + BORN_WITHIN_S for p in group)
 
 
+def is_live(rec: ServerRecord) -> bool:
+    """Whether the recorded server still runs: its process group lives and is still that server's."""
+    group = procs.group_members(rec.pgid)
+    return bool(group) and _started_with(rec, group)
+
+
 def exit_status(pid: int) -> str | None:
     """How a server this process started ended ("killed by SIGKILL", "exited with 1"); None while it
     runs or when another process started it (its status is not ours to read)."""
@@ -104,6 +110,49 @@ def exit_status(pid: int) -> str | None:
         except ValueError:
             return f"killed by signal {-code}"
     return f"exited with {code}"
+
+
+STOPPED_BY_KEPT_S = 7 * 86400  # a stop is told to the run it hit; older ones are cleared by their writer
+
+
+def _stopped_by_path(rec: ServerRecord, uid: int | None = None) -> Path:
+    # one file per server and per stopping user: a user never has to change another's file
+    return portlock.runtime_dir(writable=uid is None or uid == os.getuid()) / \
+        f"stopped-{rec.pgid}.u{os.getuid() if uid is None else uid}.json"
+
+
+def note_stopped_by(rec: ServerRecord, by: str) -> Path | None:
+    """Say, before signalling it, that `by` (a command of this tool) stops the server: the run that owns it
+    notices its death within a moment and must be able to tell the operator who did it, not "exited with
+    0". Returns the file (removed again when the stop fails); None when it cannot be written."""
+    me = psutil.Process()
+    path = _stopped_by_path(rec)
+    try:
+        for old in path.parent.glob(f"stopped-*.u{os.getuid()}.json"):
+            if time.time() - old.stat().st_mtime > STOPPED_BY_KEPT_S:
+                old.unlink(missing_ok=True)
+        portlock.write_shared(path, {"pid": rec.pid, "pgid": rec.pgid, "started": rec.started, "by": by,
+                                     "by_pid": me.pid, "by_user": portlock.user_name(os.getuid()),
+                                     "at": time.time()})
+    except (OSError, portlock.PortTaken):
+        return None  # the stop itself goes on; its owner then reports only how the server ended
+    return path
+
+
+def stopped_by(rec: ServerRecord) -> str | None:
+    """Who stopped this server, if a command of this tool did: "`eagle3-console server stop` (pid N, user U)"."""
+    try:
+        paths = list(portlock.runtime_dir(writable=False).glob(f"stopped-{rec.pgid}.u*.json"))
+    except (OSError, portlock.PortTaken):
+        return None
+    for path in paths:
+        try:
+            said = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        if said.get("pid") == rec.pid and said.get("started") == rec.started:  # this server, not a reused pid
+            return f"`{said.get('by')}` (pid {said.get('by_pid')}, user {said.get('by_user')})"
+    return None
 
 
 def _api_server_gone(rec: ServerRecord) -> bool:
@@ -125,6 +174,8 @@ def death(rec: ServerRecord, wait: float = 5.0) -> str | None:
         if code == 200 or time.monotonic() > deadline:
             return None
         time.sleep(0.2)
+    if (by := stopped_by(rec)) is not None:  # not a crash: a command of this tool stopped it
+        return f"was stopped by {by}"
     text = procs.read_log(Path(rec.log), rec.log_offset) if rec.log else None
     said = procs.error_line(text) if text else None
     how = exit_status(rec.pid)
@@ -245,6 +296,9 @@ class ServerController:
                 return  # 401: an API key guards /v1, the server is up
             exited = proc.poll() if proc is not None else (None if procs.group_members(rec.pgid) else -1)
             if exited is not None:
+                if (by := stopped_by(rec)) is not None:
+                    raise ServerError(f"vLLM ({rec.mode}) was stopped by {by} before becoming healthy "
+                                      f"(log: {rec.log})", rec.tail())
                 how = exit_status(rec.pid) or f"exited with {exited}"
                 text = procs.read_log(Path(rec.log), rec.log_offset) if rec.log else None
                 # killed from outside, its last line says nothing: only an error line of its own is a reason
@@ -261,7 +315,8 @@ class ServerController:
             time.sleep(1.0)
 
     # ---- stop
-    def stop(self, grace: float = 30.0) -> dict:
+    def stop(self, grace: float = 30.0, by: str = "") -> dict:
+        """`by`: the command stopping it (recorded for the run that owns the server, see note_stopped_by)."""
         rec = self.record()
         if rec is None:
             return {"stopped": False, "reason": "no server recorded"}
@@ -273,7 +328,15 @@ class ServerController:
             return {"stopped": False, "mode": rec.mode,
                     "reason": f"process group {rec.pgid} is no longer the recorded server: record dropped"}
         members = [p.pid for p in group]
-        killed = procs.stop_group(rec.pgid, grace) if members else False
+        said = note_stopped_by(rec, by) if by and members else None
+        try:
+            killed = procs.stop_group(rec.pgid, grace) if members else False
+        except PermissionError:
+            if said:
+                said.unlink(missing_ok=True)
+            raise ServerError(f"{rec.describe()} runs as user {procs.user_of(rec.pid)}: user "
+                              f"{portlock.user_name(os.getuid())} may not signal process group {rec.pgid} "
+                              f"(operation not permitted); stop it as that user or root") from None
         if left := [p.pid for p in procs.group_members(rec.pgid)]:
             raise ServerError(f"processes {left} of server group {rec.pgid} survived SIGKILL")
         gpu_left = self._gpu_memory_held(members)
