@@ -60,6 +60,49 @@ def _matrix_lines(res: dict) -> list[str]:
     return lines
 
 
+def sweep_lines(res: dict) -> list[str]:
+    """The head weighed at each k and level (served or predicted, with the prediction's check), the k per
+    batch size chosen, the traffic it was weighed on, and how far instances of the target alone differed."""
+    sweep = res.get("sweep") or {}
+    if not sweep:
+        return []
+    ks = sorted({int(k) for pts in sweep.values() for k in pts if int(k) > 0})
+    lines = ["## The head at each k (speedup over the baseline: median, min–max over rounds and instances)", "",
+             "| concurrency | " + " | ".join(f"k={k}" for k in ks) + " | k chosen |",
+             "|---|" + "---|" * len(ks) + "---|"]
+    chosen = ((res.get("schedule") or {}).get("per_level")) or {}
+    for c in sorted(sweep, key=int):
+        cells = []
+        for k in ks:
+            p = sweep[c].get(str(k))
+            if p is None:
+                cells.append("–")
+                continue
+            how = "" if p.get("measured") else " predicted"
+            err = f", check {p['error']:+.0%}" if p.get("error") is not None else ""
+            cells.append(f"x{p['speedup']:.3f} (x{p['lo']:.2f}–x{p['hi']:.2f}){how}{err}")
+        lines.append(f"| {c} | " + " | ".join(cells) + f" | {chosen.get(str(c), '–')} |")
+    sched = res.get("schedule") or {}
+    if sched.get("text"):
+        lines += ["", f"k per batch size (vLLM's num_speculative_tokens_per_batch_size): {sched['text']}"]
+    traffic = res.get("traffic") or {}
+    if traffic.get("weights"):
+        lines.append("traffic weighed: " + ", ".join(f"c={c} {w:.0%}" for c, w in traffic["weights"].items())
+                     + f" ({traffic.get('from')})")
+    if (exp := res.get("expected_speedup")):
+        lines.append(f"expected speedup of what was considered for deployment under it: x{exp['median']:.3f} "
+                     f"(x{exp['lo']:.3f}–x{exp['hi']:.3f})")
+    inst = res.get("instances") or {}
+    for c, e in (inst.get("levels") or {}).items():
+        parts = [f"{m} {v:.1f}" for m, v in e.get("baseline_instances", {}).items()]
+        if "production_before" in e:
+            parts.append(f"production before the run {e['production_before']:.1f}")
+        lines.append(f"the target alone at c={c}: " + ", ".join(parts) + f" tok/s ({e.get('spread', 0):.0%} apart"
+                     + (f"; production {e['production_vs_baseline']:+.0%}" if "production_vs_baseline" in e else "")
+                     + ")")
+    return lines + [""]
+
+
 def ngram_comparison(offline: EvaluateOfflineResult | None, online: DeployMeasureResult | None) -> str | None:
     """n-gram prompt lookup next to the head: vLLM's figures when the matrix served it, else the offline
     replay of vLLM's proposer on the same greedy outputs. Its τ counts only the steps where it found a
@@ -163,7 +206,7 @@ def to_markdown(run: RunDir, snapshot: RunSnapshot, out_path: Path | None = None
             + (f"; every answer at least {online['min_new_tokens']} tokens (vLLM's min_tokens)"
                if online.get("min_new_tokens") else "")
             + (f"; tok/s: the median of {online['rounds']} rounds (min–max beside it)"
-               if (online.get("rounds") or 1) > 1 else "") + f"; {offline_tau}.", ""]
+               if (online.get("rounds") or 1) > 1 else "") + f"; {offline_tau}.", ""] + sweep_lines(online)
     if production := atomicio.read_json(run.production_result):
         lines += production_lines(production)
     try:

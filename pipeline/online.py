@@ -216,6 +216,28 @@ def prompt_tokens(base_url: str) -> float | None:
     return _counter(base_url, "vllm:prompt_tokens_total")
 
 
+def running_requests(base_url: str) -> float | None:
+    """Requests the server is running now (vllm:num_requests_running, summed over engines)."""
+    return _counter(base_url, "vllm:num_requests_running")
+
+
+def sample_running(base_url: str, seconds: float, every: float = 0.5,
+                   stop: threading.Event | None = None) -> list[float]:
+    """vllm:num_requests_running every `every` s for `seconds` (unreadable samples skipped): the load a
+    server carries, as its own /metrics see it."""
+    samples: list[float] = []
+    end = time.monotonic() + seconds
+    stop = stop or threading.Event()
+    while time.monotonic() < end and not stop.is_set():
+        try:
+            if (n := running_requests(base_url)) is not None:
+                samples.append(n)
+        except (OSError, RuntimeError):
+            pass
+        stop.wait(every)
+    return samples
+
+
 def generation_tokens(base_url: str) -> float | None:
     """The server's generated-token counter: a server that answers /health but never moves it is stuck."""
     return _counter(base_url, "vllm:generation_tokens_total")

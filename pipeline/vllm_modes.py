@@ -1,7 +1,8 @@
 """The vLLM command line for each server mode, built as an argv list from the profile (never a shell
 string). Modes: production (the operator's own flags), extraction (hidden states to files),
 baseline (target alone), regenerate (the baseline that speculators' regenerate-responses asks),
-speculative (target + the trained EAGLE-3 head), ngram (prompt lookup)."""
+speculative (target + the trained EAGLE-3 head, at one k or a k per batch size), ngram (prompt lookup),
+suffix (suffix decoding: vLLM's method "suffix", the arctic-inference package)."""
 from __future__ import annotations
 
 import json
@@ -10,12 +11,12 @@ import sys
 from pathlib import Path
 
 from pipeline import mooncake
-from pipeline.compat import vllm_cpu_env, vllm_flags
+from pipeline.compat import vllm_cpu_env, vllm_dynamic_k, vllm_flags
 from pipeline.compat.versions import served_vllm
 from pipeline.procs import repo_on_path
 from pipeline.profile import Profile
 
-MODES = ("production", "extraction", "baseline", "regenerate", "speculative", "ngram")
+MODES = ("production", "extraction", "baseline", "regenerate", "speculative", "ngram", "suffix")
 INTERNAL_HOST = "127.0.0.1"  # the internal modes are keyless: never on an interface others reach
 
 
@@ -82,7 +83,10 @@ def _render_flags(profile: Profile) -> list[str]:
 
 
 def server_argv(profile: Profile, mode: str, target_dir: Path, *, layer_ids: list[int] | None = None,
-                storage: Path | None = None, draft_dir: Path | None = None) -> list[str]:
+                storage: Path | None = None, draft_dir: Path | None = None, k: int | None = None,
+                schedule: list[list[int]] | None = None) -> list[str]:
+    """`k`: the head's draft length (evaluate.k when None); `schedule`: a k per batch-size range
+    (compat/vllm_dynamic_k.py), with the flags the served vLLM needs to serve one."""
     if mode not in MODES:
         raise ValueError(f"unknown server mode {mode!r} (one of {', '.join(MODES)})")
     argv = base_argv(profile, target_dir, bind_host(profile, mode))
@@ -110,11 +114,16 @@ def server_argv(profile: Profile, mode: str, target_dir: Path, *, layer_ids: lis
         argv += ["--speculative-config", json.dumps({"method": "ngram", "num_speculative_tokens": ev.k,
                                                      "prompt_lookup_min": ev.ngram_min,
                                                      "prompt_lookup_max": ev.ngram_max})]
+    elif mode == "suffix":
+        argv += ["--speculative-config", json.dumps(vllm_dynamic_k.suffix_config())]
     elif mode == "speculative" and draft_dir is None:
         raise ValueError("speculative mode needs a draft checkpoint")
     if mode in ("production", "speculative") and draft_dir is not None:  # production too: with the new head
         # Always name the method: a path without "eagle3" in it would be served as draft_model (§2.5).
-        spec = vllm_flags.eagle3_speculative_config(draft_dir, profile.evaluate.k)
+        spec = vllm_flags.eagle3_speculative_config(draft_dir, k or profile.evaluate.k)
+        if schedule:
+            spec |= vllm_dynamic_k.schedule_config(schedule)
+            argv += vllm_dynamic_k.schedule_flags(accelerator_available(), argv)
         argv += ["--speculative-config", json.dumps(spec)]
     argv += list(profile.server.extra_args)
     return argv

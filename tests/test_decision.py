@@ -18,7 +18,7 @@ def test_the_why_line_agrees_with_the_decision(tau, speedup, threshold):
     baseline = {"output_tok_s": 100.0, "tpot_ms": 3.71}
     eagle = {"output_tok_s": 100.0 * speedup, "tpot_ms": 46.2, "tokens_per_step": tau, "speedup": speedup}
     figures = step_economics(baseline, eagle, threshold)
-    verdict = decide({"levels": {1: eagle}}, 1, threshold)
+    verdict = decide({1: (speedup, speedup, speedup)}, {1: 1.0}, threshold)
     deploy = verdict.deploy
     assert deploy == (speedup >= threshold) and verdict.line.startswith("deploy:" if deploy else "do not deploy:")
     assert (figures["break_even_tau"] <= tau + 1e-9) == deploy or abs(figures["break_even_tau"] - tau) < 2e-3
@@ -101,7 +101,11 @@ def test_a_level_reads_the_same_before_and_after_json():
         assert level_of(r, 1) == {"output_tok_s": 2.0} and level_of(r, "8") == {"output_tok_s": 9.0}
         assert level_of(r, 32) == {} and level_of(r, "x") == {}
     assert level_of(None, 1) == {} and level_of({"error": "refused"}, 1) == {}
-    assert decide(back, 1, 1.1).line == "do not deploy: no speedup measured"  # a read-back row decides too
+    from pipeline.stages.deploy_measure import row_levels
+    base = {"levels": {"1": {"output_tok_s": 1.0, "baseline_rounds": [1.0]}}}
+    for r in (row, back):  # a read-back row decides as the one measured
+        assert row_levels(r, base) == {1: (2.0, 2.0, 2.0)}
+        assert decide(row_levels(r, base), {1: 1.0}, 1.1).line.startswith("deploy: speedup x2.000")
 
 
 def test_preflight_warns_that_min_new_tokens_measures_past_the_targets_own_answers():

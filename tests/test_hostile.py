@@ -201,11 +201,10 @@ def test_a_dead_server_is_blamed_with_its_own_reason(tmp_path):
 
 def test_deploy_decision_shows_the_comparison_rounding_would_hide():
     from pipeline.stages.deploy_measure import decide
-    eagle = {"levels": {1: {"speedup": 1.098}}}
-    assert decide(eagle, 1, 1.10).line == "do not deploy: speedup x1.098 < threshold x1.1 at concurrency 1"
-    eagle["levels"][1]["speedup"] = 1.1
-    assert decide(eagle, 1, 1.10).line.startswith("deploy: speedup x1.100 >= threshold x1.1")
-    assert decide({"error": "refused"}, 1, 1.1).line == "do not deploy: the new head was not measured"
+    assert decide({1: (1.098,) * 3}, {1: 1.0}, 1.10).line == \
+        "do not deploy: speedup x1.098 < threshold x1.1 at concurrency 1"
+    assert decide({1: (1.1,) * 3}, {1: 1.0}, 1.10).line.startswith("deploy: speedup x1.100 >= threshold x1.1")
+    assert decide({}, {1: 1.0}, 1.1).line == "do not deploy: the new head was not measured"
 
 
 # ---- kills: nothing left that a resume does not clean; time counts every attempt
@@ -233,6 +232,7 @@ def test_stage_time_counts_every_attempt_even_a_killed_one(tmp_path):
     assert attempt_seconds(run, "train") == [30.0, 12.0, 9.0]
 
 
+@pytest.mark.integration
 def test_sigterm_is_recorded_as_interrupted_and_status_says_resume(tmp_path, cache_dir):
     run_dir = tmp_path / "run"
     proc = subprocess.Popen([sys.executable, "-m", "pipeline", "run", str(TINY), "--no-tui", "--run-dir", str(run_dir),

