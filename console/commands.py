@@ -5,23 +5,44 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pipeline import box, jobs, notes, portlock
+from pipeline import box, jobs, notes, portlock, procs, vllm_modes
 from pipeline.profile import Profile
 from pipeline.rundir import RunDir
 
 PortHeld = box.PortHeld  # a run in progress holds the port: the operator is asked before forcing it
+MODES = vllm_modes.MODES  # every mode the CLI's `server start --mode` has
 
 
-def serve(profile: Profile, rundir: RunDir, what: str, mode: str | None, force: bool) -> str:
-    """Stop the port's server (`what` = "stop") or start it in `mode`; `force`: past the run that holds it."""
+def serve(profile: Profile, rundir: RunDir, what: str, mode: str | None, force: bool,
+          expect: int | None = None) -> str:
+    """Stop the port's server (`what` = "stop"), or start it in `mode` ("start": an identical healthy
+    server is kept; "restart": it is replaced). `force`: past the run that holds the port or owns the
+    server; `expect`: the pid the operator's question named — only that process is stopped (a vLLM no
+    record names included), another one there now is refused."""
     if what == "stop":
-        return f"stopped: {box.free_port(profile, lambda m: None, force=force)}"
+        return f"stopped: {box.free_port(profile, lambda m: None, force=force, expect=expect, by=BY['stop'])}"
     if mode is None:  # the start commands all name a mode
         raise ValueError("no server mode chosen")
     target_dir, mode_args = box.mode_inputs(profile, rundir, mode)
     rec = box.start_mode(profile, mode, target_dir, log_path=rundir.log_path(f"server-{mode}"),
-                         cache_root=rundir.cache_root, say=lambda m: None, force=force, **mode_args)
+                         cache_root=rundir.cache_root, say=lambda m: None, force=force, expect=expect,
+                         by=f"{BY[what]} ({mode})", restart=what == "restart", **mode_args)
     return f"{mode} server healthy, pid {rec.pid}"
+
+
+# what a run whose server the console stopped is told (server.stopped_by)
+BY = {"stop": "eagle3-console console: Stop (x)", "restart": "eagle3-console console: Restart (r)",
+      "start": "eagle3-console console: Start in mode (m)"}
+
+
+def start_preview(profile: Profile, rundir: RunDir, mode: str) -> dict:
+    """What a start in `mode` would run, for the operator's question: the argv (secrets redacted), where it
+    binds, and the draft it serves. ValueError: the mode cannot start from this run (no draft, no target)."""
+    target_dir, mode_args = box.mode_inputs(profile, rundir, mode)
+    argv = procs.redact_argv(vllm_modes.server_argv(profile, mode, target_dir, **mode_args))
+    return {"argv": " ".join(argv), "host": vllm_modes.bind_host(profile, mode), "port": profile.server.port,
+            "draft": str(mode_args["draft_dir"]) if mode_args.get("draft_dir") else None,
+            "gpus": profile.server.cuda_visible_devices or f"the first {profile.server.tensor_parallel_size}"}
 
 
 def port_holder(profile: Profile) -> dict | None:

@@ -31,9 +31,9 @@ class PortHeld(ServerError):
     def __init__(self, holder: dict, port: int, message: str | None = None):
         self.holder = holder
         super().__init__(message or (
-            f"port {port} is held by a run in progress (pid {holder.get('pid', '?')}"
-            f"{', user ' + holder['user'] if holder.get('user') else ''}, {holder.get('run', '?')}): its stages "
-            f"use the server there; wait for it, stop it, or pass --force"))
+            f"port {port} is held by a run in progress (pid {holder.get('pid', '?')}, {holder.get('run', '?')}"
+            f"{', user ' + holder['user'] if holder.get('user') else ''}): its stages use the server there; wait "
+            f"for it, stop it, or pass --force"))
 
 
 class Unrecorded(ServerError):
@@ -55,9 +55,10 @@ class PortController(ServerController):
     (`port-N.u<UID>.json`, 0644); the port's record is the one naming a live server, else this user's
     own, else the newest. `record_path` is where this user writes."""
 
-    def __init__(self, directory: Path, port: int, host: str = "127.0.0.1"):
+    def __init__(self, directory: Path, port: int, host: str = "127.0.0.1", profile: Profile | None = None):
         super().__init__(directory / f"port-{port}.u{os.getuid()}.json")
         self.directory, self.port, self.host = directory, port, host
+        self.profile = profile  # its status names the run holding the port (portlock.holder)
         self.source: Path | None = None  # the file the last record() came from
 
     def files(self) -> list[Path]:
@@ -101,6 +102,8 @@ class PortController(ServerController):
             status |= {"user": self.user(), "argv": rec.argv if rec else []}
         elif (found := unrecorded(self.host, self.port)) is not None:
             status = found
+        if self.profile is not None and (held := portlock.holder(self.profile)) is not None:
+            status["held_by"] = held  # a run of any folder or user whose stages use the port
         return status
 
 
@@ -185,7 +188,7 @@ def controller(profile: Profile) -> PortController:
         migrate(profile)
     except (OSError, portlock.PortTaken) as exc:  # the host-wide records are still read
         log.warning("%s: the records there were not moved: %s", legacy_registry(profile), exc)
-    return PortController(registry(writable=False), profile.server.port, profile.server.host)
+    return PortController(registry(writable=False), profile.server.port, profile.server.host, profile)
 
 
 def orphan_text(rec: ServerRecord) -> str:

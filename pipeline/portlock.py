@@ -157,9 +157,9 @@ class Held:
 
 
 def _taken(port: int, other: dict) -> PortTaken:
-    who = f", user {other['user']}" if other.get("user") else ""
-    return PortTaken(f"port {port} belongs to another run in progress (pid {other.get('pid', '?')}{who}, "
-                     f"{other.get('run', '?')}): one run at a time per serving port")
+    who = f" of user {other['user']}" if other.get("user") else ""
+    return PortTaken(f"port {port} belongs to another run in progress (pid {other.get('pid', '?')}, "
+                     f"{other.get('run', '?')}){who}: one run at a time per serving port")
 
 
 def hold(profile: Profile, run_root: Path) -> Held:

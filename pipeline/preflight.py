@@ -332,9 +332,9 @@ def port_findings(profile: Profile, run_dir: Path | None = None) -> list[Finding
     production = profile.evaluate.production_before_after and not (
         run_dir is not None and (Path(run_dir) / "eval" / "production-before.json").is_file())
     if (other := portlock.holder(profile)) is not None:  # host-wide: a run of any folder or user
-        who = f", user {other['user']}" if other.get("user") else ""
-        return [Finding("block", "port", f"port {s.port} belongs to another run in progress (pid {other.get('pid')}"
-                                         f"{who}, {other.get('run')}): one run at a time per serving port")]
+        who = f" of user {other['user']}" if other.get("user") else ""
+        return [Finding("block", "port", f"port {s.port} belongs to another run in progress (pid {other.get('pid')}, "
+                                         f"{other.get('run')}){who}: one run at a time per serving port")]
     if not port_in_use(s.host, s.port):
         return [Finding("ok", "port", f"{s.host}:{s.port} is free")] + (
             [_no_production(profile, "the port is free")] if production else [])

@@ -121,7 +121,7 @@ def test_two_folders_two_runs_one_port_see_one_lock(tmp_path, registry):
     holder = hold_port(b, tmp_path / "B" / "runs" / "runB")
     try:
         pa = folder_profile(tmp_path, "A", port)
-        with pytest.raises(portlock.PortTaken, match=f"pid {holder.pid}, user .*runB"):
+        with pytest.raises(portlock.PortTaken, match=f"pid {holder.pid}, .*runB\\) of user "):
             portlock.hold(pa, tmp_path / "A" / "runs" / "runA")
         assert portlock.holder(pa)["run"] == str(tmp_path / "B" / "runs" / "runB")
         from pipeline.preflight import port_findings
@@ -297,7 +297,7 @@ def test_two_users_see_each_others_port_and_cannot_change_or_stop_it(tmp_path, m
             try:
                 assert held.stdout.readline().strip() == "held"
                 taken = as_user(bob, [sys.executable, "-c", HOLD, str(prof["B"]), "/runs/bobs"], env=env)
-                assert taken.returncode != 0 and "user e3test-alice, /runs/alices" in taken.stderr, taken.stderr
+                assert taken.returncode != 0 and "/runs/alices) of user e3test-alice" in taken.stderr, taken.stderr
             finally:
                 held.kill()
                 held.wait()
