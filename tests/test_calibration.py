@@ -213,6 +213,7 @@ def test_the_kimi_slice_is_kimis_width_with_fewer_layers_and_calibrate_writes_wh
     assert cal.hidden == 7168 and cal.gpu_name == "H200"
 
 
+@pytest.mark.integration  # preflight asks vLLM (a probe process: a vLLM import, ~10 s on 2 cores)
 def test_a_bad_calibration_file_is_one_line_in_plan_and_a_block_in_preflight(tmp_path):
     bad = tmp_path / "bad.toml"
     bad.write_text("depths = [")

@@ -49,6 +49,7 @@ def test_adapt_on_cpu_and_not_on_gpu(monkeypatch):
          cli.maybe_setup_distributed) = saved
 
 
+@pytest.mark.slow  # a fresh interpreter importing speculators' trainer (~9 s on 2 cores)
 def test_trainer_metric_records_reach_the_stage_whole_at_full_precision(tmp_path):
     """speculators' metric logger as its CLI sets it up, in a trainer-like process of its own: the records
     the trainer logs come out as JSON lines (rank 0 only), the values unrounded, a non-mapping left out."""

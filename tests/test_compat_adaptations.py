@@ -637,6 +637,7 @@ def _worker_view(batch: list) -> tuple:
     return type(ds).__name__, ds.requests, transfer.wait_for_lock.__name__, _rows_of(batch)
 
 
+@pytest.mark.slow  # a spawned worker importing torch and speculators (~7 s)
 def test_a_spawned_loader_worker_fetches_through_the_concurrent_dataset(tmp_path, monkeypatch):
     """speculators' loaders spawn their workers: the dataset reaches them by its module's name, its
     requests with it, and the worker's process reads states promptly too."""

@@ -71,6 +71,7 @@ def test_prepare_fails_when_nothing_is_left_to_train_on(tmp_path, cache_dir, row
     assert run.stage_state("prepare")["status"] == "failed"
 
 
+@pytest.mark.slow  # nothing started, but ~25 s of reading the stdlib's sources on 2 cores
 def test_demo_answers_as_sources_are_the_same_conversations_with_their_definitions_code():
     """data.demo_answers = "source" (gpu-demo): the same ids in the same order as the docstring answers, each
     first answer the definition's own source (within SOURCE_CHARS, cut at a line), longer than its docstring."""
@@ -92,6 +93,7 @@ def test_demo_answers_as_sources_are_the_same_conversations_with_their_definitio
                                                                           for c in docs)
 
 
+@pytest.mark.integration  # prepare: a vLLM probe, speculators' prepare-data
 def test_render_prepare_passes_token_rows_through_without_a_server(tmp_path, cache_dir):
     """tokenize = "render" on a file of pre-tokenized rows whose only conversation is held out: speculators'
     prepare-data passes the rows through (no server started), the conversation becomes the evaluation prompt."""

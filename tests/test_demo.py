@@ -4,7 +4,11 @@ figure is computed by the runs here and compared with another computed figure, n
 taken from an earlier run."""
 import json
 
-from conftest import ROOT, cli, completed_run, free_port
+import pytest
+
+from tests.conftest import ROOT, cli, completed_run, free_port
+
+pytestmark = pytest.mark.integration  # the demo profile's whole run, and a second one up to regenerate
 
 DEMO = ROOT / "profiles" / "demo.toml"
 # The demo itself, without its three vLLM servers: the offline evaluation replays vLLM's n-gram proposer

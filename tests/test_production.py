@@ -43,6 +43,7 @@ def test_a_resume_after_production_was_measured_needs_no_production_up(tmp_path)
     assert not [f for f in preflight.port_findings(served, run_dir) if f.check == "production"]
 
 
+@pytest.mark.integration  # a run through build-target and measure-production
 def test_measure_production_without_production_fails_in_one_line(tmp_path, cache_dir):
     run_dir = tmp_path / "run"
     sets = [*STORY, f'run.cache_dir="{cache_dir}"', f"server.port={free_port()}"]

@@ -40,6 +40,7 @@ def _vllm_on(port: int) -> list[int]:
     return found
 
 
+@pytest.mark.integration
 def test_regenerate_through_vllm_resumes_after_sigkill_and_equals_the_targets_greedy_rows(tmp_path, cache_dir):
     """The Kimi-class target regenerates through vLLM (one conversation too long for the server: it fails,
     is retried, counted and named), is SIGKILLed and resumed; then the run goes on to the end measured
@@ -184,6 +185,7 @@ def test_sampling_needs_the_vllm_backend():
         load_profile(TINY, {"data.regenerate_temperature": {"0.6": 1.0}})
 
 
+@pytest.mark.integration  # a run through regenerate and prepare
 def test_a_run_trains_on_a_gathered_mix(tmp_path, cache_dir):
     mine = _jsonl(tmp_path / "mine.jsonl", [_conv(i, "m") for i in range(12)])
     run_dir = tmp_path / "run"

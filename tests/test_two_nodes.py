@@ -54,6 +54,7 @@ def wait_file(path, procs, timeout=600):
         time.sleep(0.2)
 
 
+@pytest.mark.integration
 def test_two_nodes_train_as_one_job_and_resume_after_losing_one(tmp_path, cache_dir):
     node0, node1 = tmp_path / "host-a" / "run", tmp_path / "host-b" / "run"
     node1.parent.mkdir(parents=True)
@@ -137,6 +138,7 @@ def test_a_node_that_does_not_answer_is_a_line_not_a_failure(tmp_path):
         load_profile(TINY, {"train.node_exporters": ["host-b:9401"]})
 
 
+@pytest.mark.integration
 def test_nodes_with_different_rows_stop_in_one_line(tmp_path, cache_dir):
     """Offline on both (each node extracts all its own rows), but node 1 prepared other rows: speculators'
     sampler would pack different batches on each; the job stops before its first step, saying so."""

@@ -431,6 +431,7 @@ def _build_tiny_target(cache: str) -> str:
     return str(build_target(load_profile(TINY).demo_target, Path(cache)))
 
 
+@pytest.mark.integration  # two spawned processes build a demo target
 def test_two_processes_building_the_same_target_share_one_result(tmp_path):
     """Two runs of one spec (two ports of a box) build side by side: one directory results, both use it,
     and a dead process's half-built leftover is removed."""
