@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 export HF_HUB_OFFLINE := 1
 export HF_DATASETS_OFFLINE := 1
 
-.PHONY: venv demo lint test bench clean
+.PHONY: venv demo ruff lint test test-fast test-integration bench clean
 
 venv: $(STAMP)
 
@@ -28,13 +28,28 @@ $(STAMP): requirements/base.txt requirements/test.txt requirements/constraints.t
 demo: venv
 	$(BIN)/eagle3-console run demo --no-tui
 
-# ruff (pyproject.toml [tool.ruff]) and mypy on pipeline/ and console/ ([tool.mypy]); `make test` runs it first.
-lint: venv
+# ruff alone (pyproject.toml [tool.ruff]): a second or two; `make test-fast` runs it first.
+ruff: venv
 	$(BIN)/ruff check pipeline console tests bench
+
+# ruff, then mypy on pipeline/ and console/ ([tool.mypy]), ~25 s; `make test` runs it first.
+lint: ruff
 	$(BIN)/mypy
 
+# The tests are in two lanes, marked by what they start (tests/conftest.py, pyproject.toml's markers):
+# integration (alias slow) starts real vLLM servers or probes, trainings, pipeline stages, Mooncake, torchrun.
+# test: CI (.ci/run) and before a push: lint, then every test of both lanes (~25-40 min on 2 cores).
 test: lint
 	$(BIN)/python -m pytest -q --durations=15
+
+# test-fast: on every change: ruff, then the tests that start nothing heavy (-m "not integration"), <= 3 min on 2 cores.
+test-fast: ruff
+	$(BIN)/python -m pytest -q -m "not integration" --durations=10
+
+# test-integration: the integration lane alone (what test-fast leaves out); narrow it with ARGS, e.g.
+# make test-integration ARGS=tests/test_lifetimes.py
+test-integration: venv
+	$(BIN)/python -m pytest -q -m integration --durations=15 $(ARGS)
 
 bench: venv
 	$(BIN)/python bench/demo_stages.py
