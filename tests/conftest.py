@@ -1,13 +1,11 @@
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
-TINY = ROOT / "tests" / "profiles" / "tiny.toml"
+# the helpers every test shares (tests/helpers.py), importable from here too
+from tests.helpers import ROOT, TINY, TINY_MLA, cli, free_port, free_port_pair, spawn_cli, wait_for  # noqa: F401
 
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["HF_DATASETS_OFFLINE"] = "1"
@@ -44,12 +42,6 @@ def pytest_collection_modifyitems(config, items):
                     item.add_marker(mark)
 
 
-def cli(*args, cwd=None, timeout=600, env=None) -> subprocess.CompletedProcess:
-    """Run the real CLI in a subprocess."""
-    return subprocess.run([sys.executable, "-m", "pipeline", *map(str, args)], cwd=cwd or ROOT, text=True,
-                          capture_output=True, timeout=timeout, env={**os.environ, **(env or {})})
-
-
 @pytest.fixture(scope="session")
 def cache_dir(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("cache")
@@ -65,13 +57,6 @@ def finished_run(tmp_path_factory, cache_dir) -> Path:
                "--set", f"server.port={free_port()}", "--set", 'train.loggers=["tensorboard"]')
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return run_dir
-
-
-def free_port() -> int:
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def completed_run(run_dir: Path, profile: Path, cache_dir: Path, *sets: str, timeout: int = 1500):
@@ -94,9 +79,6 @@ def stages_until_train_running() -> dict:
         "vocab": {"status": "done", "seconds": 0.01, "figures": {}},
         "train": {"status": "running"},
     }
-
-
-TINY_MLA = ROOT / "tests" / "profiles" / "tiny-mla.toml"
 
 
 @pytest.fixture(scope="session")

@@ -2,11 +2,7 @@
 τ chosen (ties to the earlier), a worse last epoch not deployed, a killed measurement resumed with what it
 had measured kept; and the warning when training accuracy and measured acceptance disagree by far."""
 import json
-import os
 import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -18,7 +14,7 @@ from pipeline.plan import checkpoint_count
 from pipeline.profile import load_profile
 from pipeline.rundir import RunDir
 from pipeline.stages.pick_checkpoint import choose, why_text
-from tests.conftest import ROOT, TINY, cli, free_port
+from tests.helpers import TINY, cli, free_port, spawn_cli, wait_for
 
 LEARNED = ("demo_target.corpus_conversations=192",)  # the demo's learned target (cached by its spec)
 EACH = ('evaluate.checkpoints="each"',)
@@ -174,9 +170,8 @@ def test_a_killed_measurement_through_vllm_resumes_with_the_measured_kept(tmp_pa
     run_dir = tmp_path / "run"
     sets = [*EACH, 'evaluate.offline="off"', "evaluate.online=true", "train.epochs=2", f'run.cache_dir="{cache_dir}"',
             f"server.port={free_port()}"]
-    args = [sys.executable, "-m", "pipeline", "run", str(TINY), "--no-tui", "--run-dir", str(run_dir)]
-    proc = subprocess.Popen(args + [a for s in sets for a in ("--set", s)], cwd=ROOT, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    proc = spawn_cli("run", TINY, "--no-tui", "--run-dir", run_dir, *[a for s in sets for a in ("--set", s)],
+                     env={"HF_HUB_OFFLINE": "1"})
     result = run_dir / "eval" / "checkpoints.json"
 
     def measured() -> list:
@@ -185,11 +180,7 @@ def test_a_killed_measurement_through_vllm_resumes_with_the_measured_kept(tmp_pa
         except (OSError, ValueError):
             return []
 
-    deadline = time.monotonic() + 600
-    while not measured():
-        assert proc.poll() is None, "the run ended before the first checkpoint was measured"
-        assert time.monotonic() < deadline, "no checkpoint measured in time"
-        time.sleep(0.05)
+    wait_for(measured, 600, "the first checkpoint measured", poll=0.05, alive=proc)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     first = measured()

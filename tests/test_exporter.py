@@ -6,7 +6,6 @@ import re
 import signal
 import socket
 import subprocess
-import sys
 import time
 import urllib.request
 
@@ -17,7 +16,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from pipeline import gpu
 from pipeline.profile import load_profile
 from pipeline.rundir import RunDir
-from tests.conftest import ROOT, TINY, cli, free_port, stages_until_train_running
+from tests.conftest import stages_until_train_running
+from tests.helpers import ROOT, TINY, cli, free_port, spawn_cli
 
 
 def samples(text: str) -> dict:
@@ -39,8 +39,7 @@ def exporter():
     procs = []
 
     def start(*args):
-        proc = subprocess.Popen([sys.executable, "-m", "pipeline", "exporter", *map(str, args), "--port", "0"],
-                                cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        proc = spawn_cli("exporter", *args, "--port", "0", stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         procs.append(proc)
         line = proc.stdout.readline()
         port = int(re.search(r"http://127\.0\.0\.1:(\d+)/metrics", line).group(1))

@@ -1,10 +1,10 @@
 import json
-import time
 
 import pytest
 
 from pipeline import gpu
 from tests.fake_nvml import NVML_ERROR_GPU_IS_LOST, NVML_ERROR_NOT_SUPPORTED, FakeNvml, GiB, h200
+from tests.helpers import wait_for
 
 
 @pytest.fixture
@@ -22,13 +22,6 @@ def nvml(real_nvml):
     yield install
     import pynvml
     gpu.use_nvml(pynvml)
-
-
-def wait_for(predicate, timeout=30.0, what="condition"):
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, f"{what} not reached in {timeout} s"
-        time.sleep(0.01)
 
 
 def timeline(path):

@@ -8,7 +8,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import stat
 import subprocess
 import sys
@@ -21,7 +20,7 @@ import pytest
 from pipeline import box, portlock, procs
 from pipeline.profile import load_profile
 from pipeline.server import ServerController, ServerRecord, death, http_get
-from tests.conftest import ROOT, TINY, cli
+from tests.helpers import ROOT, TINY, cli, free_port
 
 STAND_IN = '''
 import http.server, sys
@@ -43,12 +42,6 @@ def registry(tmp_path, monkeypatch) -> Path:
     where = tmp_path / "e3-runtime"
     monkeypatch.setenv(portlock.ENV, str(where))
     return where
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def stand_in_argv(tmp_path: Path, port: int, python: str = sys.executable) -> list[str]:

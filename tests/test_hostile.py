@@ -5,7 +5,6 @@ import json
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -13,7 +12,7 @@ import pytest
 from pipeline import atomicio, portlock, procs
 from pipeline.profile import load_profile
 from pipeline.rundir import RunDir
-from tests.conftest import ROOT, TINY, cli, free_port
+from tests.helpers import ROOT, TINY, cli, free_port, spawn_cli, wait_for
 
 
 def one_line_error(proc, code: int) -> str:
@@ -237,15 +236,11 @@ def test_stage_time_counts_every_attempt_even_a_killed_one(tmp_path):
 @pytest.mark.integration
 def test_sigterm_is_recorded_as_interrupted_and_status_says_resume(tmp_path, cache_dir):
     run_dir = tmp_path / "run"
-    proc = subprocess.Popen([sys.executable, "-m", "pipeline", "run", str(TINY), "--no-tui", "--run-dir", str(run_dir),
-                             "--set", f'run.cache_dir="{cache_dir}"', "--set", f"server.port={free_port()}",
-                             "--set", "train.epochs=50"],
-                            cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 300
-    while not any(e.get("stage") == "train" and e.get("kind") == "metric"
-                  for e in atomicio.read_jsonl(run_dir / "events.jsonl")):
-        assert proc.poll() is None and time.monotonic() < deadline, "train never started"
-        time.sleep(0.2)
+    proc = spawn_cli("run", TINY, "--no-tui", "--run-dir", run_dir, "--set", f'run.cache_dir="{cache_dir}"',
+                     "--set", f"server.port={free_port()}", "--set", "train.epochs=50", stderr=subprocess.PIPE)
+    wait_for(lambda: any(e.get("stage") == "train" and e.get("kind") == "metric"
+                         for e in atomicio.read_jsonl(run_dir / "events.jsonl")), 300, "train's first metric",
+             poll=0.2, alive=proc)
     pgid = RunDir.open(run_dir).stage_state("train")["child_pgid"]
     proc.send_signal(signal.SIGTERM)  # as `timeout` or a systemd stop would
     err = proc.communicate(timeout=60)[1]

@@ -7,7 +7,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -22,21 +21,10 @@ from pipeline import box, gpu, procs
 from pipeline.profile import load_profile
 from pipeline.rundir import RunDir
 from pipeline.server import port_in_use
-from tests.conftest import ROOT, TINY, cli
 from tests.fake_nvml import FakeNvml, h200
+from tests.helpers import TINY, cli, free_port_pair, spawn_cli, wait_for
 
 GIB = 1 << 30
-
-
-def free_port_pair() -> int:
-    """A port p with p + 1 free too: the matrix's two servers side by side."""
-    for _ in range(50):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            p = s.getsockname()[1]
-        if p < 65000 and not port_in_use("127.0.0.1", p + 1):
-            return p
-    raise RuntimeError("no two consecutive free ports")
 
 
 def vllm_serving(*ports: int) -> list[int]:
@@ -48,14 +36,6 @@ def vllm_serving(*ports: int) -> list[int]:
                 and any(str(port) in cmd for port in ports):
             found.append(p.info["pid"])
     return found
-
-
-def wait_for(predicate, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while not (got := predicate()):
-        assert time.monotonic() < deadline, f"{what} not reached in {timeout:.0f} s"
-        time.sleep(0.2)
-    return got
 
 
 @pytest.fixture(scope="module")
@@ -82,9 +62,7 @@ def copy_of(trained, tmp_path: Path) -> Path:
 
 
 def resume(run_dir: Path, log: Path) -> subprocess.Popen:
-    with open(log, "wb") as out:
-        return subprocess.Popen([sys.executable, "-m", "pipeline", "run", "--resume", str(run_dir), "--no-tui"],
-                                cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    return spawn_cli("run", "--resume", run_dir, "--no-tui", log=log, new_session=True)
 
 
 def records_of(run_dir: Path, port: int, healthy: bool = False) -> list:
@@ -102,7 +80,7 @@ def notes_of(run_dir: Path) -> list[str]:
 def test_sigterm_while_two_servers_start_stops_both_and_the_resume_measures_through_vllm_only(trained, tmp_path):
     run_dir, port = copy_of(trained, tmp_path), trained[1]
     proc = resume(run_dir, tmp_path / "job.log")
-    wait_for(lambda: len(records_of(run_dir, port)) == 2, 300, "two servers starting")
+    wait_for(lambda: len(records_of(run_dir, port)) == 2, 300, "two servers starting", poll=0.2)
     proc.send_signal(signal.SIGTERM)  # while they start: the run must not wait for them to be healthy
     t0 = time.monotonic()
     assert proc.wait(timeout=120) == 143, (tmp_path / "job.log").read_text()[-2000:]
@@ -132,7 +110,7 @@ def test_sigkill_leaves_servers_that_the_resume_reuses_or_stops(trained, tmp_pat
     names it and frees it. Nothing is left afterwards."""
     run_dir, port = copy_of(trained, tmp_path), trained[1]
     proc = resume(run_dir, tmp_path / "job.log")
-    wait_for(lambda: len(records_of(run_dir, port, healthy=True)) == 2, 300, "two healthy servers")
+    wait_for(lambda: len(records_of(run_dir, port, healthy=True)) == 2, 300, "two healthy servers", poll=0.2)
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
     left = vllm_serving(port, port + 1)
@@ -155,7 +133,7 @@ def test_a_server_killed_in_the_middle_of_the_matrix_is_reported_from_its_side(t
     proc = resume(run_dir, tmp_path / "job.log")
     events = RunDir.open(run_dir).events
     wait_for(lambda: any(e.get("kind") == "server" and e.get("method") == "eagle3" for e in events()), 300,
-             "the new head's server up for the matrix")
+             "the new head's server up for the matrix", poll=0.2)
     recs = [r for r in records_of(run_dir, port) if r.port == port + 1]
     os.killpg(recs[0].pgid, signal.SIGKILL)
     assert proc.wait(timeout=300) == 1
@@ -186,7 +164,7 @@ def test_a_stale_record_is_dropped_unsignalled_and_a_strangers_port_is_left_alon
     listener = subprocess.Popen([sys.executable, "-m", "http.server", str(port + 1), "--bind", "127.0.0.1"],
                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     try:
-        wait_for(lambda: port_in_use("127.0.0.1", port + 1), 30, "the listener")
+        wait_for(lambda: port_in_use("127.0.0.1", port + 1), 30, "the listener", poll=0.2)
         day_ago = time.time() - 86400  # a record from before a reboot: its group id now names the listener
         rec = ServerRecord(pid=listener.pid, pgid=listener.pid, host="127.0.0.1", port=port + 1, mode="speculative",
                            argv=["vllm"], log="", started=day_ago, run=str(run.root), owner_pid=1, owner_since=1.0)

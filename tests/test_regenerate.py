@@ -5,8 +5,6 @@ data sources (the demo, local files, a mix with limits, speculators' presets off
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -15,15 +13,9 @@ import pytest
 
 from pipeline.profile import ProfileError, load_profile
 from pipeline.rundir import RunDir
-from tests.conftest import ROOT, TINY, cli, free_port
+from tests.helpers import ROOT, TINY, cli, free_port, spawn_cli
 
 TINY_KIMI = ROOT / "tests" / "profiles" / "tiny-kimi.toml"
-
-
-def _start(args: list, log: Path) -> subprocess.Popen:
-    with open(log, "wb") as out:
-        return subprocess.Popen([sys.executable, "-m", "pipeline", *map(str, args)], cwd=ROOT, stdout=out,
-                                stderr=subprocess.STDOUT, start_new_session=True)
 
 
 def _lines(path: Path) -> list[str]:
@@ -53,8 +45,8 @@ def test_regenerate_through_vllm_resumes_after_sigkill_and_equals_the_targets_gr
             "data.regenerate_max_retries=1", 'evaluate.offline="off"', "evaluate.start_together=2"]
     args = [a for kv in sets for a in ("--set", kv)]
     run_dir = tmp_path / "run"
-    proc = _start(["run", TINY_KIMI, "--no-tui", "--until", "regenerate", "--run-dir", run_dir, *args],
-                  tmp_path / "first.log")
+    proc = spawn_cli("run", TINY_KIMI, "--no-tui", "--until", "regenerate", "--run-dir", run_dir, *args,
+                     log=tmp_path / "first.log", new_session=True)
     responses = run_dir / "data" / "regenerate" / "responses.jsonl"
     deadline = time.monotonic() + 600
     while len(_lines(responses)) < 6 and proc.poll() is None and time.monotonic() < deadline:

@@ -3,9 +3,6 @@ import contextlib
 import json
 import os
 import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import psutil
@@ -15,7 +12,7 @@ from pipeline import atomicio, box, procs
 from pipeline.checkpoints import epoch_complete, epoch_dirs
 from pipeline.rundir import RunDir
 from pipeline.target import resolve_layer_ids
-from tests.conftest import ROOT, TINY, cli, free_port
+from tests.helpers import TINY, cli, free_port, spawn_cli, wait_for
 
 pytestmark = pytest.mark.slow
 ONLINE = ('extract.backend="vllm"', 'extract.mode="online"', "server.enforce_eager=true",
@@ -23,22 +20,11 @@ ONLINE = ('extract.backend="vllm"', 'extract.mode="online"', "server.enforce_eag
 
 
 def start(run_dir, cache_dir, *sets):
-    args = [sys.executable, "-m", "pipeline", "run", str(TINY), "--no-tui", "--run-dir", str(run_dir),
+    args = ["run", TINY, "--no-tui", "--run-dir", run_dir,
             "--set", f'run.cache_dir="{cache_dir}"', "--set", f"server.port={free_port()}"]  # a port no other run holds
     for s in sets:
         args += ["--set", s]
-    return subprocess.Popen(args, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            env={**os.environ, "HF_HUB_OFFLINE": "1"})
-
-
-def wait_for(predicate, proc, timeout=300, poll=0.001):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        assert proc.poll() is None, "the run ended before the kill point was reached"
-        time.sleep(poll)
-    raise AssertionError("kill point not reached in time")
+    return spawn_cli(*args, env={"HF_HUB_OFFLINE": "1"})
 
 
 def stage_status(run_dir, stage):
@@ -60,7 +46,7 @@ def test_sigkill_during_extract_then_resume(tmp_path, cache_dir):
                  "data.regenerate=false")
     hs = run_dir / "data" / "prepared" / "hidden_states"
     wait_for(lambda: stage_status(run_dir, "extract") == "running" and hs.is_dir()
-             and len(list(hs.glob("hs_*.safetensors"))) >= 5, proc)
+             and len(list(hs.glob("hs_*.safetensors"))) >= 5, 300, "the kill point", poll=0.001, alive=proc)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     assert stage_status(run_dir, "extract") == "running"  # killed mid-stage, for real
@@ -101,7 +87,7 @@ def test_sigkill_during_online_training_then_resume(tmp_path, cache_dir, finishe
     cache_gib = 12 * 100 * 4 * 128 * 4 / 2**30  # ≈ a dozen rows of ~100 tokens, 4 layers × 128 × fp32
     proc = start(run_dir, cache_dir, *ONLINE, f"extract.cache_gib={cache_gib}")
     wait_for(lambda: (ckpts / "0" / "training_state.json").exists() and stage_status(run_dir, "train") == "running",
-             proc, timeout=900, poll=0.01)
+             900, "the kill point", poll=0.01, alive=proc)
     trainer_pgid = RunDir.open(run_dir).stage_state("train")["child_pgid"]
     os.killpg(trainer_pgid, signal.SIGSTOP)
     proc.send_signal(signal.SIGKILL)  # the pipeline process only, as the OOM killer would

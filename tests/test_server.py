@@ -9,16 +9,9 @@ import pytest
 from pipeline import procs, vllm_modes
 from pipeline.profile import load_profile
 from pipeline.server import ServerController, ServerError, http_get
-from tests.conftest import TINY
+from tests.helpers import TINY, free_port
 
 pytestmark = pytest.mark.slow
-
-
-def free_port():
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def vllm_profile(port):

@@ -6,14 +6,13 @@ head's final loss is the one-node run's with the same world size."""
 import json
 import socket
 import subprocess
-import sys
 import time
 
 import psutil
 import pytest
 
 from pipeline.rundir import RunDir
-from tests.conftest import ROOT, TINY, cli, free_port
+from tests.helpers import TINY, cli, free_port, spawn_cli
 
 ONLINE = ('extract.backend="vllm"', 'extract.mode="online"', "server.enforce_eager=true",
           "server.max_model_len=1024", 'server.dtype="float32"', "train.epochs=3")
@@ -28,8 +27,7 @@ def node_sets(rank: int, rdzv: int, cache_dir, exporters: list[str]) -> list[str
 
 
 def popen(*args) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "pipeline", *map(str, args)], cwd=ROOT, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    return spawn_cli(*args, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
 
 
 def kill_node(run_dir) -> list[int]:

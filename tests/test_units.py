@@ -22,17 +22,10 @@ from pipeline.rundir import RunDir
 from pipeline.runner import RunnerError, manifest, outputs_intact, select
 from pipeline.stages import stage_names
 from pipeline.stages.base import StageError, stop_orphan_child
-from tests.conftest import TINY
+from tests.helpers import TINY, wait_for
 
 ALL_STAGES = ["preflight", "build-target", "measure-production", "regenerate", "prepare", "extract", "vocab",
               "train", "pick-checkpoint", "evaluate-offline", "deploy-measure", "handover"]
-
-
-def wait_for(predicate, timeout=30.0, what="condition"):
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, f"{what} not reached in {timeout} s"
-        time.sleep(0.02)
 
 
 class Log:

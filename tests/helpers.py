@@ -1,0 +1,68 @@
+"""What the tests share (issue 45 item 3), in one module: the repository's paths, a free port, waiting for a
+condition, and the real CLI in a subprocess, run to its end (`cli`) or started in the background
+(`spawn_cli`). Fixtures live in tests/conftest.py, which re-exports these for the tests that import them
+from there."""
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+TINY = ROOT / "tests" / "profiles" / "tiny.toml"
+TINY_MLA = ROOT / "tests" / "profiles" / "tiny-mla.toml"
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now (the kernel's pick), e.g. a run's serving port no other run holds."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def free_port_pair() -> int:
+    """A port p with p + 1 free too: a benchmark matrix's two servers side by side."""
+    from pipeline.server import port_in_use
+
+    for _ in range(50):
+        p = free_port()
+        if p < 65000 and not port_in_use("127.0.0.1", p + 1):
+            return p
+    raise RuntimeError("no two consecutive free ports")
+
+
+def wait_for(predicate, timeout: float = 30.0, what: str = "condition", *, poll: float = 0.02,
+             alive: subprocess.Popen | None = None):
+    """Call `predicate` every `poll` seconds until it returns something true, and return that. Fails (an
+    AssertionError naming `what`) once `timeout` seconds have passed, or as soon as the process `alive`
+    has ended, when one is given (a run that ended before the point waited for can never reach it)."""
+    deadline = time.monotonic() + timeout
+    while not (got := predicate()):
+        if alive is not None:
+            assert alive.poll() is None, f"the process ended (exit {alive.returncode}) before {what}"
+        assert time.monotonic() < deadline, f"{what} not reached in {timeout:g} s"
+        time.sleep(poll)
+    return got
+
+
+def cli(*args, cwd=None, timeout=600, env=None) -> subprocess.CompletedProcess:
+    """Run the real CLI (`python -m pipeline ARGS`) in a subprocess to its end, its output captured."""
+    return subprocess.run([sys.executable, "-m", "pipeline", *map(str, args)], cwd=cwd or ROOT, text=True,
+                          capture_output=True, timeout=timeout, env={**os.environ, **(env or {})})
+
+
+def spawn_cli(*args, log: Path | None = None, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+              new_session: bool = False, env=None) -> subprocess.Popen:
+    """Start the real CLI (`python -m pipeline ARGS`) in the background from the repository's root. With
+    `log`, stdout and stderr both go to that file; otherwise where `stdout` and `stderr` say (text when
+    piped). `new_session`: in a session of its own, so that os.killpg(proc.pid, ...) reaches all it started
+    in its group (its servers start sessions of their own)."""
+    argv = [sys.executable, "-m", "pipeline", *map(str, args)]
+    full_env = {**os.environ, **(env or {})}
+    if log is not None:
+        with open(log, "wb") as out:
+            return subprocess.Popen(argv, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
+                                    start_new_session=new_session, env=full_env)
+    return subprocess.Popen(argv, cwd=ROOT, stdout=stdout, stderr=stderr, text=True, start_new_session=new_session,
+                            env=full_env)
