@@ -5,6 +5,7 @@ from pathlib import Path
 
 from rich.text import Text
 
+from console import verdict
 from console.formatting import BLOCKS, fmt_secs, na, spark
 from pipeline import gpu, jobs
 from pipeline.matrix import level_of
@@ -57,29 +58,36 @@ def checkpoints_text(picked: dict) -> str:
 
 
 def matrix_rows(evaluation: dict) -> list[tuple]:
+    """In the order of EvalTab.MATRIX_COLUMNS: what decides first (speedup, τ, lossless), the widest last."""
     rows: list[tuple] = []
-    for method, row in evaluation["matrix"].items():
+    for method, row in (evaluation.get("matrix") or {}).items():
         if row.get("error") and not row.get("levels"):  # a refused method is a row saying why
-            rows.append((method, "", "", "", "", "", Text(f"✖ {row['error'][:60]}"), "", ""))
+            rows.append((method, "", "", "", "", "", "", "", Text(f"✖ {row['error'][:60]}")))
         same = "" if method == "baseline" else ("✔ yes" if row.get("identical_outputs") else "✖ NO")
-        for c, level in sorted(row.get("levels", {}).items(), key=lambda kv: int(kv[0])):
+        for c, level in sorted((row.get("levels") or {}).items(), key=lambda kv: verdict.concurrency_order(kv[0])):
             acc = level.get("acceptance_per_position") or []
             bars = " ".join(f"{BLOCKS[min(7, int(a * 7.999))]}{a:.2f}" for a in acc)
-            rows.append((method, str(c), f"{level['output_tok_s']:.1f}", na(level.get("ttft_ms"), "{:.1f}"),
-                         na(level.get("decode_tpot_ms"), "{:.2f}"), na(level.get("mean_acceptance_length"), "{:.3f}"),
-                         bars, na(level.get("speedup"), "x{}"), same))
+            rows.append((method, str(c), na(level.get("speedup"), "x{}"),
+                         na(level.get("mean_acceptance_length"), "{:.3f}"), same,
+                         na(level.get("output_tok_s"), "{:.1f}"), na(level.get("ttft_ms"), "{:.1f}"),
+                         na(level.get("decode_tpot_ms"), "{:.2f}"), bars))
     return rows
 
 
-def decision_text(evaluation: dict) -> str:
-    """The decision, whole (it wraps), and each method's tokens per decode step at the lowest concurrency:
-    n-gram's beside the head's (its τ counts only the steps where it drafted)."""
+def decision_text(evaluation: dict, run: RunSnapshot | None = None) -> str:
+    """The decision, whole (it wraps), its why (a step's cost with and without the head, the τ from which it
+    pays), and each method's tokens per decode step at the lowest concurrency: n-gram's beside the head's
+    (its τ counts only the steps where it drafted)."""
     low = min(evaluation.get("concurrency") or [1])
-    per_step = [f"{method} {level['tokens_per_step']:.2f}" for method, row in evaluation["matrix"].items()
+    per_step = [f"{method} {level['tokens_per_step']:.2f}" for method, row in (evaluation.get("matrix") or {}).items()
                 if (level := level_of(row, low)) and level.get("tokens_per_step") is not None]
+    v = verdict.of_snapshot(run, evaluation) if run else None
     decision = decision_in(evaluation)
-    return (f"decision: {decision.line if decision else 'not measured yet'}\n"
-            + (f"tokens per decode step at c = {low}: " + " · ".join(per_step) if per_step else ""))
+    lines = [f"decision: {decision.line if decision else 'not measured yet'}",
+             *([verdict.figures_line(v)] if v and verdict.figures_line(v) else []),
+             *([f"why: {v['why']}"] if v and v.get("why") else []),
+             *([f"tokens per decode step at c = {low}: " + " · ".join(per_step)] if per_step else [])]
+    return "\n".join(lines)
 
 
 def server_text(s: dict, profile: Profile) -> str:
@@ -90,12 +98,12 @@ def server_text(s: dict, profile: Profile) -> str:
             f"log {s.get('log')}")
 
 
-def summary(run: RunSnapshot, current: str | None, gpus: gpu.GpuSnapshot | None, flags: str) -> str:
+def summary(run: RunSnapshot, current: str | None, gpus: gpu.GpuSnapshot | None) -> str:
     s = run.server
     server = (f"{s.get('mode')} pid {s.get('pid')} :{s.get('port')} {'healthy' if s.get('healthy') else 'not healthy'}"
               if s.get("state") == "running" else "no server")
     gpu_count = "GPUs …" if gpus is None else "no NVML" if gpus.unavailable else f"{len(gpus.gpus)} GPU(s)"
-    return f" {Path(run.root).name} · job {run.state} · stage {current or '-'} · {server} · {gpu_count}{flags}"
+    return f" {Path(run.root).name} · job {run.state} · stage {current or '-'} · {server} · {gpu_count}"
 
 
 def note_line(note: dict) -> str:
@@ -107,8 +115,8 @@ def holder_text(holder: dict) -> str:
 
 
 def outcome(run: RunSnapshot, evaluation: dict | None) -> str:
-    """A run that has ended (or stopped): its decision, when it measured one, and what to do next."""
-    if run.state in ("running", "not started"):
-        return ""
-    decision = decision_in(evaluation)
-    return (f"decision: {decision.line}\n" if decision else "") + f"next: {jobs.next_step(run.state, run.root)}"
+    """The result once deploy-measure decided (deploy or not and why, τ, the speedup at each level, the
+    break-even τ, lossless), and what to do next once the run has ended (or stopped)."""
+    result = verdict.result_lines(verdict.of_snapshot(run, evaluation))
+    ended = run.state not in ("running", "not started")
+    return "\n".join(line for line in (result, ended and f"next: {jobs.next_step(run.state, run.root)}") if line)

@@ -201,25 +201,55 @@ def cmd_publish(args) -> int:
 
 
 def cmd_status(args) -> int:
-    from pipeline import jobs
+    from console import verdict  # the decision as the console's Run tab shows it (no Textual in it)
+    from pipeline import atomicio, jobs
     from pipeline.rundir import RunDir
 
     run = RunDir.open(Path(args.run_dir))
     snap = jobs.snapshot(run)
+    decided = verdict.of_snapshot(snap, atomicio.read_json(run.online_result))
     if args.json:
-        print(json.dumps(snap.as_json(), indent=2))
+        print(json.dumps({**snap.as_json(), "decision": decided}, indent=2))
         return 0
     hint = jobs.next_step(snap.state, run.root, snap.pid)
+    width = max(60, shutil_columns())
     print(f"run {run.root}  (profile {snap.profile})")
-    print(f"state: {snap.state}" + (f" ({hint})" if hint else ""))
+    print(_wrapped(f"state: {snap.state}" + (f" ({hint})" if hint else ""), 7, width))
     for r in snap.stages:
         secs = f"{r.seconds:>8.1f}s" if r.seconds is not None else " " * 9
+        row = f"  {r.name:<18} {r.status:<11} {secs}"
         extra = r.error or ", ".join(f"{k}={v}" for k, v in r.figures.items()
                                      if isinstance(v, (int, float)) and not isinstance(v, bool))
-        print(f"  {r.name:<17} {r.status:<11} {secs}  {extra}")
+        if len(row) + 2 + len(extra) <= width:
+            print(f"{row}  {extra}".rstrip())
+        else:  # below the row, the terminal's width: more of them than beside it
+            print(f"{row}\n    {_wrapped(extra, 4, width, 'status --json has them all')}")
     for peer in snap.peers:
         print(peer.line())
+    if decided:
+        print(f"decision: {_wrapped(decided['line'], 10, width)}")
+        if figures := verdict.figures_line(decided, plain=True):
+            print("  " + _wrapped(figures, 2, width))
+        if decided.get("why"):
+            print(f"why: {_wrapped(decided['why'], 5, width)}")
     return 0
+
+
+def shutil_columns() -> int:
+    """The terminal's width; a pipe or a file: COLUMNS, else 100."""
+    import shutil
+    return shutil.get_terminal_size((100, 24)).columns
+
+
+def _wrapped(text: str, indent: int, width: int, more: str = "") -> str:
+    """`text` wrapped to `width` under a first line that starts at column `indent`; with `more`, at most
+    three lines (a stage's figures, an error of 600 characters), the last saying where the rest is. A word
+    longer than the line (a path) is left whole."""
+    import textwrap
+    lines = textwrap.wrap(text, max(20, width - indent), max_lines=3 if more else None,
+                          placeholder=f" … ({more})" if more else " […]", break_on_hyphens=False,
+                          break_long_words=False)  # a path stays whole, to copy
+    return ("\n" + " " * indent).join(lines)
 
 
 def cmd_notes(args) -> int:
