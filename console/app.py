@@ -13,15 +13,20 @@ from __future__ import annotations
 import dataclasses
 import threading
 import time
+from collections.abc import Iterable
+from contextlib import suppress
+from functools import partial
 from pathlib import Path
 
 from textual import on
-from textual.app import App, ComposeResult
+from textual.app import App, ComposeResult, SystemCommand
 from textual.binding import Binding
-from textual.widgets import Footer, TabbedContent
+from textual.screen import Screen
+from textual.widgets import Footer, Input, TabbedContent
 
 from console import views
 from console.messages import GpuSampled, Outcome, RunPolled
+from console.pager import LogPager, stage_logs
 from console.screens import ConfirmScreen, HelpScreen, ModeScreen
 from console.tabs import EvalTab, GpusTab, NotesTab, RunTab, ServerTab
 from console.widgets import Line
@@ -33,6 +38,12 @@ from pipeline.stages import stage_names
 __all__ = ["ConfirmScreen", "ConsoleApp", "HelpScreen", "ModeScreen", "main"]
 
 TAB_IDS = {RunTab: "run", ServerTab: "server", NotesTab: "notes"}  # the tabs with keys of their own
+TABS = (("run", "1 Run", "stages, the result, the log"), ("gpus", "2 GPUs", "utilization, memory, processes"),
+        ("server", "3 Server", "the serving port's vLLM"), ("notes", "4 Notes", "the run's timeline and notes"),
+        ("eval", "5 Eval", "the matrix, τ per checkpoint, the loss"))
+SERVER_COMMANDS = (("stop_server", "stop", "stop the serving port's vLLM (asks first)"),
+                   ("restart_server", "restart", "restart it in its mode (asks first)"),
+                   ("start_mode", "start in a mode", "choose a mode, then asks"))
 WRITES = ("stop_server", "restart_server", "start_mode", "note", "export")  # the actions a read-only console lacks
 
 
@@ -50,6 +61,10 @@ class ConsoleApp(App):
     SCREENS = {"help": HelpScreen}
     BINDINGS = [
         Binding("q", "quit", "Quit", tooltip="Quit the console; the job keeps running"),
+        # ctrl+c quits too (Textual's own only says which key quits); in a text box it copies, as typing does
+        Binding("ctrl+c", "quit", show=False),
+        # Escape leaves a text box (note, filter) for its tab: the keys below are keys again, not text
+        Binding("escape", "leave_input", show=False),
         Binding("question_mark", "push_screen('help')", "Help"),
         Binding("1", "tab('run')", "Run", show=False), Binding("2", "tab('gpus')", "GPUs", show=False),
         Binding("3", "tab('server')", "Server", show=False), Binding("4", "tab('notes')", "Notes", show=False),
@@ -121,8 +136,7 @@ class ConsoleApp(App):
         if "uptime_s" in snap.server:  # shown to 10 s, as the stages' elapsed: a finer figure repaints every tick
             snap = dataclasses.replace(snap, server={**snap.server, "uptime_s": snap.server["uptime_s"] // 10 * 10})
         view = self.watcher.poll({s.name: s.status for s in snap.stages})
-        name = view.current or self.log_name or next((s.name for s in reversed(view.stages)
-                                                      if s.status not in ("pending", "n/a")), None)
+        name = view.current or self._last_with_output(view)
         if name and name != self.log_name:
             self.tailer, self.log_name = LogTailer(self.rundir.log_path(name)), name
         lines = self.tailer.new_lines() if self.tailer else []
@@ -130,6 +144,16 @@ class ConsoleApp(App):
             self._peers_read = time.monotonic()
             self._peers = tuple(p.line() for p in jobs.other_nodes(self.profile))
         return RunPolled(view, lines, name, snap, self._peers)
+
+    def _last_with_output(self, view) -> str | None:
+        """No stage runs: the last that wrote to its log (the handover's is often empty), else the last that
+        ran. A dozen stat calls a tick, only while nothing runs."""
+        ran = [s.name for s in reversed(view.stages) if s.status not in ("pending", "n/a")]
+        for name in ran:
+            with suppress(OSError):
+                if self.rundir.log_path(name).stat().st_size:
+                    return name
+        return ran[0] if ran else None
 
     # ---- rendering: each message handed to the tabs that show it
     @on(GpuSampled)
@@ -153,12 +177,12 @@ class ConsoleApp(App):
         self.run_tab.show(msg)
         self._show_summary(msg)
         self.server_tab.show(msg.snap.server)
-        self.eval.show(msg.view)
+        self.eval.show(msg.view, msg.snap)
         self.notes.show(msg.view)
 
     def _show_summary(self, msg: RunPolled) -> None:
-        flags = (" · PAUSED" if self.paused else "") + (" · READ-ONLY" if self.readonly else "")
-        self.summary.set(views.summary(msg.snap, msg.view.current, self.snapshot, flags))
+        flags = " ".join(f for f, on in (("PAUSED", self.paused), ("READ-ONLY", self.readonly)) if on)
+        self.summary.set(views.summary(msg.snap, msg.view.current, self.snapshot), flags)
 
     @on(Outcome)
     def _tell(self, msg: Outcome) -> None:
@@ -166,11 +190,46 @@ class ConsoleApp(App):
 
     # ---- keys: the app's own, and the tabs' routed to them
     def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
-        """Read-only: no key that changes the box or the run is bound, or shown."""
+        """Read-only: no key that changes the box or the run is bound, or shown. In the pager the tabs' keys
+        and pause give way to its own (its n is the next match, not a note)."""
+        if isinstance(self.screen, LogPager) and action in ("on_tab", "pause"):
+            return False
         return not (self.readonly and action == "on_tab" and parameters[1] in WRITES)
 
     def action_on_tab(self, tab: str, action: str) -> None:
         getattr(self.tabs.get_pane(tab), f"action_{action}")()
+
+    def action_leave_input(self) -> None:
+        """Out of a text box, back to its tab (each tab says where its focus goes: the filter's to the log)."""
+        if isinstance(self.focused, Input):
+            pane = next((a for a in self.focused.ancestors if hasattr(a, "leave_input")), None)
+            if pane is not None:
+                pane.leave_input()
+            else:
+                self.set_focus(None)
+
+    def open_log(self, stage: str) -> None:
+        """The pager on `stage`'s log and its servers' logs."""
+        if isinstance(self.screen, LogPager):
+            self.pop_screen()
+        self.push_screen(LogPager(stage_logs(self.rundir, stage), self.interval))
+
+    # ---- the command palette (ctrl+p): the console's own commands before Textual's
+    def get_system_commands(self, screen: Screen) -> Iterable[SystemCommand]:
+        for tab, title, what in TABS:
+            yield SystemCommand(f"Tab {title}", what, partial(self.action_tab, tab))
+        if not self.readonly:
+            for action, title, what in SERVER_COMMANDS:  # the Server tab's own actions: the same questions
+                yield SystemCommand(f"Server: {title}", what, partial(self.action_on_tab, "server", action))
+            yield SystemCommand("Note: write a note", "into the run's notes",
+                                partial(self.action_on_tab, "notes", "note"))
+            yield SystemCommand("Export the notes", "notes.md into the run (the report)",
+                                partial(self.action_on_tab, "notes", "export"))
+        for stage in self.watcher.stage_names:
+            yield SystemCommand(f"Log: {stage}", f"{stage}'s log and its servers' logs, in the pager",
+                                partial(self.open_log, stage))
+        yield SystemCommand("Pause / resume the display", "collection continues", self.action_pause)
+        yield from super().get_system_commands(screen)
 
     def action_pause(self) -> None:
         self.paused = not self.paused
@@ -179,6 +238,10 @@ class ConsoleApp(App):
         self.notify("display paused (collection continues)" if self.paused else "display resumed")
 
     def action_tab(self, tab: str) -> None:
+        if isinstance(self.screen, LogPager):  # 1–5 leave the pager for the tab
+            self.pop_screen()
+        # A focused widget in the pane being hidden would pull the tab back to it: focus leaves it first.
+        self.set_focus(None)
         self.tabs.active = {"gpus": "gpus-tab"}.get(tab, tab)
 
 

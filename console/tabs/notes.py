@@ -39,11 +39,16 @@ class NotesTab(TabPane):
         next(a for a in self.ancestors if isinstance(a, TabbedContent)).active = "notes"
         self.input.focus()
 
+    def leave_input(self) -> None:
+        self.lines.focus()
+
     @on(Input.Submitted, "#note-input")
     def add_note(self, event: Input.Submitted) -> None:
+        """Appended, and the focus back on the notes: keys are keys again (`n` writes the next one)."""
         if event.value.strip() and self.note(event.value.strip()):
             event.input.value = ""
             self.notify("note appended")
+            self.leave_input()
 
     @work(thread=True, exclusive=True, group="export", exit_on_error=False)
     def action_export(self) -> None:

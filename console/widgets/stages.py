@@ -27,6 +27,7 @@ LAYOUTS = ((12, "elapsed"), (6, "elapsed"), (0, "time"), (0, None))  # (bar, ela
 class LaidOut:
     bar: int  # progress bar cells; 0: the count alone
     elapsed: str | None  # the elapsed column's header; None: no such column
+    headers: tuple[str, ...]  # the columns before the figures, empty ones left out
     rows: list[tuple[str, ...]]
     widths: list[int]
     room: int  # cells left for the figures
@@ -49,12 +50,22 @@ def fixed_cells(s: StageView, bar_width: int, elapsed: str | None) -> tuple[str,
     return (s.name, GLYPH.get(s.status, s.status), progress(s, bar_width), *times, eta_text(s.eta_s))
 
 
+def in_progress(stages) -> bool:
+    """A stage with a partial bar to show: one running, or one that stopped part way. Done stages' full bars
+    alone say no more than their ✔ (a finished run gives their width to the figures)."""
+    return any(s.fraction is not None and s.status not in ("done", "stale") for s in stages)
+
+
 def lay_out(stages, bar_width: int, elapsed: str | None, width: int) -> LaidOut:
+    names = headers(elapsed)
     rows = [fixed_cells(s, bar_width, elapsed) for s in stages]
-    widths = [max([cell_len(h), *(cell_len(r[c]) for r in rows)]) for c, h in enumerate(headers(elapsed))]
-    # the progress cell at its widest (done = total): counting up never widens the column
-    widths[2] = max([widths[2], *(cell_len(progress(replace(s, done=s.total), bar_width)) for s in stages)])
-    return LaidOut(bar_width, elapsed, rows, widths, width - sum(w + 2 * PADDING for w in widths) - 2 * PADDING)
+    # a progress or ETA column with nothing in it (a finished run) is left out, not kept empty
+    keep = [c for c, h in enumerate(names) if h not in ("progress", "ETA") or any(r[c] for r in rows)]
+    widths = [max([cell_len(names[c]), *(cell_len(r[c]) for r in rows)]) for c in keep]
+    if 2 in keep:  # the progress cell at its widest (done = total): counting up never widens the column
+        widths[2] = max([widths[2], *(cell_len(progress(replace(s, done=s.total), bar_width)) for s in stages)])
+    return LaidOut(bar_width, elapsed, tuple(names[c] for c in keep), [tuple(r[c] for c in keep) for r in rows],
+                   widths, width - sum(w + 2 * PADDING for w in widths) - 2 * PADDING)
 
 
 def figures_text(figures: tuple, short: bool = False) -> str:
@@ -98,8 +109,9 @@ def choose(laid: list[LaidOut], stages) -> LaidOut:
 
 def stage_table(stages: tuple[StageView, ...], width: int):
     """(columns as (header, width) pairs, rows) for a table `width` cells wide."""
-    t = choose([lay_out(stages, bar_width, elapsed, width) for bar_width, elapsed in LAYOUTS], stages)
-    columns = (*zip(headers(t.elapsed), t.widths, strict=True), ("figures", max(t.room, 0)))
+    layouts = LAYOUTS if in_progress(stages) else tuple(lo for lo in LAYOUTS if lo[0] == 0)
+    t = choose([lay_out(stages, bar_width, elapsed, width) for bar_width, elapsed in layouts], stages)
+    columns = (*zip(t.headers, t.widths, strict=True), ("figures", max(t.room, 0)))
     return columns, [(*row, figures_cell(s, t.room)) for row, s in zip(t.rows, stages, strict=True)]
 
 
@@ -112,6 +124,10 @@ class StageTable(DiffTable):
         self.styles.height = stage_count + 1
         self._stages: tuple[StageView, ...] = ()
         self._columns: tuple | None = None
+
+    @property
+    def stage_names(self) -> list[str]:
+        return [s.name for s in self._stages]
 
     def show(self, stages: tuple[StageView, ...]) -> None:
         self._stages = stages
