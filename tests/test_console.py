@@ -205,7 +205,7 @@ def test_readonly_disables_every_control(run, fake_server):
             assert not isinstance(app.screen, ConfirmScreen)
         assert all(b.disabled for b in app.query(Button))
         assert fake_server.poll() is None
-        assert "READ-ONLY" in str(app.query_one("#summary").text)
+        assert "READ-ONLY" in screen_text(app).splitlines()[0]
         footer = screen_text(app).rstrip("\n").splitlines()[-1]
         assert not any(k in footer for k in ("Stop server", "Restart", "Note", "Export")), footer
         await pilot.press("n")  # no note field, and n does not open one
@@ -278,9 +278,12 @@ def test_eval_tab_shows_matrix_decision_and_loss_curve(run):
         await pilot.press("5")
         await pilot.pause(0.3)
         rows = text_of(app.query_one("#matrix", DataTable)).splitlines()
-        assert rows[0].startswith("baseline | 1 | 240.0 | 13.3 | 2.36")  # TTFT, then TPOT after the first token
+        # what decides first (speedup, τ, lossless), then tok/s, TTFT, TPOT after the first token
+        assert rows[0].startswith("baseline | 1 | x1.0 | N/A |  | 240.0 | 13.3 | 2.36")
         assert "ngram" in rows[1] and "numba missing" in rows[1]  # a refused method is a row saying why
-        assert "1.800" in rows[2] and "0.55" in rows[2] and "✔ yes" in rows[2]
+        assert rows[2].startswith("eagle3 | 1 | x0.729 | 1.800 | ✔ yes | 175.0") and "0.55" in rows[2]
+        header = next(line for line in screen_text(app).splitlines() if "method" in line)
+        assert "speedup" in header and "lossless" in header, header  # on screen at 80 columns too
         assert len(rows) == 3  # the decision is not a table row (a cell cut it)
         decision = str(app.query_one("#decision", Static).render())
         assert "tokens per decode step at c = 1: baseline 1.00 · eagle3 1.74" in decision
@@ -442,3 +445,261 @@ def test_server_stop_while_a_run_holds_the_port_asks_again_naming_it(run, fake_s
         assert str(run.root) in notes.read(run)[-1]["text"]  # the run's notes record what was forced
 
     run_app(ConsoleApp(run.root), check)
+
+
+# ---------------------------------------------------------------- no focus trap
+
+def test_escape_leaves_the_note_box_and_the_keys_are_keys_again(run):
+    async def check(app, pilot):
+        await pilot.press("n", *"half a note")
+        assert app.focused is app.notes.input
+        await pilot.press("escape")
+        await pilot.pause(0.2)
+        assert app.focused is not app.notes.input and app.tabs.active == "notes"
+        await pilot.press("1", "space", "e")  # a tab, pause, export: none of them typed into the box
+        await pilot.pause(0.3)
+        assert app.tabs.active == "run" and app.paused and app.notes.input.value == "half a note"
+        await pilot.press("q")
+        await until(pilot, lambda: not app.is_running)
+
+    run_app(ConsoleApp(run.root), check)
+
+
+def test_a_note_appended_gives_the_keys_back(run):
+    async def check(app, pilot):
+        await pilot.press("n", *"tau looks low", "enter")
+        await pilot.pause(0.3)
+        assert notes.read(run)[-1]["text"] == "tau looks low"
+        await pilot.press("2")
+        await pilot.pause(0.2)
+        assert app.tabs.active == "gpus-tab" and app.notes.input.value == ""
+
+    run_app(ConsoleApp(run.root), check)
+
+
+def test_escape_leaves_the_filter_unapplied_and_tabs_switch_again(run):
+    async def check(app, pilot):
+        log = app.query_one("#log", Log)
+        await pilot.press("slash", *"alp")
+        await pilot.press("escape")
+        await pilot.pause(0.2)
+        assert app.focused is log and not app.run_tab.filter.display  # nothing applied: the box goes
+        assert log.line_count == 40
+        await pilot.press("5")
+        await pilot.pause(0.2)
+        assert app.tabs.active == "eval"
+        await pilot.press("1", "slash", *"alpha", "enter", "slash", *"beta", "escape")
+        await pilot.pause(0.2)
+        # the applied filter stays, in the box and in the log; the edit left unapplied is dropped
+        assert app.run_tab.filter.display and app.run_tab.filter.value == "alpha"
+        assert all("alpha" in line for line in log.lines)
+
+    run_app(ConsoleApp(run.root), check)
+
+
+def test_tab_keys_switch_from_a_focused_table(run):
+    """A focused widget in the pane being hidden pulled the tab back to it: 1–5 did nothing from a table."""
+    async def check(app, pilot):
+        await pilot.press("tab")
+        await pilot.pause(0.2)
+        assert app.focused is app.query_one("#stages")
+        await pilot.press("2")
+        await pilot.pause(0.2)
+        assert app.tabs.active == "gpus-tab"
+        app.query_one("#gpu-procs").focus()
+        await pilot.press("1")
+        await pilot.pause(0.2)
+        assert app.tabs.active == "run"
+
+    run_app(ConsoleApp(run.root), check)
+
+
+# ---------------------------------------------------------------- a finished run: its result and any stage's log
+
+DECISION = "do not deploy: speedup x0.72 at concurrency 1 (threshold x1.10)"
+
+
+@pytest.fixture
+def finished(tmp_path):
+    return finished_run(tmp_path, free_port())
+
+
+def finished_run(where, port: int) -> RunDir:
+    """Every stage done (no process behind it), deploy-measure's decision with its economics, each stage's log
+    written but the handover's (empty, as a run's often is), deploy-measure's baseline server in its events."""
+    profile = load_profile(TINY, {"run.runs_dir": str(where / "runs"), "server.port": port, "evaluate.online": True})
+    run = RunDir.create(profile, where / "eagle3-demo-20260101T000000Z-a-long-run-name")
+    figures = {"deploy": False, "reason": DECISION.split(": ", 1)[1], "decision": DECISION, "speedup": 0.729,
+               "mean_acceptance_length": 1.8, "tokens_per_step": 1.74, "identical_outputs": True, "step_ms": 9.78,
+               "baseline_step_ms": 4.1, "break_even_tau": 2.63, "deploy_speedup": 1.1, "gpu": False}
+    state = json.loads(run.state_path.read_text())
+    state["stages"] = {n: {"status": "done", "seconds": 1.5 + i, "figures": {}} for i, n in enumerate(stage_names())}
+    state["stages"]["deploy-measure"]["figures"] = figures
+    run.state_path.write_text(json.dumps(state))
+    run.eval_dir.mkdir(exist_ok=True)
+    (run.eval_dir / "online.json").write_text(json.dumps({
+        "concurrency": [1, 4], "decision": DECISION, "deploy": False, "reason": figures["reason"],
+        "matrix": {"baseline": {"levels": {"1": {"output_tok_s": 240.0, "speedup": 1.0},
+                                           "4": {"output_tok_s": 800.0, "speedup": 1.0}}},
+                   "eagle3": {"identical_outputs": True, "levels": {
+                       "1": {"output_tok_s": 175.0, "speedup": 0.729, "tokens_per_step": 1.74},
+                       "4": {"output_tok_s": 600.0, "speedup": 0.75}}}}}))
+    run.logs_dir.mkdir(exist_ok=True)
+    for name in stage_names():
+        run.log_path(name).write_text("".join(f"{name} line {i} {'alpha' if i % 2 else 'beta'}\n" for i in range(40)))
+    run.log_path("handover").write_text("")
+    run.log_path("server-baseline").write_text("INFO vllm serving\nINFO alpha request\n")
+    run.log_path("server-production").write_text("INFO production\n")
+    run.emit("deploy-measure", "server", mode="baseline", method="baseline", pid=1, port=1, start_s=3.0)
+    return run
+
+
+def test_a_finished_run_shows_its_result_at_80_columns_and_the_last_log_written(finished):
+    async def check(app, pilot):
+        screen = screen_text(app)
+        flat = " ".join(screen.split())
+        assert f"✖ {DECISION}" in flat
+        assert "τ 1.74 · speedup x0.73 at c=1, x0.75 at c=4 · pays from τ 2.63 · lossless ✔" in flat, screen
+        assert screen.splitlines()[0].rstrip().endswith("READ-ONLY")  # the long run name gives way, not the flag
+        header = next(line for line in screen.splitlines() if line.strip().startswith("stage"))
+        assert "ETA" not in header and "progress" not in header, header  # nothing in them: not shown
+        log = app.query_one("#log", Log)  # handover's log is empty: deploy-measure's is the last written
+        assert app.run_tab.log_name == "deploy-measure" and log.lines[-1] == "deploy-measure line 39 alpha"
+        assert "deploy-measure.log" in screen
+        await pilot.press("space")
+        await pilot.pause(0.2)
+        assert screen_text(app).splitlines()[0].rstrip().endswith("PAUSED READ-ONLY")
+
+    run_app(ConsoleApp(finished.root, readonly=True), check, size=(80, 24))
+
+
+def test_enter_on_a_stage_opens_its_logs_in_a_pager_with_search_and_follow(finished):
+    from console.pager import LogPager
+
+    async def check(app, pilot):
+        await pilot.press("tab")  # the stage table; its cursor sits on the stage whose log is shown
+        await pilot.pause(0.2)
+        assert app.focused is app.run_tab.stages and app.run_tab.stages.cursor_row == 10
+        await pilot.press("up", "up", "up", "enter")  # train
+        await pilot.pause(0.5)
+        pager = app.screen
+        assert isinstance(pager, LogPager) and pager.lines.lines[-1] == "train line 39 alpha"
+        assert "train.log" in pager.title_line.text and "following" in pager.title_line.tail
+        await pilot.press("up")  # scrolled up: held
+        await pilot.pause(0.2)
+        top = pager.lines.scroll_offset.y
+        await pilot.press("slash", *"LINE 1", "enter")  # case-insensitive
+        await pilot.pause(0.3)
+        assert app.focused is pager.lines and pager.matches == [1, *range(10, 20)]
+        # the first match from the top line shown down; the view put two lines above it
+        first = next(n for n, line in enumerate(pager.matches) if line >= top)
+        assert pager.match == first and pager.lines.scroll_offset.y == pager.matches[first] - 2
+        assert "held: F follows" in pager.title_line.tail
+        await pilot.press(*["n"] * (11 - first))  # wraps round to the first
+        await pilot.pause(0.2)
+        assert pager.match == 0 and pager.lines.scroll_offset.y == 0
+        await pilot.press("n", "n")
+        await pilot.pause(0.2)
+        assert pager.match == 2 and pager.lines.scroll_offset.y == 11 - 2  # the match, two lines below the top
+        assert "“LINE 1” 3/11 line 12 · held: F follows" in pager.title_line.tail
+        await pilot.press("N")
+        await pilot.pause(0.2)
+        assert pager.match == 1
+        with open(finished.log_path("train"), "a") as fh:
+            fh.write("train line 40 new\n")
+        await pilot.press("F")
+        await until(pilot, lambda: pager.lines.lines[-1] == "train line 40 new")
+        assert "following" in pager.title_line.tail
+        await pilot.press("escape")
+        await pilot.pause(0.2)
+        assert app.screen is not pager
+
+        app.open_log("deploy-measure")  # its own server's log second, the run's other servers after
+        await pilot.pause(0.3)
+        pager = app.screen
+        assert [p.name for p, _ in pager.logs] == ["deploy-measure.log", "server-baseline.log",
+                                                  "server-production.log"]
+        await pilot.press("right_square_bracket")
+        await pilot.pause(0.3)
+        assert pager.lines.lines[-1] == "INFO alpha request" and "(deploy-measure's server)" in pager.title_line.text
+        await pilot.press("2")  # a tab key leaves the pager for that tab
+        await pilot.pause(0.3)
+        assert not isinstance(app.screen, LogPager) and app.tabs.active == "gpus-tab"
+
+    run_app(ConsoleApp(finished.root, interval=3600), check, size=(80, 24))
+
+
+def test_the_command_palette_holds_the_consoles_commands(run, fake_server):
+    from console.pager import LogPager
+
+    async def pick(app, pilot, words):
+        await pilot.press("ctrl+p")
+        await pilot.pause(0.3)
+        await pilot.press(*words)
+        await pilot.pause(0.6)
+        await pilot.press("enter")
+        await pilot.pause(0.4)
+
+    async def check(app, pilot):
+        titles = [c.title for c in app.get_system_commands(app.screen)]
+        assert {"Tab 4 Notes", "Export the notes", "Note: write a note", "Server: stop", "Server: restart",
+                "Server: start in a mode", "Log: train"} <= set(titles)
+        await pick(app, pilot, "server stop")  # the Server tab's own action: the same question
+        assert isinstance(app.screen, ConfirmScreen) and str(fake_server.pid) in question(app)
+        await pilot.press("n")
+        await pilot.pause(0.2)
+        await pick(app, pilot, "log: train")
+        assert isinstance(app.screen, LogPager) and app.screen.logs[0][0].name == "train.log"
+        await pilot.press("escape")
+        await pick(app, pilot, "tab 5")
+        assert app.tabs.active == "eval"
+
+    run_app(ConsoleApp(run.root), check)
+
+
+def test_a_readonly_palette_has_no_command_that_writes(run):
+    async def check(app, pilot):
+        titles = [c.title for c in app.get_system_commands(app.screen)]
+        assert not [t for t in titles if t.startswith(("Server", "Note", "Export"))] and "Log: train" in titles
+
+    run_app(ConsoleApp(run.root, readonly=True), check)
+
+
+def test_the_result_line_shows_what_exists_and_tolerates_fields_it_does_not_know():
+    from console import verdict
+    from pipeline.results import DeployMeasureResult, EvaluateOfflineResult
+
+    online = {"decision": "deploy: x1.43", "deploy": True, "reason": "x1.43", "concurrency": [1, 8],
+              "considered": {"row": "eagle3-schedule"}, "schedule": {"per_level": {"1": 3, "8": 2}},
+              "expected_speedup": {"median": 1.31, "lo": 1.2, "hi": 1.4}, "some_later_field": [1, 2],
+              "matrix": {"eagle3": {"levels": {"1": {"speedup": 0.9}}},
+                         "eagle3-schedule": {"identical_outputs": False, "numeric_ties": 2, "levels": {
+                             "8": {"speedup": 1.12, "k": 2, "per_position": [0.5]}, "1": {"speedup": 1.43, "k": 3},
+                             "mix": {"speedup": 1.3, "traffic": "chat"}}}}}
+    v = verdict.verdict(online, DeployMeasureResult(), EvaluateOfflineResult())
+    # the row weighed for deployment, its k per level, the expectation on the traffic; no τ, no break-even: not shown
+    assert verdict.figures_line(v) == ("speedup x1.43 at c=1 k=3, x1.12 at c=8 k=2, x1.30 at c=mix · "
+                                       "x1.31 expected on the traffic · lossless ✖: outputs differ (2 bf16 ties)")
+    assert v["levels"]["8"] == {"speedup": 1.12, "k": 2} and v["levels"]["mix"]["traffic"] == "chat"
+    assert verdict.result_lines(v).startswith("✔ deploy: x1.43")
+    bare = verdict.verdict({"decision": "do not deploy: no head", "deploy": False, "reason": "no head"},
+                           DeployMeasureResult(), EvaluateOfflineResult())
+    assert verdict.result_lines(bare) == "✖ do not deploy: no head"  # nothing measured: the decision alone
+    assert verdict.verdict({}, DeployMeasureResult(), EvaluateOfflineResult()) is None  # not decided yet
+
+
+def test_status_prints_the_decision_and_why_and_json_has_them(finished):
+    from tests.conftest import cli
+
+    text = cli("status", finished.root, env={"COLUMNS": "80"})
+    assert text.returncode == 0, text.stderr
+    lines = text.stdout.splitlines()
+    assert f"decision: {DECISION}" in lines
+    assert "  tau 1.74; speedup x0.73 at c=1, x0.75 at c=4; pays from tau 2.63; lossless yes" in lines
+    assert any(line.startswith("why: a decode step with the head costs 9.8 ms") for line in lines)
+    # within the terminal, but for a path longer than it: whole, to copy
+    assert max(len(line) for line in lines if str(finished.root) not in line) <= 80, lines
+    data = json.loads(cli("status", finished.root, "--json").stdout)["decision"]
+    assert data["deploy"] is False and data["reason"] == DECISION.split(": ", 1)[1] and data["tau"] == 1.74
+    assert data["speedup"] == {"1": 0.729, "4": 0.75} and data["break_even_tau"] == 2.63 and data["lossless"] is True
+    assert data["step_ms"] == 9.78 and data["why"].startswith("a decode step")

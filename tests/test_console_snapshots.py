@@ -63,3 +63,32 @@ def test_console_snapshot(snap_compare, frozen_run, size, tab):
         await pilot.pause(0.5)
 
     assert snap_compare(app, terminal_size=size, run_before=settle)
+
+
+@pytest.fixture
+def finished_here():
+    """A finished run at a fixed path: the Run tab names it (what next: the report's command)."""
+    import shutil
+    import tempfile
+    from pathlib import Path
+
+    from tests.test_console import finished_run
+    where = Path(tempfile.gettempdir()) / "eagle3-console-snapshot"
+    shutil.rmtree(where, ignore_errors=True)
+    where.mkdir()
+    yield finished_run(where, 1)
+    shutil.rmtree(where, ignore_errors=True)
+
+
+@pytest.mark.parametrize("keys", [(), ("l", "slash", *"alpha", "enter")], ids=["result", "pager"])
+def test_finished_run_snapshot_at_80x24(snap_compare, finished_here, keys):
+    """The result on the first screen (READ-ONLY kept, empty columns gone, the last log written), and the
+    pager on it with a search."""
+    app = ConsoleApp(finished_here.root, readonly=True, interval=3600, sampler=fake_sampler())
+
+    async def settle(pilot):
+        await pilot.pause(0.8)
+        await pilot.press(*keys)
+        await pilot.pause(0.5)
+
+    assert snap_compare(app, terminal_size=(80, 24), run_before=settle)
