@@ -39,18 +39,21 @@ def vllm_serving(*ports: int) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory, cache_dir) -> tuple[Path, int]:
+def trained(tmp_path_factory, finished_run) -> tuple[Path, int]:
     """A tiny run up to train whose matrix starts two servers side by side (baseline and the new head)
-    and whose head is measured through vLLM only (evaluate.offline = off): copied for each kill below."""
+    and whose head is measured through vLLM only (evaluate.offline = off): copied for each kill below.
+    Its stages up to train are the shared finished_run's, copied as `run --copy-of finished_run --from
+    pick-checkpoint` copies them (nothing trained again)."""
+    from pipeline.runcopy import copy_of as copy_run
+
     port = free_port_pair()
-    run_dir = tmp_path_factory.mktemp("lifetimes") / "trained"
-    sets = [f'run.cache_dir="{cache_dir}"', f"server.port={port}", "evaluate.online=true", 'evaluate.offline="off"',
-            "evaluate.start_together=2", 'evaluate.methods=["baseline", "eagle3"]', 'server.after_run="stop"',
-            "server.shutdown_grace=10"]
-    proc = cli("run", TINY, "--no-tui", "--until", "train", "--run-dir", run_dir,
-               *[a for kv in sets for a in ("--set", kv)], timeout=900)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return run_dir, port
+    profile = load_profile(finished_run / "profile.toml", {
+        "server.port": port, "evaluate.online": True, "evaluate.offline": "off", "evaluate.start_together": 2,
+        "evaluate.methods": ["baseline", "eagle3"], "server.after_run": "stop", "server.shutdown_grace": 10})
+    run, copied = copy_run(finished_run, profile, "pick-checkpoint", tmp_path_factory.mktemp("lifetimes") / "trained")
+    assert copied.stages[-1] == "train" and "pick-checkpoint" not in run.read_state()["stages"]
+    shutil.rmtree(run.eval_dir, ignore_errors=True)  # finished_run's offline evaluation; this run has none
+    return run.root, port
 
 
 def copy_of(trained, tmp_path: Path) -> Path:
