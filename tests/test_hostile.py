@@ -234,9 +234,9 @@ def test_stage_time_counts_every_attempt_even_a_killed_one(tmp_path):
 
 
 @pytest.mark.integration
-def test_sigterm_is_recorded_as_interrupted_and_status_says_resume(tmp_path, cache_dir):
-    run_dir = tmp_path / "run"
-    proc = spawn_cli("run", TINY, "--no-tui", "--run-dir", run_dir, "--set", f'run.cache_dir="{cache_dir}"',
+def test_sigterm_is_recorded_as_interrupted_and_status_says_resume(tmp_path, finished_run):
+    run_dir = tmp_path / "run"  # the shared run's stages before train copied: only the (long) training runs
+    proc = spawn_cli("run", "--copy-of", finished_run, "--from", "train", "--no-tui", "--run-dir", run_dir,
                      "--set", f"server.port={free_port()}", "--set", "train.epochs=50", stderr=subprocess.PIPE)
     wait_for(lambda: any(e.get("stage") == "train" and e.get("kind") == "metric"
                          for e in atomicio.read_jsonl(run_dir / "events.jsonl")), 300, "train's first metric",
