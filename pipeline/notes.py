@@ -127,8 +127,9 @@ def economics(online: DeployMeasureResult | None) -> str | None:
         return None
     o = online
     text = (f"a decode step with the head costs {o.step_ms:.1f} ms here against {o.baseline_step_ms:.1f} ms "
-            f"without it, so the head pays from tau {o.break_even_tau:.2f} (it reached {o.tokens_per_step:.2f}; "
-            f"deploy threshold x{o.deploy_speedup or 1.1:g})")
+            f"without it, so the head pays from {o.break_even_tau:.2f} tokens per step (it reached "
+            f"{o.tokens_per_step:.2f}" + (f", τ {o.mean_acceptance_length:.3f}" if o.mean_acceptance_length else "")
+            + f"; deploy threshold x{o.deploy_speedup or 1.1:g})")
     if o.decode_speedup is not None:
         text += (f"; streamed, the first token waits {o.ttft_ms:.1f} ms ({o.baseline_ttft_ms:.1f} "
                  f"without the head), then a token comes every {o.decode_tpot_ms:.2f} ms "

@@ -95,7 +95,7 @@ def speculation_findings(profile: Profile) -> list[Finding]:
     if not ev.online:
         return found
     if "eagle3" in ev.methods and ev.schedule == "auto":
-        ok, why = vllm_dynamic_k.schedule_support(profile.server.python)
+        ok, why = vllm_dynamic_k.schedule_support(profile.server.python, profile.hardware.gpus > 0)
         found.append(Finding("ok" if ok else "warn", "schedule", why + (
             "" if ok else ": deploy-measure falls back to the one k best for the traffic")))
     if "suffix" in ev.methods and (missing := vllm_dynamic_k.suffix_missing(profile.server.python or sys.executable)):

@@ -465,6 +465,9 @@ class EvaluateSection(Section):
     rounds: Positive = 1
     """Served speed measurements: each concurrency level measured this many times in a row; its figures are
     the round of median tok/s, with the spread (min–max tok/s) beside them."""
+    waves: Positive = 1
+    """Served speed measurements: each round sends at least this many waves of `concurrency` requests (the
+    held-out prompts cycled): a round of one wave at a high concurrency is as long as its slowest answer."""
     batch_size: Positive = 16
     """Offline evaluator: prompts speculated (and verified) together."""
     start_together: Positive = 1

@@ -86,7 +86,7 @@ def server_argv(profile: Profile, mode: str, target_dir: Path, *, layer_ids: lis
                 storage: Path | None = None, draft_dir: Path | None = None, k: int | None = None,
                 schedule: list[list[int]] | None = None) -> list[str]:
     """`k`: the head's draft length (evaluate.k when None); `schedule`: a k per batch-size range
-    (compat/vllm_dynamic_k.py), with the flags the served vLLM needs to serve one."""
+    (compat/vllm_dynamic_k.py)."""
     if mode not in MODES:
         raise ValueError(f"unknown server mode {mode!r} (one of {', '.join(MODES)})")
     argv = base_argv(profile, target_dir, bind_host(profile, mode))
@@ -123,7 +123,6 @@ def server_argv(profile: Profile, mode: str, target_dir: Path, *, layer_ids: lis
         spec = vllm_flags.eagle3_speculative_config(draft_dir, k or profile.evaluate.k)
         if schedule:
             spec |= vllm_dynamic_k.schedule_config(schedule)
-            argv += vllm_dynamic_k.schedule_flags(accelerator_available(), argv)
         argv += ["--speculative-config", json.dumps(spec)]
     argv += list(profile.server.extra_args)
     return argv

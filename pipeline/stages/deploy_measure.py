@@ -380,7 +380,8 @@ class DeployMeasure(Stage):
                                                      "through vLLM", baseline_outputs)
         ngram = matrix.get("ngram", {}).get("levels", {}).get(low, {})
         if ngram.get("mean_acceptance_length") is not None:
-            steps = decode_steps(ngram["output_tokens"] - len(prompts), ngram["accepted"], ngram["drafts"])
+            steps = decode_steps(ngram["output_tokens"] - ngram.get("requests", len(prompts)), ngram["accepted"],
+                                 ngram["drafts"])
             figures.update(ngram_tau=ngram["mean_acceptance_length"], ngram_tokens_per_step=ngram["tokens_per_step"],
                            ngram_draft_share=round(ngram["drafts"] / steps, 4) if steps > 0 else 1.0)
         return DeployMeasureResult.of(figures)
@@ -415,7 +416,7 @@ def weigh(ctx: StageContext, matrix: dict, base: dict, ks: list[int], weights: d
         return out | {"why": "the head gains at no measured level" + (
             f" (best: k={best.k} x{best.speedup:.3f} at c={best.c}, {'measured' if best.measured else 'predicted'})"
             if best else "")}
-    ok, why = vllm_dynamic_k.schedule_support(ctx.profile.server.python)
+    ok, why = vllm_dynamic_k.schedule_support(ctx.profile.server.python, vllm_modes.accelerator_available())
     if ok and chosen.single_k is None:
         return out | {"schedule_row": {"k": chosen.max_k, "schedule": chosen.as_vllm()}, "chosen": chosen}
     if chosen.single_k is not None and chosen.single_k in row_of:

@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# On one H200 with vLLM 0.26.0 (bench/gpu/vllm/README.md's parts): bench/gpu/schedule_cost.py — a k per batch
+# size served under each candidate configuration, and two instances of the target alone (issue 42;
+# NOTES.md "k per batch size"). Carry .vl3 .vls .whl .tok after two calls that brought .vl1 and .vl2:
+#   VARIANTS="base base2 k3" bash bench/gpu/vllm/schedule_on_h200.sh
+#   VARIANTS="sched-v1 k3-v1 sched-pw" bash bench/gpu/vllm/schedule_on_h200.sh
+# .tok: a tokenizer directory (config.json + tokenizer.json), e.g. shared/gpu-vllm/build_tiny.py's.
+set -uo pipefail
+OUT=${OUT:-$PWD/out}; mkdir -p "$OUT"
+for d in .vl1 .vl2 .vl3; do [ -d "$d" ] && mkdir -p /tmp/vlparts && cp "$d"/* /tmp/vlparts/; done
+[ -d .vls ] && { rm -rf /tmp/vlroot/.vls; mkdir -p /tmp/vlroot && cp -r .vls /tmp/vlroot/; }
+[ -d .tok ] && { rm -rf /tmp/tok; cp -r .tok /tmp/tok; }
+[ -d .whl ] && { [ -f /tmp/site2/.done ] || { python3 -m pip install -q --no-index --no-deps --no-compile \
+  --target /tmp/site2 .whl/*.whl && touch /tmp/site2/.done; }; }
+[ "$(ls /tmp/vlparts 2>/dev/null | wc -l)" = 3 ] || { echo "parts here: $(ls /tmp/vlparts 2>/dev/null)"; exit 0; }
+here=$PWD; cd /tmp/vlroot || exit 1
+# shellcheck source=/dev/null
+source .vls/install_on_device.sh || exit 1
+cd "$here" || exit 1
+export PYTHONPATH="$PWD:/tmp/site:/tmp/site2" VLLM_LOGGING_LEVEL=WARNING CUDA_VISIBLE_DEVICES=0
+nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,power.draw,temperature.gpu --format=csv,noheader
+read -ra variants <<< "${VARIANTS:-base base2 k3}"
+timeout "${SC_TIMEOUT:-540}" python3 -u bench/gpu/schedule_cost.py --tokenizer /tmp/tok --size 0.8b \
+  --variants "${variants[@]}" --rounds "${ROUNDS:-3}" --prompts "${PROMPTS:-32}" --work /tmp/sc 2>&1 | grep -v '^\[' | tee -a "$OUT/schedule-cost.txt"
+for f in /tmp/sc/server-*.log; do tail -c 3000 "$f" > "$OUT/$(basename "$f")"; done 2>/dev/null
+ls "$OUT" | head -8
