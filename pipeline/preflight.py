@@ -268,8 +268,7 @@ def target_findings(profile: Profile) -> list[Finding]:
                              f"{draft.hidden}, {draft.heads}/{draft.kv_heads} heads of {draft.head_dim}, "
                              f"vocab {draft.draft_vocab} of {draft.target_vocab}, k = {profile.evaluate.k}, "
                              f"{draft.trainable_params / 1e6:.3g} M trainable parameters"))
-    found += vllm_target_findings(profile, info)
-    return found + data_findings(profile)
+    return found + vllm_target_findings(profile, info)
 
 
 def data_findings(profile: Profile) -> list[Finding]:
@@ -475,7 +474,9 @@ def mooncake_findings(profile: Profile) -> list[Finding]:
 
 def preflight(profile: Profile, snapshot: gpu.GpuSnapshot | None = None, run_dir: Path | None = None) -> list[Finding]:
     """Every check; `run_dir`: the run directory in use (its disk is the one that fills)."""
-    return (target_findings(profile) + version_findings(profile) + gpu_findings(profile, snapshot)
+    # the data apart from the target: a source missing is said also where the target cannot be read
+    return (target_findings(profile) + data_findings(profile) + version_findings(profile)
+            + gpu_findings(profile, snapshot)
             + port_findings(profile, run_dir) + disk_findings(profile, run_dir)
             + evaluation_findings(profile, snapshot) + tracker_findings(profile) + mooncake_findings(profile))
 

@@ -321,3 +321,19 @@ def test_preflight_blocks_what_would_load_the_1t_target_in_transformers(sets, ch
     found = [f for f in evaluation_findings(load_profile(KIMI[0], sets, check_inputs=False)) if f.check == check]
     assert found and found[0].severity == "block" and says in found[0].message, found
     assert "\n" not in found[0].message and ("do not fit" in found[0].message or "nothing" in says)
+
+
+def test_a_missing_data_file_is_said_even_where_the_target_cannot_be_read(tmp_path):
+    """Issue 45's bug: the data findings ran at the end of target_findings, which returns early when the
+    target's config.json cannot be read, so a missing conversations file went unreported."""
+    from pipeline.cli import _overrides
+    missing = tmp_path / "nope.jsonl"
+    profile = load_profile(TINY, _overrides(['target.source="path"', f'target.model_path="{tmp_path / "no-model"}"',
+                                             f'data.conversations="{missing}"']), check_inputs=False)
+    found = preflight.target_findings(profile) + preflight.data_findings(profile)
+    assert any(f.check == "target" and f.severity == "block" for f in found)
+    (data,) = [f for f in found if f.check == "data"]
+    assert data.severity == "block" and str(missing) in data.message
+    # and preflight as a whole says both
+    checks = {f.check for f in preflight.blocking(preflight.preflight(profile, gpu.GpuSnapshot(t=0.0)))}
+    assert {"target", "data"} <= checks
