@@ -6,8 +6,9 @@ from __future__ import annotations
 import contextlib
 import json
 import shutil
+import textwrap
 import tomllib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Literal
@@ -53,6 +54,12 @@ class OnlinePlan:
     gpu_hours: float | None
     splits: list[Split]
     recommended: str
+    cache_s: float | None = 0.0  # extracting the cached rows' states, before the split's wall (in wall_s)
+
+    @property
+    def fits(self) -> bool:
+        """False where splits were planned and none fits the box: then online has no wall time or GPU-hours."""
+        return not self.splits or any(s.fits for s in self.splits)
 
     @property
     def disk_states(self) -> int:
@@ -114,7 +121,7 @@ class Plan:
 
     def to_dict(self) -> dict:
         return {**asdict(self), "disk_total": self.disk_total, "disk_offline": self.disk_for("offline"),
-                "disk_online": self.disk_for("online")}
+                "disk_online": self.disk_for("online"), "online_fits": self.online.fits}
 
 
 def _earlier_runs(profile: Profile) -> Iterator[tuple[Path, dict]]:
@@ -480,10 +487,13 @@ def online_plan(profile: Profile, tokens: int, samples: int, state_bytes_per_tok
     cache_s = cached_tokens / extract.tokens_per_s if extract.tokens_per_s else 0.0
     splits = candidate_splits(profile, generate_tokens, tokens * TRAIN_RATIO * t.epochs, train_mem)
     best = min((s for s in splits if s.fits), key=lambda s: s.wall_s, default=None)
-    if best is None:
+    if best is None and splits:  # planned and infeasible: a wall time would price a run that cannot start
+        wall = None
+        recommended = "no split fits this box: " + splits[-1].why
+    elif best is None:  # nothing to plan splits from: generation and training overlap at best
         wall = max(generate_s, train_s) if generate_s is not None and train_s is not None else None
         recommended = ("no split measured or estimated: set hardware.gpus, extraction/training rates and "
-                       "target.weights_gib" if not splits else "no split fits this box: " + splits[-1].why)
+                       "target.weights_gib")
     else:
         wall = best.wall_s
         recommended = (f"serve on {best.serve} GPU(s), train on {best.train} ({best.bottleneck} bound)" if best.train
@@ -493,7 +503,7 @@ def online_plan(profile: Profile, tokens: int, samples: int, state_bytes_per_tok
     return OnlinePlan(cached_rows=cached_rows, disk_cache=cache, disk_in_flight=in_flight,
                       generate_tokens=generate_tokens, generate_s=generate_s, wall_s=wall,
                       gpu_hours=wall * gpus / 3600 if wall is not None else None, splits=splits,
-                      recommended=recommended)
+                      recommended=recommended, cache_s=cache_s if extract.tokens_per_s else None)
 
 
 def candidate_splits(profile: Profile, generate_tokens: float, train_tokens: float, train_mem: int) -> list[Split]:
@@ -570,67 +580,142 @@ def duration(s: float | None) -> str:
     if s is None:
         return "?"
     h = s / 3600
-    return f"{h:.1f} h" if h >= 1 else f"{s / 60:.0f} min"
+    if h >= 1:
+        return f"{h:.1f} h"
+    return f"{s / 60:.0f} min" if s >= 60 else f"{s:.0f} s"  # a 20 s stage is not "0 min"
 
 
-def table(plans: list[Plan]) -> str:
-    """Profiles side by side, one row per figure."""
-    rows = [[label] + [fn(p) for p in plans] for label, fn in (
-        ("profile", lambda p: p.profile),
-        ("target", lambda p: f"{p.target.architecture} ({p.target.attention})"),
-        ("hidden / layers / vocab", lambda p: f"{p.target.hidden} / {p.target.layers} / {p.target.vocab}"),
-        ("aux layer ids (vLLM)", lambda p: str(p.draft.layer_ids)),
-        ("draft: vocab / layers / k",
-            lambda p: f"{p.draft.draft_vocab} / {p.draft.num_layers} / {p.draft.ttt_steps}"),
-        ("draft params (trainable)", lambda p: f"{p.draft.trainable_params / 1e6:.0f} M"),
-        ("samples", lambda p: f"{p.samples:,}"),
-        ("tokens", lambda p: f"{p.tokens / 1e6:,.1f} M"),
-        ("disk: prepared data", lambda p: human(p.disk_prepared)),
-        ("disk: hidden states", lambda p: human(p.disk_hidden_states)),
-        ("disk: checkpoints", lambda p: human(p.disk_checkpoints)),
-        ("disk: total", lambda p: human(p.disk_total)),
-        ("train GPU memory / GPU (est.)", lambda p: f"{p.train_gpu_memory / GIB:.1f} GiB"),
-        ("extraction rate", lambda p: _with_guess(p.extract, p.guesses.get("extraction"))),
-        ("training rate", lambda p: f"{p.train.tokens_per_s:,.0f} tok/s" if p.train.tokens_per_s else "?"),
-        ("extraction time", lambda p: duration(p.extract_s)),
-        ("training time", lambda p: duration(p.train_s)),
-        ("GPU-hours", lambda p: _hours(p.gpu_hours)),
-        ("online: states on disk", lambda p: f"{human(p.online.disk_states)} (cache {human(p.online.disk_cache)}"
-                                             f" + in flight {human(p.online.disk_in_flight)})"),
-        ("online: disk total", lambda p: human(p.disk_for("online"))),
-        ("online: generated per run", lambda p: f"{p.online.generate_tokens / 1e6:,.1f} M tokens "
-                                                f"({duration(p.online.generate_s)})"),
-        ("online: wall time", lambda p: duration(p.online.wall_s)),
-        ("online: GPU-hours", lambda p: _hours(p.online.gpu_hours)),
-        ("online: split", lambda p: p.online.recommended.split(":")[0].split(" (")[0]),
-        ("mode", lambda p: p.mode),
-        ("regeneration: answer tokens", lambda p: f"{p.regenerate.tokens / 1e6:,.1f} M" if p.regenerate.runs
-            else "–"),
-        ("regeneration rate", lambda p: _with_guess(p.regenerate.rate, p.guesses.get("regeneration"))
-            if p.regenerate.runs else "–"),
-        ("break-even τ (head, c = 1)", lambda p: f"{p.break_even_tau.value:.2f} ({p.break_even_tau.how})"
-            if p.break_even_tau else "–"),
-        ("regeneration time", lambda p: f"{duration(p.regenerate.seconds)} "
-            f"({_hours(_step_gpu_hours(p.regenerate))} GPU-h)" if p.regenerate.runs else "–"),
-        ("offline evaluator", lambda p: "runs" if p.evaluate_offline.runs else "vLLM only"),
-        ("matrix time", lambda p: duration(p.matrix.seconds) if p.matrix.runs else "–"),
-        ("checkpoints measured", lambda p: _checkpoints_text(p.checkpoints)),
-        ("server starts × each",
-            lambda p: f"{p.server_starts['offline']} × {duration(p.server_start.tokens_per_s)}"),
-        ("total wall (offline)", lambda p: duration(p.totals["offline"]["wall_s"])),
-        ("total GPU-hours (offline)", lambda p: _hours(p.totals["offline"]["gpu_hours"])),
-        ("total wall (online)", lambda p: duration(p.totals["online"]["wall_s"])),
-        ("total GPU-hours (online)", lambda p: _hours(p.totals["online"]["gpu_hours"])),
-    )]
-    widths = [max(len(str(r[i])) for r in rows) for i in range(len(rows[0]))]
-    lines = ["  ".join(str(c).ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows]
-    lines.insert(1, "  ".join("-" * w for w in widths))
-    sources = [f"{p.profile}: tokens {p.tokens_source}; extraction {p.extract.source}; training {p.train.source}; "
-               f"mode: {p.mode_why}; regeneration: {p.regenerate.why} ({p.regenerate.rate.source or '-'}); "
-               f"offline evaluator: {p.evaluate_offline.why}; matrix: {p.matrix.why}; "
-               f"checkpoints: {p.checkpoints.why}; server start: {p.server_start.source}"
-               + (f"; {p.break_even_tau.why}" if p.break_even_tau else "") for p in plans]
-    return "\n".join(lines + [""] + sources + [""] + [line for p in plans for line in split_lines(p)])
+WIDTH = 80  # what a plan is laid out for when the terminal's width is unknown (piped, as `less` shows it)
+NO_SPLIT = "– (no split fits)"
+
+
+def _online(p: Plan, text: str) -> str:
+    """An online figure, or why there is none: no split of the box serves and trains at once."""
+    return text if p.online.fits else NO_SPLIT
+
+
+def _online_wall(p: Plan) -> str:
+    """Online wall time with its parts, so that it adds up with the split table's walls below."""
+    o = p.online
+    if not o.fits or o.wall_s is None:
+        return _online(p, duration(o.wall_s))
+    if not o.splits:
+        return f"{duration(o.wall_s)} (no split planned: the slower of generation, training)"
+    if o.cache_s:
+        return f"{duration(o.wall_s)} (cache {duration(o.cache_s)} + split {duration(o.wall_s - o.cache_s)})"
+    return duration(o.wall_s)
+
+
+def _total(p: Plan, mode: str, key: str) -> str:
+    """A whole-run total of one mode, marked where it is the mode the run would take."""
+    if mode == "online" and not p.online.fits:
+        return NO_SPLIT
+    t = p.totals[mode][key]
+    text = duration(t) if key == "wall_s" else _hours(t)
+    return f"{text} (the run's)" if mode == p.mode and t is not None else text
+
+
+# Row groups, each (label, figure of a plan). Labels are shared by every profile side by side, so a figure
+# whose mode differs between profiles says its mode in its value.
+ROWS: list[list[tuple[str, Callable[[Plan], str]]]] = [[
+    ("target", lambda p: f"{p.target.architecture} ({p.target.attention})"),
+    ("hidden / layers / vocab", lambda p: f"{p.target.hidden} / {p.target.layers} / {p.target.vocab}"),
+    ("aux layer ids (vLLM)", lambda p: str(p.draft.layer_ids)),
+    ("draft: vocab / layers / k", lambda p: f"{p.draft.draft_vocab} / {p.draft.num_layers} / {p.draft.ttt_steps}"),
+    ("draft params (trainable)", lambda p: count(p.draft.trainable_params)),
+    ("samples", lambda p: f"{p.samples:,}"),
+    ("tokens", lambda p: count(p.tokens)),
+    ("disk: prepared data", lambda p: human(p.disk_prepared)),
+    ("disk: checkpoints", lambda p: human(p.disk_checkpoints)),
+    ("train GPU memory / GPU (est.)", lambda p: f"{p.train_gpu_memory / GIB:.1f} GiB"),
+    ("extraction rate", lambda p: _with_guess(p.extract, p.guesses.get("extraction"))),
+    ("training rate", lambda p: f"{p.train.tokens_per_s:,.0f} tok/s" if p.train.tokens_per_s else "?"),
+    ("training time", lambda p: duration(p.train_s)),
+], [
+    ("offline: hidden states", lambda p: f"{human(p.disk_hidden_states)} (all on disk)"),
+    ("offline: disk total", lambda p: human(p.disk_for("offline"))),
+    ("offline: extraction time", lambda p: duration(p.extract_s)),
+    ("offline: extract+train GPU-h", lambda p: _hours(p.gpu_hours)),
+], [
+    ("online: states on disk", lambda p: f"{human(p.online.disk_states)} (cache {human(p.online.disk_cache)}"
+                                         f" + in flight {human(p.online.disk_in_flight)})"),
+    ("online: disk total", lambda p: human(p.disk_for("online"))),
+    ("online: generated per run", lambda p: f"{count(p.online.generate_tokens)} tokens "
+                                            f"({duration(p.online.generate_s)})"),
+    ("online: wall time", _online_wall),
+    ("online: GPU-hours", lambda p: _online(p, _hours(p.online.gpu_hours))),
+    ("online: split", lambda p: p.online.recommended.split(":")[0].split(" (")[0]),
+], [
+    ("regeneration: answer tokens", lambda p: count(p.regenerate.tokens) if p.regenerate.runs else "–"),
+    ("regeneration rate", lambda p: _with_guess(p.regenerate.rate, p.guesses.get("regeneration"))
+        if p.regenerate.runs else "–"),
+    ("regeneration time", lambda p: f"{duration(p.regenerate.seconds)} "
+        f"({_hours(_step_gpu_hours(p.regenerate))} GPU-h)" if p.regenerate.runs else "–"),
+    ("break-even τ (head, c = 1)", lambda p: f"{p.break_even_tau.value:.2f} ({p.break_even_tau.how})"
+        if p.break_even_tau else "–"),
+    ("offline evaluator", lambda p: "runs" if p.evaluate_offline.runs else "vLLM only"),
+    ("matrix time", lambda p: duration(p.matrix.seconds) if p.matrix.runs else "–"),
+    ("checkpoints measured", lambda p: _checkpoints_text(p.checkpoints)),
+    ("server starts × each", lambda p: f"{p.server_starts[p.mode]} × {duration(p.server_start.tokens_per_s)}"),
+], [
+    ("mode", lambda p: p.mode),
+    ("disk: total (the run's mode)", lambda p: f"{human(p.disk_total)} ({p.mode})"),
+    ("total wall (offline)", lambda p: _total(p, "offline", "wall_s")),
+    ("total GPU-hours (offline)", lambda p: _total(p, "offline", "gpu_hours")),
+    ("total wall (online)", lambda p: _total(p, "online", "wall_s")),
+    ("total GPU-hours (online)", lambda p: _total(p, "online", "gpu_hours")),
+]]
+
+
+def table(plans: list[Plan], width: int | None = None) -> str:
+    """Profiles side by side, one row per figure, where that fits `width` (default: the terminal's, else 80);
+    else one block per profile. Each profile's notes (where every figure comes from) and online splits
+    follow, wrapped to the width."""
+    width = width or shutil.get_terminal_size((WIDTH, 24)).columns
+    prose = min(width, 100)  # notes no wider than a paragraph reads, however wide the terminal
+    side = _side_by_side(plans)
+    if max(map(len, side)) <= width:
+        return "\n".join(side + [line for p in plans for line in ["", *_notes(p, prose), *split_lines(p, prose)]])
+    return "\n\n".join("\n".join(_block(p, width) + _notes(p, prose) + split_lines(p, prose)) for p in plans)
+
+
+def _side_by_side(plans: list[Plan]) -> list[str]:
+    rows: list[list[str] | None] = [["profile"] + [p.profile for p in plans]]
+    for group in ROWS:
+        rows += [None] + [[label] + [fn(p) for p in plans] for label, fn in group]  # None: a blank line
+    widths = [max(len(r[i]) for r in rows if r) for i in range(len(plans) + 1)]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() if r else "" for r in rows]
+    return [lines[0], "  ".join("-" * w for w in widths)] + lines[2:]
+
+
+def _block(plan: Plan, width: int) -> list[str]:
+    """One profile's figures, label then value, values wrapped under themselves."""
+    label_w = max(len(label) for group in ROWS for label, _ in group)
+    indent = " " * (2 + label_w + 2)
+    lines = [plan.profile, "-" * min(len(plan.profile), width)]
+    for group in ROWS:
+        for label, fn in group:
+            # textwrap's width counts the indent; a value keeps 20 columns however narrow the terminal
+            lines += textwrap.wrap(fn(plan), max(len(indent) + 20, width), initial_indent=f"  {label:<{label_w}}  ",
+                                   subsequent_indent=indent, break_on_hyphens=False) or [f"  {label}"]
+        lines.append("")
+    return lines
+
+
+def _notes(p: Plan, width: int) -> list[str]:
+    """Where each figure of one profile comes from, a wrapped list."""
+    items: list[tuple[str | None, str]] = [
+        ("tokens", p.tokens_source), ("extraction", p.extract.source), ("training", p.train.source),
+        ("mode", p.mode_why), ("regeneration", f"{p.regenerate.why} ({p.regenerate.rate.source or '-'})"),
+        ("offline evaluator", p.evaluate_offline.why), ("matrix", p.matrix.why),
+        ("checkpoints", p.checkpoints.why), ("server start", p.server_start.source)]
+    if p.break_even_tau:
+        items.append((None, p.break_even_tau.why))  # it names itself: "break-even τ (k = 3): …"
+    lines = _wrap(f"{p.profile}: where the figures come from", width, "")
+    for key, text in items:
+        lines += textwrap.wrap(f"{key}: {text}" if key else text, width, initial_indent="  - ",
+                               subsequent_indent="    ", break_on_hyphens=False)
+    return lines
 
 
 def _step_gpu_hours(step: StepPlan) -> float | None:
@@ -639,6 +724,8 @@ def _step_gpu_hours(step: StepPlan) -> float | None:
 
 def time_summary(plan: Plan) -> str:
     """Every stage that costs time, in one line (preflight's): the mode's total, then its parts."""
+    if plan.mode == "online" and not plan.online.fits:
+        return f"online: no time planned, {plan.online.recommended}"
     t = plan.totals[plan.mode]
     parts = [f"regeneration {duration(plan.regenerate.seconds)}" if plan.regenerate.runs else None,
              f"extraction {duration(plan.extract_s)}" if plan.mode == "offline" else
@@ -671,16 +758,34 @@ def _with_guess(rate: Rate, guess: Rate | None) -> str:
 
 
 def _hours(h: float | None) -> str:
-    return f"{h:,.0f}" if h is not None else "?"
+    """GPU-hours: whole hours from 10 up, two figures below (a demo's 0.04 is not 0)."""
+    if h is None:
+        return "?"
+    return f"{h:,.0f}" if h >= 10 else f"{h:.2g}"
 
 
-def split_lines(plan: Plan) -> list[str]:
-    """The online splits of one profile's box: rates, wall time, bottleneck, which fit."""
-    if not plan.online.splits:
+def split_lines(plan: Plan, width: int = WIDTH) -> list[str]:
+    """The online splits of one profile's box: rates, wall, which fit and why not. A split's wall is after
+    the cache's extraction (the wall time above adds the two)."""
+    o = plan.online
+    if not o.splits:
         return []
-    lines = [f"{plan.profile}: online, serving vs training GPUs on one node ({plan.online.recommended})"]
-    for s in plan.online.splits:
+    best = min((s for s in o.splits if s.fits), key=lambda s: s.wall_s, default=None)
+    head = ("no split fits this box: online is not planned" if best is None else
+            "▸ planned; wall after the cache" + (f"'s {duration(o.cache_s)}" if o.cache_s else ""))
+    lines = _wrap(f"{plan.profile}: online splits of one node (tok/s; {head})", width, "")
+    lines.append(f"  {'split':<25}  {'generate':>10}  {'train':>9}  {'wall':>8}")
+    for s in o.splits:
         who = f"serve {s.serve} / train {s.train}" if s.train else f"serve+train on {s.serve} (shared)"
-        lines.append(f"  {who:<26} generate {s.generate_tok_s:>9,.0f} tok/s  train {s.train_tok_s:>9,.0f} tok/s  "
-                     f"wall {duration(s.wall_s):>8}  {s.bottleneck + ' bound' if s.fits else 'does not fit: ' + s.why}")
+        verdict = f"{s.bottleneck} bound" if s.fits else "does not fit"
+        lines.append(f"{'▸ ' if s is best else '  '}{who:<25}  {s.generate_tok_s:>10,.0f}  {s.train_tok_s:>9,.0f}  "
+                     f"{duration(s.wall_s):>8}  {verdict}")
+        if not s.fits:
+            lines += _wrap(s.why, width, "      ")
     return lines
+
+
+def _wrap(text: str, width: int, indent: str) -> list[str]:
+    """Lines of at most `width` columns, broken between words (a hyphenated name stays whole)."""
+    return textwrap.wrap(text, width, initial_indent=indent, subsequent_indent=indent + "  " if not indent else indent,
+                         break_on_hyphens=False)

@@ -45,7 +45,7 @@ def test_plan_follows_the_kimi_config():
     assert low.tokens == 20_000 * 2048 and full.tokens == 500_000 * 4096
     assert full.disk_hidden_states > 100e12 > low.disk_hidden_states > 1e12  # tens of TB only at full size
     assert full.gpu_hours > low.gpu_hours
-    text = plan.table([low, full])
+    text = plan.table([low, full], width=200)  # side by side (narrower terminals: tests/test_plan_render.py)
     assert "kimi-k2.5-rtx6000x8-lowered" in text.splitlines()[0] and "kimi-k2.5-b300x8-full" in text.splitlines()[0]
 
 
@@ -305,7 +305,10 @@ def test_the_kimi_plans_count_regeneration_evaluation_and_every_server_start():
         offline, online = p.totals["offline"], p.totals["online"]
         assert offline["wall_s"] == pytest.approx(p.extract_s + p.train_s + p.regenerate.seconds + p.matrix.seconds
                                                   + 6 * p.server_start.tokens_per_s)
-        assert online["wall_s"] > p.online.wall_s and online["gpu_hours"] > p.online.gpu_hours
+        if p.online.fits:
+            assert online["wall_s"] > p.online.wall_s and online["gpu_hours"] > p.online.gpu_hours
+        else:  # the lowered box: no split serves and trains at once, so online has no time to total
+            assert p is low and online == {"wall_s": None, "gpu_hours": None} and p.online.wall_s is None
     table = plan.table([low, full])
     for line in ("regeneration time", "server starts × each", "total wall (online)", "offline evaluator"):
         assert line in table
