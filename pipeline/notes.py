@@ -36,6 +36,12 @@ def read(run: RunDir) -> list[dict]:
     return atomicio.read_jsonl(run.notes_path)
 
 
+# What the train stage's loss figures are (speculators' metrics: pipeline/plots.py says where they come from)
+LOSSES_STAGE = ("train_loss: the last logged step's training loss, the sum over the k TTT steps (train/loss, the "
+                "console's \"now\"); val_loss_epoch: the same sum on the validation split at the last epoch's end; "
+                "val_loss_N_epoch: TTT step N's own share of it.")
+
+
 def _fmt(value) -> str:
     return f"{value:.4g}" if isinstance(value, float) else str(value)
 
@@ -115,8 +121,9 @@ def ngram_comparison(offline: EvaluateOfflineResult | None, online: DeployMeasur
         return None
     line = (f"n-gram (prompt lookup, {source}): mean acceptance length {tau:.3f} when it drafts; "
             f"tokens per step {per_step:.3f}")
-    if head is not None:
-        line += f" against the head's {head:.3f} (x{head / per_step:.2f})"
+    if head is not None:  # offline the head drafts at every step: its τ is its tokens per step
+        named = "its tokens per step" if source == "vLLM" else "its τ: drafting at every step, its tokens per step"
+        line += f" against the head's {head:.3f} ({named}), x{head / per_step:.2f}"
     return line
 
 
@@ -172,6 +179,8 @@ def to_markdown(run: RunDir, snapshot: RunSnapshot, out_path: Path | None = None
             secs = _fmt(row.seconds) if row.seconds is not None else ""
             lines.append(f"| {row.name} | {row.status} | {secs} | {figs} |")
         lines.append("")
+        if any(row.name == "train" and "train_loss" in row.figures for row in rows):
+            lines += [LOSSES_STAGE, ""]
     picked = atomicio.read_json(run.checkpoints_result)
     if picked and picked.get("chosen"):
         lines += checkpoint_lines(picked)
@@ -217,7 +226,9 @@ def to_markdown(run: RunDir, snapshot: RunSnapshot, out_path: Path | None = None
         lines += ["## Plots", "", f"not written: {exc}", ""]
     if made:
         base = (out_path.parent if out_path else run.root).resolve()
-        lines += ["## Plots", ""] + [f"![{name}]({os.path.relpath(path, base)})" for name, path in made.items()] + [""]
+        lines += ["## Plots", ""]
+        for name, path in made.items():
+            lines += [f"![{name}]({os.path.relpath(path, base)})", "", f"*{plots.CAPTIONS[name]}.*", ""]
     lines += ["## Notes", ""]
     for note in read(run):
         who = "operator" if note.get("source") == "operator" else (note.get("stage") or "pipeline")
@@ -232,7 +243,8 @@ def checkpoint_lines(picked: dict) -> list[str]:
     chosen = picked["chosen"]
     lines = [f"## Choosing the checkpoint ({picked['backend']}, {picked['prompts']} held-out prompts, "
              f"k = {picked['k']})", "", f"Deployed: {chosen['why']}.", "",
-             "| checkpoint | train loss | val loss | val accuracy per position | τ | acceptance per position | |",
+             "| checkpoint | train loss (epoch mean) | val loss (epoch) | val accuracy per position | τ "
+             "| acceptance per position | deployed / disagrees |",
              "|---|---|---|---|---|---|---|"]
     for e in picked["checkpoints"]:
         mark = "**deployed**" if e["label"] == chosen["label"] else ("⚠ disagrees" if e.get("disagrees") else "")
@@ -241,9 +253,11 @@ def checkpoint_lines(picked: dict) -> list[str]:
         lines.append(f"| {e['label']} | {_fmt(e.get('train_loss')) if e.get('train_loss') is not None else ''} | "
                      f"{_fmt(e.get('val_loss')) if e.get('val_loss') is not None else ''} | {val} | "
                      f"{e['tau']:.3f} | {acc} | {mark} |")
-    return lines + ["", "Validation accuracy: speculators' full accuracy per draft position on its validation split "
-                        "(teacher-forced); τ and acceptance: measured on the held-out prompts. ⚠: they disagree by "
-                        "far (pipeline/diagnose.py).", ""]
+    return lines + ["", "Losses: both the sum over the TTT steps (speculators' train/loss), train loss its mean over "
+                        "the epoch's logged steps, val loss over the validation split at the epoch's end "
+                        "(val/loss_epoch). Validation accuracy: speculators' full accuracy per draft position on its "
+                        "validation split (teacher-forced); τ and acceptance: measured on the held-out prompts. ⚠: "
+                        "they disagree by far (pipeline/diagnose.py).", ""]
 
 
 def production_lines(res: dict) -> list[str]:

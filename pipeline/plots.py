@@ -1,5 +1,11 @@
 """PNG plots of a run for the report: training loss and accuracy per TTT step over steps, τ per checkpoint,
-acceptance per position per method, GPU utilization over the run's timeline. Read-only over the run's files."""
+acceptance per position per method, GPU utilization over the run's timeline. Read-only over the run's files.
+
+speculators logs three losses that differ in scale (speculators/models/eagle3/core.py, metrics.py, train/
+trainer.py): train/loss_i, TTT step i's loss alone; train/loss, a logged step's sum over the k TTT steps (the
+figure the console and the train stage show); val/loss_epoch, the same sum averaged over the validation split.
+The report's epoch means average train/loss over an epoch's logged steps (pipeline/diagnose.py). Every plot
+says which one it draws."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -25,10 +31,13 @@ def training_curves(run: RunDir, out: Path) -> Path | None:
     steps = list(range(1, len(metrics) + 1))
     ttt = sorted({int(k.rsplit("_", 1)[1]) for e in metrics for k in e if k.startswith("train/loss_")})
     fig, (ax1, ax2) = _plt().subplots(1, 2, figsize=(11, 3.8))
+    if any("train/loss" in e for e in metrics):  # the sum drawn over its parts: the two scales side by side
+        ax1.plot(steps, [e.get("train/loss") for e in metrics], color="black", lw=1.2,
+                 label="sum over TTT steps (train/loss)")
     for i in ttt:
-        ax1.plot(steps, [e.get(f"train/loss_{i}") for e in metrics], label=f"TTT step {i}", lw=1)
+        ax1.plot(steps, [e.get(f"train/loss_{i}") for e in metrics], label=f"TTT step {i} alone", lw=1)
         ax2.plot(steps, [e.get(f"train/full_acc_{i}") for e in metrics], label=f"TTT step {i}", lw=1)
-    ax1.set(title="training loss per TTT step", xlabel="logged step", ylabel="loss", yscale="log")
+    ax1.set(title="training loss of each logged step", xlabel="logged step", ylabel="loss (log scale)", yscale="log")
     ax2.set(title="full accuracy per TTT step", xlabel="logged step", ylabel="accuracy", ylim=(0, 1))
     for ax in (ax1, ax2):
         ax.grid(alpha=0.3)
@@ -76,11 +85,11 @@ def checkpoints(run: RunDir, out: Path) -> Path | None:
     ax.set_xticks(xs, [e["label"] for e in entries], rotation=45 if len(xs) > 12 else 0)
     ax.grid(alpha=0.3)
     loss = ax.twinx()
-    for key, style, name in (("train_loss", "s--", "train loss (epoch mean)"), ("val_loss", "^--", "val loss")):
+    for key, style, name in (("train_loss", "s--", "train loss (epoch mean)"), ("val_loss", "^--", "val loss (epoch)")):
         if pts := [(x, e[key]) for x, e in zip(xs, entries, strict=True) if e.get(key) is not None]:
             loss.plot([p[0] for p in pts], [p[1] for p in pts], style, color="grey", lw=1, ms=4, label=name,
                       alpha=0.8 if key == "train_loss" else 0.5)
-    loss.set_ylabel("loss")
+    loss.set_ylabel("loss (sum over TTT steps)")
     handles = ax.get_legend_handles_labels()[0] + loss.get_legend_handles_labels()[0]
     ax.legend(handles=handles, fontsize=8, loc="lower right")
     return _save(fig, out / "checkpoints.png")
@@ -108,6 +117,18 @@ def _save(fig, path: Path) -> Path:
     atomicio.atomic_write_with(path, lambda p: fig.savefig(p, dpi=110, bbox_inches="tight", format="png"))
     _plt().close(fig)
     return path
+
+
+CAPTIONS = {
+    "training": "Left: the training loss of each logged step, the sum over the TTT steps (train/loss, as the "
+                "console shows it) above each TTT step's own loss, on a log scale; right: each TTT step's full "
+                "accuracy on the step's batch",
+    "checkpoints": "τ of each checkpoint on the held-out prompts against its epoch's losses, both the sum over "
+                   "the TTT steps: train, the mean over the epoch's logged steps; val, over the validation split",
+    "acceptance": "The share of verify steps that accepted each draft position (offline, and through vLLM at "
+                  "the lowest concurrency)",
+    "gpu": "GPU utilization over the run, the stages' starts marked",
+}
 
 
 def all_plots(run: RunDir, out: Path) -> dict[str, Path]:
