@@ -335,6 +335,15 @@ def _gpu_list(key: str, devices: str) -> None:
         raise rule(key, devices, "must be GPU indices separated by commas, e.g. \"0,1,2,3\"")
 
 
+# speculators 0.9.0's loss names (speculators/losses/utils.py, fused and eager alike)
+LossName = Literal["kl_div", "rkl", "jsd", "ce", "tv", "nla", "lk_hybrid"]
+# speculators flags that TrainSection keys set: train.extra_args may not set them a second time
+PROFILE_TRAIN_FLAGS = {**{f"--{neg}{k.replace('_', '-')}": k for k in ("norm_before_residual", "norm_before_fc",
+                                                                       "norm_output") for neg in ("", "no-")},
+                       "--fc-norm": "fc_norm", "--loss-fn": "loss_fn", "--ttt-step-loss-decay": "ttt_step_loss_decay",
+                       "--per-position-loss-weight": "per_position_loss_weight"}
+
+
 class TrainSection(Section):
     epochs: Positive = 3
     total_seq_len: Positive = 8192
@@ -378,6 +387,31 @@ class TrainSection(Section):
     """speculators' own metric loggers (--logger), beside the run's console and report; they write under
     RUN/logs/trackers, the run's name their run name. Projects, servers and keys come from each one's own
     environment (WANDB_PROJECT, WANDB_API_KEY, MLFLOW_TRACKING_URI, …), never from a profile."""
+    # EAGLE-3.1 and the loss (speculators 0.9.0 `train`; defaults = its eagle3 defaults, so a profile that
+    # sets none trains as before). The four norms are written into the head's config.json and change its
+    # forward pass: preflight checks that the serving vLLM reads each (pipeline/compat/eagle3_fields.py).
+    norm_before_residual: bool = True
+    """speculators --[no-]norm-before-residual: the draft's first layer normalizes the incoming hidden state
+    before keeping it as the residual (config.json norm_before_residual)."""
+    norm_before_fc: bool = True
+    """EAGLE-3.1: one RMSNorm over the concatenated aux hidden states before the fc projection
+    (--[no-]norm-before-fc; config.json norm_before_fc). vLLM reads it from #38111 (2026-03) on."""
+    fc_norm: bool = False
+    """EAGLE-3.1 paper's variant: one RMSNorm per aux hidden state before the concatenation (--fc-norm;
+    config.json fc_norm); needs norm_before_fc = false (speculators refuses both)."""
+    norm_output: bool = True
+    """EAGLE-3.1: the post-norm hidden state is what the next TTT step reads (--[no-]norm-output; config.json
+    norm_output). vLLM reads it from #46488 on."""
+    loss_fn: LossName | dict[LossName, Annotated[float, Field(gt=0)]] = "kl_div"
+    """speculators --loss-fn: one loss, or a weighted mix as a table ({ ce = 0.1, tv = 0.9 }). Training only:
+    not in the head's config."""
+    ttt_step_loss_decay: Annotated[float, Field(gt=0)] = 1.0
+    """eagle3's per-position loss weight: TTT step i's loss weighted by this ** i (--ttt-step-loss-decay;
+    1 = every position alike, below 1 the later positions count less)."""
+    per_position_loss_weight: Literal["fixed-exp-decay", "dpace"] = "fixed-exp-decay"
+    """speculators --per-position-loss-weight. Its eagle3 trainer weights positions by fixed-exp-decay only
+    (train.ttt_step_loss_decay); D-PACE ("dpace") weights dflash-family blocks, so it is refused here rather
+    than accepted and ignored."""
 
     @property
     def first_node(self) -> bool:
@@ -401,6 +435,8 @@ class TrainSection(Section):
                            "is set by the profile: train.checkpoint_freq, evaluate.checkpoints")
             if arg.split("=", 1)[0] in ("--logger", "--log-dir", "--run-name"):
                 raise rule("train.extra_args", arg, "is set by the profile: train.loggers")
+            if (key := PROFILE_TRAIN_FLAGS.get(arg.split("=", 1)[0])):
+                raise rule("train.extra_args", arg, f"is set by the profile: train.{key}")
         if self.nnodes > 1 and not self.rdzv_endpoint:
             raise rule("train.rdzv_endpoint", self.rdzv_endpoint, f"is required when train.nnodes = {self.nnodes}")
         if not 0 <= self.node_rank < self.nnodes:
@@ -408,6 +444,16 @@ class TrainSection(Section):
         if self.fsdp and self.nproc_per_node * self.nnodes < 2:
             raise rule("train.fsdp", self.fsdp, "needs more than one process (train.nproc_per_node × train.nnodes)")
         _gpu_list("train.cuda_visible_devices", self.cuda_visible_devices)
+        if self.fc_norm and self.norm_before_fc:
+            raise rule("train.fc_norm", self.fc_norm, "needs train.norm_before_fc = false (one norm before fc or one "
+                                                      "per aux state, not both: speculators refuses both)")
+        if self.loss_fn == {}:
+            raise rule("train.loss_fn", self.loss_fn, "a mix needs at least one loss and its weight, "
+                                                      "e.g. { ce = 0.1, tv = 0.9 }")
+        if self.per_position_loss_weight == "dpace":
+            raise rule("train.per_position_loss_weight", self.per_position_loss_weight,
+                       "is read by speculators 0.9.0's dflash-family trainers only; its eagle3 trainer would "
+                       "ignore it (eagle3's per-position weight: train.ttt_step_loss_decay)")
         return self
 
 

@@ -5,6 +5,7 @@ itself; before a relaunch, epoch directories that a kill left half-written are m
 resume never reads them."""
 from __future__ import annotations
 
+import json
 import re
 import sys
 import time
@@ -56,6 +57,7 @@ def build_command(ctx: StageContext, *, python: str = sys.executable, endpoint: 
                   "--run-name", ctx.run.root.name]
     if t.hidden_states_dtype != "auto":
         flags += ["--hidden-states-dtype", t.hidden_states_dtype]
+    flags += eagle31_flags(t)
     flags += list(t.extra_args)
     if t.fsdp:
         flags.append("--fsdp-shard")
@@ -65,6 +67,25 @@ def build_command(ctx: StageContext, *, python: str = sys.executable, endpoint: 
     if t.nproc_per_node * t.nnodes > 1:
         return [python, "-m", "torch.distributed.run", *torchrun_args(t, p.name), *launch]
     return [python, *launch]
+
+
+def eagle31_flags(t) -> list[str]:
+    """EAGLE-3.1's norms and the loss, each only where the profile moves it off speculators 0.9.0's eagle3
+    default (TrainSection's defaults are those): a profile that sets none keeps the argv it had, and a
+    run's recorded command shows what it changed. per_position_loss_weight has no flag here: its only
+    value the profile accepts is the default (eagle3 reads no other)."""
+    defaults = type(t).model_fields
+    flags: list[str] = []
+    for key in ("norm_before_residual", "norm_before_fc", "norm_output"):  # speculators' --x / --no-x pairs
+        if getattr(t, key) != defaults[key].default:
+            flags.append(f"--{'' if getattr(t, key) else 'no-'}{key.replace('_', '-')}")
+    if t.fc_norm:  # a store_true flag: no --no-fc-norm
+        flags.append("--fc-norm")
+    if t.loss_fn != defaults["loss_fn"].default:  # a mix goes as the JSON object speculators parses
+        flags += ["--loss-fn", t.loss_fn if isinstance(t.loss_fn, str) else json.dumps(t.loss_fn)]
+    if t.ttt_step_loss_decay != defaults["ttt_step_loss_decay"].default:
+        flags += ["--ttt-step-loss-decay", str(t.ttt_step_loss_decay)]
+    return flags
 
 
 def torchrun_args(t, job: str) -> list[str]:
