@@ -189,6 +189,67 @@ def vllm_target_findings(profile: Profile, info) -> list[Finding]:
     return found
 
 
+def head_field_findings(profile: Profile) -> list[Finding]:
+    """Each head the run serves through vLLM (the one it trains, evaluate.existing_head) against the fields
+    the serving vLLM reads: a field of the head's config that changes its forward pass (EAGLE-3.1's norms)
+    and that vLLM would run otherwise serves with a lower acceptance and no error, so it blocks, naming the
+    profile key or the head's file (pipeline/compat/eagle3_fields.py asks the installed vLLM)."""
+    from pipeline.compat import eagle3_fields
+
+    ev, t = profile.evaluate, profile.train
+    # (what the lines name, the head's fields as written, its draft arch, or else its research architecture)
+    heads: list[tuple[str, dict[str, bool | None], str | None, str | None]] = []
+    found = []
+    if ev.online and "eagle3" in ev.methods:  # the trained head reaches vLLM only through deploy-measure
+        args = [a for arg in t.extra_args for a in arg.split("=", 1)]
+        draft_arch = args[args.index("--draft-arch") + 1] if "--draft-arch" in args[:-1] else "llama"
+        heads.append(("train.", {f: getattr(t, f) for f in eagle3_fields.FIELDS}, draft_arch, None))
+    if ev.online and "existing" in ev.methods and ev.existing_head:
+        config = Path(ev.existing_head) / "config.json"
+        if isinstance(read := atomicio.read_json(config), dict):
+            heads.append((f"evaluate.existing_head {config}: ", *eagle3_fields.head_values(read)))
+        else:  # deploy-measure would serve a head vLLM cannot load either
+            found.append(Finding("block", "head", f"evaluate.existing_head: cannot read {config} (the head's "
+                                                  f"config.json) to check the fields vLLM reads"))
+    if not heads:
+        return found
+    question = {"drafts": sorted({h[2] for h in heads if h[2]}),
+                "architectures": sorted({h[3] for h in heads if h[3]})}
+    answer = eagle3_fields.ask(profile.server.python, profile.run.cache_dir, question)
+    if "error" in answer:
+        return found + [Finding("warn", "head", f"could not ask vLLM which head config fields it reads: "
+                                                f"{answer['error']}")]
+    where = f"vLLM {answer['vllm']} ({answer['platform']})"
+    elsewhere = answer["platform"] == "cpu" and profile.hardware.gpus > 0  # the GPU box's vLLM answers there
+    stop, tail = ("warn", " (a CPU build answered; the GPU box's own vLLM answers there)") if elsewhere \
+        else ("block", "")
+    for name, values, arch, architecture in heads:
+        reads = answer["drafts"].get(arch) if arch else answer["architectures"].get(architecture)
+        draft = f"{arch} draft" if arch else f"{architecture} head"
+        if not reads or "error" in reads:
+            found.append(Finding("warn", "head", f"{name}could not ask {where} which fields of a {draft} it reads: "
+                                                 f"{(reads or {}).get('error', 'no answer')}"))
+            continue
+        wrong = eagle3_fields.mismatches(reads, values)
+        for field, trained, served in wrong:
+            how = ("does not read it" if not reads["fields"][field]["read"]
+                   else "does not hand it from the head's config to the draft")
+            absent = " (absent: speculators reads false)" if values[field] is None else ""
+            fix = (f"; set train.{field} = {str(served).lower()} or serve with a vLLM that reads it"
+                   if name == "train." else "")
+            found.append(Finding(stop, "head", f"{name}{field} = {str(trained).lower()}{absent}: {where}'s "
+                                               f"{reads.get('module')} {how}, so the head would serve as "
+                                               f"{field} = {str(served).lower()}: a lower acceptance with no "
+                                               f"error{fix}{tail}"))
+        if not wrong:
+            what = "the head this run trains" if name == "train." else name.rstrip(": ")
+            found.append(Finding("ok", "head", f"{where} reads every field of {what} that changes its forward "
+                                               f"pass ({draft}, {reads.get('module')}: "
+                                               + ", ".join(f"{f} = {str(eagle3_fields.trained_value(v)).lower()}"
+                                                           for f, v in values.items()) + ")"))
+    return found
+
+
 def _attention_finding(a: dict, where: str, stop: str, tail: str, dtype: str) -> Finding:
     if a.get("refused"):
         return Finding(stop, "attention", f"{where} has no attention backend for head size {a['head_size']} "
@@ -478,7 +539,8 @@ def preflight(profile: Profile, snapshot: gpu.GpuSnapshot | None = None, run_dir
     return (target_findings(profile) + data_findings(profile) + version_findings(profile)
             + gpu_findings(profile, snapshot)
             + port_findings(profile, run_dir) + disk_findings(profile, run_dir)
-            + evaluation_findings(profile, snapshot) + tracker_findings(profile) + mooncake_findings(profile))
+            + evaluation_findings(profile, snapshot) + tracker_findings(profile) + mooncake_findings(profile)
+            + head_field_findings(profile))
 
 
 def blocking(findings: list[Finding]) -> list[Finding]:
