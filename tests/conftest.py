@@ -13,6 +13,9 @@ os.environ.setdefault("TQDM_DISABLE", "1")
 # the per-user cache (built demo targets, vLLM's probe answers) inside this checkout's ignored runs/: shared
 # by the suite's runs, never the home directory's
 os.environ["XDG_CACHE_HOME"] = str(ROOT / "runs" / ".xdg-cache")
+# the host-wide port registry (pipeline/portlock.py) of the suite's own: its runs never share locks or server
+# records with real runs (or a teammate's demo) on this box
+os.environ.setdefault("EAGLE3_CONSOLE_RUNTIME_DIR", str(ROOT / "runs" / ".runtime"))
 
 
 # ---- the two lanes (Makefile: `make test-fast` runs `-m "not integration"`, `make test` runs everything)

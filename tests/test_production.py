@@ -56,13 +56,15 @@ def test_measure_production_without_production_fails_in_one_line(tmp_path, cache
 @pytest.mark.slow
 def test_production_before_and_after_on_the_same_requests(tmp_path, cache_dir):
     """The whole story, with a head forced into production (one k everywhere, threshold 0) that then measures
-    slower than production did before (on a CPU a head's step costs more than it saves; no noise allowed):
+    slower than production did before beyond the noise allowed (on a CPU a head's step costs more than it saves):
     production-with-draft-or-rollback puts production back as it was, the operator's argv unchanged."""
     run_dir = tmp_path / "run"
     sets = [*STORY[:1], 'server.after_run="production-with-draft-or-rollback"', "evaluate.online=true",
             f'run.cache_dir="{cache_dir}"', f"server.port={free_port()}", "evaluate.rounds=2",
             "evaluate.min_new_tokens=20", 'evaluate.schedule="off"', "evaluate.deploy_speedup=0.0",
-            "evaluate.instance_spread=0.0", "evaluate.traffic_window_s=2"]
+            # a long chain the head was not trained for (3 TTT steps): on a CPU each step costs far more than
+            # it saves (x0.48 of the baseline with k = 6 on a busy 2-core box), beyond the noise
+            "evaluate.k=10", "evaluate.ks=[10]", "evaluate.instance_spread=0.3", "evaluate.traffic_window_s=2"]
     args = [a for s in sets for a in ("--set", s)]
     assert cli("run", TINY, "--no-tui", "--run-dir", run_dir, "--until", "build-target", *args).returncode == 0
     started = cli("server", "start", "--run-dir", run_dir, "--mode", "production")
@@ -92,8 +94,8 @@ def test_production_before_and_after_on_the_same_requests(tmp_path, cache_dir):
         assert figs["production_speedup"] == result["speedup"][levels[0]]  # the lowest concurrency's
         assert result["with_draft"] and figures["deploy"]  # forced in
         assert before["traffic"]["samples"] >= 2 and before["traffic"]["weights"] == {}  # idle production
-        slower = [c for c in levels if result["speedup"][c] < 1.0]
-        assert slower, f"the head did not lose on this CPU: {result['speedup']}"
+        slower = [c for c in levels if result["speedup"][c] < 0.7 or result["speedup_interval"][c][2] < 1]
+        assert slower, f"the head did not lose on this CPU: {result['speedup']} {result['speedup_interval']}"
         assert figs["rolled_back"] is True and figs["slower_levels"] == result["slower_levels"]
         status = json.loads(cli("server", "status", "--run-dir", run_dir, "--json").stdout)
         assert status["mode"] == "production" and status["healthy"]

@@ -154,7 +154,8 @@ def test_handover_to_production_follows_the_runs_decision(vllm_run, tmp_path):
         assert secret not in proc.stdout + proc.stderr
         registry = Path(resolved["run"]["runs_dir"]) if Path(resolved["run"]["runs_dir"]).is_absolute() \
             else ROOT / resolved["run"]["runs_dir"]
-        for path in [*copy.rglob("*"), *(registry / ".servers").rglob("*")]:
+        from pipeline import portlock
+        for path in [*copy.rglob("*"), *(registry / ".servers").rglob("*"), *portlock.runtime_dir().rglob("*")]:
             if path.is_file() and not path.is_symlink():
                 assert secret.encode() not in path.read_bytes(), f"the API key leaked into {path}"
         record = json.loads((copy / "server-handover.json").read_text())

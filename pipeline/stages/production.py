@@ -67,8 +67,11 @@ def after(ctx: StageContext, rec, with_draft: bool) -> dict:
                                                            level_rounds(level_of(before["row"], c)))]
                  for c in ratios}
     bound = ctx.profile.evaluate.instance_spread
-    # slower beyond the noise: the median ratio below what two instances of one configuration may differ by
-    slower = [f"c={c} x{ratios[c]:.3f}" for c in sorted(ratios, key=int) if ratios[c] < 1 - bound]
+    # slower beyond the noise: the median ratio below what two instances of one configuration may differ by,
+    # or (measured in rounds) every round after slower than every round before
+    rounds = ctx.profile.evaluate.rounds > 1
+    slower = [f"c={c} x{ratios[c]:.3f}" for c in sorted(ratios, key=int)
+              if ratios[c] < 1 - bound or (rounds and intervals[c][2] < 1)]
     atomicio.atomic_write_json(ctx.run.production_result, {
         "before": before, "after": {"at": now_iso(), "server": rec.describe(), "argv": rec.argv, "row": row},
         "with_draft": with_draft, "speedup": ratios, "speedup_interval": intervals, "slower_levels": slower})
