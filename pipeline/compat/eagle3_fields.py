@@ -51,7 +51,6 @@ from pipeline.compat.versions import served_vllm
 # the head's forward-changing fields and speculators 0.9.0's eagle3 default for each (TrainSection's too)
 FIELDS = {"norm_before_residual": True, "norm_before_fc": True, "fc_norm": False, "norm_output": True}
 SPECULATORS_ABSENT = False  # Eagle3SpeculatorConfig's default for a field a config lacks (all four)
-DRAFT_ARCHS = ("llama", "qwen3")  # speculators 0.9.0 --draft-arch; eagle3's default: llama
 ROOT = Path(__file__).resolve().parent.parent.parent
 
 
