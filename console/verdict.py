@@ -4,7 +4,6 @@ and its recorded figures. Any field may be missing, and a level may carry fields
 (a k schedule, a traffic mix): the data passes a level's plain values through, the text shows what exists."""
 from __future__ import annotations
 
-from pipeline import notes
 from pipeline.matrix import level_of
 from pipeline.results import DeployMeasureResult, EvaluateOfflineResult, RunSnapshot, decision_in
 
@@ -42,7 +41,7 @@ def verdict(online: dict | None, measured: DeployMeasureResult, offline: Evaluat
             "step_ms": measured.step_ms, "baseline_step_ms": measured.baseline_step_ms,
             "lossless": head.get("identical_outputs", measured.identical_outputs),
             "numeric_ties": head.get("numeric_ties"), "offline_lossless": offline.lossless,
-            "why": notes.economics(measured), "levels": levels}
+            "why": measured.why(), "levels": levels}
 
 
 def of_snapshot(snap: RunSnapshot, online: dict | None) -> dict | None:

@@ -128,25 +128,8 @@ def ngram_comparison(offline: EvaluateOfflineResult | None, online: DeployMeasur
 
 
 def economics(online: DeployMeasureResult | None) -> str | None:
-    """What the speed figures mean: a decode step's cost with and without the head, and the τ from which
-    the head pays on this machine."""
-    if not online or not online.break_even_tau:
-        return None
-    o = online
-    text = (f"a decode step with the head costs {o.step_ms:.1f} ms here against {o.baseline_step_ms:.1f} ms "
-            f"without it, so the head pays from {o.break_even_tau:.2f} tokens per step (it reached "
-            f"{o.tokens_per_step:.2f}" + (f", τ {o.mean_acceptance_length:.3f}" if o.mean_acceptance_length else "")
-            + f"; deploy threshold x{o.deploy_speedup or 1.1:g})")
-    if o.decode_speedup is not None:
-        text += (f"; streamed, the first token waits {o.ttft_ms:.1f} ms ({o.baseline_ttft_ms:.1f} "
-                 f"without the head), then a token comes every {o.decode_tpot_ms:.2f} ms "
-                 f"({o.baseline_decode_tpot_ms:.2f}) and a step every {o.chunk_ms:.2f} ms "
-                 f"({o.baseline_chunk_ms:.2f}): the decode alone is x{o.decode_speedup:.2f}")
-    if not o.gpu:
-        text += ("; on a CPU the head's draft forwards and the wider verification cost about as much as the small "
-                 "target's own step, on a GPU the target's forward dominates a step and the head pays from a far "
-                 "lower tau (NOTES.md \"The demo\")")
-    return text
+    """What the speed figures mean (DeployMeasureResult.why)."""
+    return online.why() if online else None
 
 
 def to_markdown(run: RunDir, snapshot: RunSnapshot, out_path: Path | None = None) -> str:

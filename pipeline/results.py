@@ -129,6 +129,29 @@ class DeployMeasureResult(AcceptanceCheck):
     ngram_tau: float | None = None
     ngram_tokens_per_step: float | None = None
 
+    def why(self) -> str | None:
+        """What the speed figures mean: a decode step's cost with and without the head, and the tokens per
+        step from which the head pays on this machine (like with like: what it reached is tokens per step
+        too, τ beside it)."""
+        o = self
+        if not o.break_even_tau:
+            return None
+        text = (f"a decode step with the head costs {o.step_ms:.1f} ms here against {o.baseline_step_ms:.1f} ms "
+                f"without it, so the head pays from {o.break_even_tau:.2f} tokens per step (it reached "
+                f"{o.tokens_per_step:.2f}" + (f", τ {o.mean_acceptance_length:.3f}" if o.mean_acceptance_length
+                                              else "")
+                + f"; deploy threshold x{o.deploy_speedup or 1.1:g})")
+        if o.decode_speedup is not None:
+            text += (f"; streamed, the first token waits {o.ttft_ms:.1f} ms ({o.baseline_ttft_ms:.1f} "
+                     f"without the head), then a token comes every {o.decode_tpot_ms:.2f} ms "
+                     f"({o.baseline_decode_tpot_ms:.2f}) and a step every {o.chunk_ms:.2f} ms "
+                     f"({o.baseline_chunk_ms:.2f}): the decode alone is x{o.decode_speedup:.2f}")
+        if not o.gpu:
+            text += ("; on a CPU the head's draft forwards and the wider verification cost about as much as the "
+                     "small target's own step, on a GPU the target's forward dominates a step and the head pays "
+                     "from a far lower tau (NOTES.md \"The demo\")")
+        return text
+
     def verdict(self) -> Decision | None:
         """The decision as a value (None: not measured)."""
         return None if self.deploy is None or self.reason is None else Decision(self.deploy, self.reason)
