@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Literal
 
-from pipeline import calibration
+from pipeline import calibration, schedule
 from pipeline.profile import Profile, source_kind
 from pipeline.targetinfo import DraftPlan, TargetInfo, TargetInfoError, draft_plan, target_info
 
@@ -347,14 +347,19 @@ def matrix_plan(profile: Profile, serve_gpus: int) -> StepPlan:
     if not ev.online:
         return StepPlan(False, 0, Rate(None, ""), 0.0, 0, "evaluate.online = false")
     rate = decode_rate(profile, serve_gpus)
-    per_level = ev.num_prompts * ev.max_new_tokens * ev.rounds
-    tokens = per_level * len(ev.concurrency) * len(ev.methods)
+    rows = schedule.matrix_rows(profile)
+
+    def level_tokens(c: int) -> int:  # a round is at least evaluate.waves waves of c requests
+        return max(ev.num_prompts, ev.waves * c) * ev.max_new_tokens * ev.rounds
+    tokens = sum(level_tokens(c) for c in ev.concurrency) * len(rows)
     full = profile.data.regenerate_concurrency
-    seconds = (len(ev.methods) * sum(per_level / (rate.tokens_per_s * min(c, full) / full) for c in ev.concurrency)
+    seconds = (len(rows) * sum(level_tokens(c) / (rate.tokens_per_s * min(c, full) / full) for c in ev.concurrency)
                if rate.tokens_per_s else None)
     return StepPlan(True, tokens, rate, seconds, serve_gpus,
-                    f"{len(ev.methods)} methods × concurrency {ev.concurrency} × {ev.num_prompts} prompts × "
-                    f"{ev.max_new_tokens} tokens" + (f" × {ev.rounds} rounds" if ev.rounds > 1 else ""))
+                    f"{len(rows)} servers ({', '.join(rows)}; the schedule's at most) × concurrency {ev.concurrency} "
+                    f"× {ev.num_prompts} prompts × {ev.max_new_tokens} tokens"
+                    + (f" × {ev.rounds} rounds" if ev.rounds > 1 else "")
+                    + (f", ≥ {ev.waves} waves a round" if ev.waves > 1 else ""))
 
 
 def checkpoint_count(profile: Profile) -> int:
@@ -389,15 +394,16 @@ def checkpoints_plan(profile: Profile, offline: bool, serve_gpus: int) -> StepPl
 def count_server_starts(profile: Profile) -> int:
     """Starts of the target's server over a run, offline and online alike: regeneration, prepare's render
     server (extract reuses an extraction server), extraction (online: one server, handed from prepare or
-    the cache extraction to the trainer, or started by it), one per matrix method (starts side by side
-    overlap), the handover's production."""
+    the cache extraction to the trainer, or started by it), one per matrix row (schedule.matrix_rows: the
+    methods, the head at other k, its schedule; starts side by side overlap), the handover's production."""
     d, ex, ev = profile.data, profile.extract, profile.evaluate
     starts = int(d.regenerate and d.regenerate_backend == "vllm")
     # the extraction server (started by prepare's render when rendered, then reused), else prepare's baseline renderer
     starts += int(ex.backend == "vllm" or (d.tokenize == "render" and not d.regenerate))
     if ev.online:
-        together = max(1, min(ev.start_together, len(ev.methods)))
-        starts += -(-len(ev.methods) // together)
+        rows = schedule.matrix_rows(profile)
+        together = max(1, min(ev.start_together, len(rows)))
+        starts += -(-len(rows) // together)
     starts += int(profile.server.after_run != "stop")
     return starts
 

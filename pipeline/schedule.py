@@ -81,6 +81,32 @@ class Point:
                 if v is not None and v != []}
 
 
+def sweep_ks(profile) -> list[int]:
+    """The draft lengths the head is weighed at: evaluate.ks, else 1 … train.ttt_steps + 1."""
+    return sorted(set(profile.evaluate.ks) or set(range(1, profile.train.ttt_steps + 2)))
+
+
+def served_ks(profile, ks: list[int]) -> list[int]:
+    """The k served (the rest predicted): every k, or the ends and evaluate.k; evaluate.k alone without a
+    schedule."""
+    ev = profile.evaluate
+    if ev.schedule == "off":
+        return [ev.k]
+    return sorted({*ks, ev.k} if ev.k_sweep == "measure" else {min(ks), max(ks), ev.k})
+
+
+def matrix_rows(profile) -> list[str]:
+    """deploy-measure's rows as it will serve them: the methods, the baseline's other instances, the head at
+    each other served k, and (at most) its schedule."""
+    ev = profile.evaluate
+    rows = list(ev.methods) + [f"baseline-{i}" for i in range(2, ev.baseline_instances + 1)]
+    if "eagle3" in ev.methods:
+        rows += [f"eagle3-k{k}" for k in served_ks(profile, sweep_ks(profile)) if k != ev.k]
+        if ev.schedule == "auto":
+            rows.append("eagle3-schedule")
+    return rows
+
+
 def tau_at(per_position: list[float], k: int) -> float:
     """Tokens per step of a chain of k drafts from the per-position acceptance a chain of ≥ k measured."""
     return 1.0 + sum(per_position[:k])

@@ -5,7 +5,7 @@ import socket
 
 import pytest
 
-from pipeline import gpu, plan, preflight
+from pipeline import gpu, plan, preflight, schedule
 from pipeline.profile import ProfileError, load_profile
 from pipeline.stages.train import torchrun_args
 from tests.conftest import TINY, cli, free_port
@@ -301,10 +301,14 @@ def test_the_kimi_plans_count_regeneration_evaluation_and_every_server_start():
         assert f"concurrency {concurrency}" in p.regenerate.why
         assert p.regenerate.seconds == p.regenerate.tokens / p.regenerate.rate.tokens_per_s
         assert not p.evaluate_offline.runs and "do not fit" in p.evaluate_offline.why  # 2.1 TB dense
-        assert p.matrix.runs and p.matrix.seconds and p.server_starts["offline"] == 6  # regen, extract, 3, handover
+        # the matrix serves the methods, the head at k = 1 and 4 beside k = 3 (the rest predicted) and at most
+        # its schedule: regen, extract, those 6, handover
+        rows = schedule.matrix_rows(load_profile(KIMI[0] if p is low else KIMI[1], check_inputs=False))
+        assert rows == ["baseline", "ngram", "eagle3", "eagle3-k1", "eagle3-k4", "eagle3-schedule"]
+        assert p.matrix.runs and p.matrix.seconds and p.server_starts["offline"] == 9
         offline, online = p.totals["offline"], p.totals["online"]
         assert offline["wall_s"] == pytest.approx(p.extract_s + p.train_s + p.regenerate.seconds + p.matrix.seconds
-                                                  + 6 * p.server_start.tokens_per_s)
+                                                  + 9 * p.server_start.tokens_per_s)
         if p.online.fits:
             assert online["wall_s"] > p.online.wall_s and online["gpu_hours"] > p.online.gpu_hours
         else:  # the lowered box: no split serves and trains at once, so online has no time to total

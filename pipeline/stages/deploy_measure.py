@@ -168,19 +168,6 @@ def decide(levels: dict[int, tuple[float, float, float]] | None, weights: dict[i
                             f"lower bound x{m.lo:.3f} {rel} threshold x{threshold:g}")
 
 
-def sweep_ks(profile) -> list[int]:
-    """The draft lengths the head is weighed at: evaluate.ks, else 1 … train.ttt_steps + 1."""
-    return sorted(set(profile.evaluate.ks) or set(range(1, profile.train.ttt_steps + 2)))
-
-
-def served_ks(profile, ks: list[int]) -> list[int]:
-    """The k served (the rest predicted): every k, or the ends and evaluate.k."""
-    ev = profile.evaluate
-    if ev.schedule == "off":
-        return [ev.k]
-    return sorted({*ks, ev.k} if ev.k_sweep == "measure" else {min(ks), max(ks), ev.k})
-
-
 def pooled_baseline(matrix: dict) -> dict:
     """The baseline's row with every instance's rounds at each level (`baseline_rounds`): the noise of the
     target alone, across servers as well as within one."""
@@ -277,10 +264,10 @@ class DeployMeasure(Stage):
         prompts = conversations.prompt_ids(target.load_tokenizer(ctx.target_dir()), rows)
         draft = publish_draft(ctx.draft_checkpoint(), ctx.run.draft_dir, ctx.target_dir())
         args: dict = {"eagle3": {"draft_dir": draft}, "existing": {"draft_dir": Path(ev.existing_head)}}
-        ks = sweep_ks(ctx.profile)
+        ks = schedule.sweep_ks(ctx.profile)
         methods = list(ev.methods) + [f"baseline-{i}" for i in range(2, ev.baseline_instances + 1)]
         if "eagle3" in methods:
-            for k in served_ks(ctx.profile, ks):
+            for k in schedule.served_ks(ctx.profile, ks):
                 if k != ev.k:
                     methods.append(f"eagle3-k{k}")
                     args[f"eagle3-k{k}"] = {"draft_dir": draft, "k": k}
