@@ -214,7 +214,9 @@ def cmd_status(args) -> int:
     hint = jobs.next_step(snap.state, run.root, snap.pid)
     width = max(60, shutil_columns())
     print(f"run {run.root}  (profile {snap.profile})")
-    print(_wrapped(f"state: {snap.state}" + (f" ({hint})" if hint else ""), 7, width))
+    state = f"state: {snap.state}" + (f" ({hint})" if hint else "")
+    # a command in the hint is copied as it is: on its own line rather than wrapped mid-command
+    print(state if len(state) <= width or not hint else f"state: {snap.state}\n  {hint}")
     for r in snap.stages:
         secs = f"{r.seconds:>8.1f}s" if r.seconds is not None else " " * 9
         row = f"  {r.name:<18} {r.status:<11} {secs}"

@@ -2,6 +2,7 @@
 import contextlib
 import json
 import os
+import re
 import signal
 from pathlib import Path
 
@@ -52,7 +53,7 @@ def test_sigkill_during_extract_then_resume(tmp_path, cache_dir):
     assert stage_status(run_dir, "extract") == "running"  # killed mid-stage, for real
     status = cli("status", run_dir)  # a dead run does not look alive
     assert "state: interrupted" in status.stdout and f"run --resume {run_dir}" in status.stdout
-    assert "extract           interrupted" in status.stdout
+    assert re.search(r"^  extract +interrupted", status.stdout, re.M), status.stdout
     report = cli("notes", "export", run_dir)  # the report reads the same snapshot as status
     assert "| extract | interrupted |" in report.stdout and "## Stages (the job: interrupted)" in report.stdout
     survivors = {p.name: p.stat().st_ino for p in hs.glob("hs_*.safetensors")}
