@@ -196,8 +196,20 @@ def orphan_text(rec: ServerRecord) -> str:
     return f"{rec.describe()}, left by a run whose process is gone"
 
 
+def writes_into(pid: int | None, run_root: str) -> bool:
+    """Whether the process's output goes into `run_root`'s logs: a server that run started (each server's
+    stdout is its `logs/server-*.log`), whatever became of its record."""
+    if not pid or not run_root:
+        return False
+    try:
+        out = Path(os.readlink(f"/proc/{pid}/fd/1"))
+    except OSError:
+        return False
+    return out.is_relative_to(Path(run_root) / "logs")
+
+
 def free_port(profile: Profile, say: Say, force: bool = False, *, expect: int | None = None,
-              by: str = "") -> dict | None:
+              by: str = "", own_run: str = "") -> dict | None:
     """Stop whatever vLLM serves the profile's port. Returns what was stopped. A vLLM that no record names
     is stopped only with `force` or when `expect` names its pid (the operator was asked, naming it); a
     non-vLLM process on the port is an error: it is not ours to stop. `expect`: the pid the operator was
@@ -211,8 +223,12 @@ def free_port(profile: Profile, say: Say, force: bool = False, *, expect: int | 
                               f"not stopped")
         if not status["vllm"]:
             raise ServerError(f"port {profile.server.port} is in use by {listener_text(status)}, which is not vLLM")
-        if not force and expect != status["pid"]:
+        mine = writes_into(status["pid"], own_run)
+        if not force and expect != status["pid"] and not mine:
             raise Unrecorded(status, profile.server.port)
+        if mine:  # this run's own server, its record lost (a kill at the wrong moment): it is ours to stop
+            say(f"port {profile.server.port}: pid {status['pid']} writes into this run's logs but no record names "
+                f"it: adopted and stopped as the run's own")
         ctl.adopt(profile.server.host, profile.server.port)
         status = ctl.status()
     if status["state"] == "none":
@@ -227,13 +243,13 @@ def free_port(profile: Profile, say: Say, force: bool = False, *, expect: int | 
     return ctl.stop(grace=profile.server.shutdown_grace, by=by)
 
 
-def free_ports(profiles: list[Profile], say: Say) -> None:
+def free_ports(profiles: list[Profile], say: Say, own_run: str = "") -> None:
     """free_port on each; one that cannot be stopped does not keep the others running (the first error
     is raised once all were tried)."""
     errors = []
     for p in profiles:
         try:
-            free_port(p, say)
+            free_port(p, say, own_run=own_run)
         except ServerError as exc:
             errors.append(exc)
     if errors:
@@ -255,7 +271,7 @@ def start_mode(profile: Profile, mode: str, target_dir: Path, *, log_path: Path,
             and (ctl.source is None or ctl.source.stat().st_uid == os.getuid() or os.getuid() == 0)):
         say(f"reusing the running {mode} server pid {rec.pid}")
         return ctl.claim(owner) if owner else rec  # this process owns it now (an orphan's owner was dead)
-    free_port(profile, say, force, expect=expect, by=by)
+    free_port(profile, say, force, expect=expect, by=by, own_run=owner)
     say(f"starting {mode} server: {' '.join(procs.redact_argv(argv))}")
     return ctl.start(argv, host=vllm_modes.bind_host(profile, mode), port=profile.server.port, mode=mode,
                      log=log_path, env=vllm_modes.server_env(profile, cache_root, mode),

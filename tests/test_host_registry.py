@@ -298,3 +298,26 @@ def test_two_users_see_each_others_port_and_cannot_change_or_stop_it(tmp_path, m
             procs.stop_group(pid, grace=2) if procs.group_members(pid) else None
     finally:
         shutil.rmtree(shared, ignore_errors=True)
+
+
+def test_a_server_writing_into_a_runs_logs_is_that_runs_own(tmp_path):
+    """A run's server whose record was lost (a kill between two of its steps) is still known as the run's: its
+    output goes into the run's logs/ (box.free_port stops it for that run instead of calling it a stranger)."""
+    import subprocess
+    import sys
+
+    from pipeline import box
+    run = tmp_path / "run"
+    (run / "logs").mkdir(parents=True)
+    with open(run / "logs" / "server-x.log", "wb") as out:
+        mine = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"], stdout=out)
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"], stdout=subprocess.DEVNULL)
+    try:
+        assert box.writes_into(mine.pid, str(run))
+        assert not box.writes_into(other.pid, str(run))
+        assert not box.writes_into(mine.pid, str(tmp_path / "another-run"))
+        assert not box.writes_into(mine.pid, "") and not box.writes_into(None, str(run))
+    finally:
+        for p in (mine, other):
+            p.kill()
+            p.wait()

@@ -45,7 +45,7 @@ def start_method(ctx: StageContext, profile, method: str, **mode_args):
     try:
         return ctx.lease(mode_of(method), profile=profile, name=method, **mode_args), None
     except ServerError as exc:
-        box.free_port(profile, ctx.log.info)
+        box.free_port(profile, ctx.log.info, own_run=str(ctx.run.root))
         return None, str(exc)
 
 
@@ -92,7 +92,7 @@ def side_by_side_ports(ctx: StageContext, count: int, stack: ExitStack) -> list:
                 return _one_at_a_time(ctx, f"port {variant.server.port} is in use by pid {owner.pid} "
                                            f"({procs.shown_cmdline(owner, 80)})")
             ctx.note(f"port {variant.server.port}: {box.orphan_text(rec)}: stopped")
-            box.free_port(variant, ctx.log.info)
+            box.free_port(variant, ctx.log.info, own_run=str(ctx.run.root))
         elif port_in_use(variant.server.host, variant.server.port):  # a listener this user cannot see
             return _one_at_a_time(ctx, f"port {variant.server.port} is in use by a process this user cannot see")
         profiles.append(variant)
@@ -130,7 +130,7 @@ def measure_all(ctx: StageContext, methods: list[str], prompts: list[list[int]],
                     matrix[method] = ({"method": method, "error": why} if lease is None
                                       else measure_served(ctx, method, lease.rec, lease.start_s, prompts, reference))
             finally:
-                box.free_ports([p for _, p in group], ctx.log.info)
+                box.free_ports([p for _, p in group], ctx.log.info, own_run=str(ctx.run.root))
     return matrix
 
 
