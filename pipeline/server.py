@@ -216,6 +216,18 @@ def port_owner(host: str, port: int) -> psutil.Process | None:
     return None
 
 
+def answered_by_another(rec: ServerRecord) -> psutil.Process | None:
+    """The process listening on the server's port when it is not of the server's own process group, else
+    None (its own, or a listener this user cannot see)."""
+    owner = port_owner(rec.host, rec.port)
+    if owner is None:
+        return None
+    try:
+        return None if os.getpgid(owner.pid) == rec.pgid else owner
+    except OSError:
+        return None
+
+
 def port_in_use(host: str, port: int) -> bool:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -290,11 +302,20 @@ class ServerController:
     def wait_healthy(self, rec: ServerRecord, proc: subprocess.Popen | None, timeout: float,
                      on_wait=lambda seconds: None) -> None:
         t0 = time.monotonic()
+        other = None
         while True:
             code, _ = http_get(f"{rec.base_url}/health", timeout=2)
             if code == 200 and http_get(f"{rec.base_url}/v1/models", timeout=5)[0] in (200, 401):
-                return  # 401: an API key guards /v1, the server is up
+                # 401: an API key guards /v1. Healthy only if it is this server that answers: a server left on
+                # the port (a run killed between starting one and recording it) would answer in its place
+                # while this one fails to bind
+                if (other := answered_by_another(rec)) is None:
+                    return
             exited = proc.poll() if proc is not None else (None if procs.group_members(rec.pgid) else -1)
+            if exited is not None and other is not None:
+                raise ServerError(f"vLLM ({rec.mode}) exited: port {rec.port} is held by pid {other.pid} "
+                                  f"({procs.shown_cmdline(other, 200)}), which answered in its place "
+                                  f"(log: {rec.log})", rec.tail())
             if exited is not None:
                 if (by := stopped_by(rec)) is not None:
                     raise ServerError(f"vLLM ({rec.mode}) was stopped by {by} before becoming healthy "

@@ -321,3 +321,21 @@ def test_a_server_writing_into_a_runs_logs_is_that_runs_own(tmp_path):
         for p in (mine, other):
             p.kill()
             p.wait()
+
+
+def test_a_server_whose_port_another_answers_for_is_not_healthy(tmp_path):
+    """A server left on the port (its run killed between starting it and recording it) answers /health while
+    the one just started fails to bind: the start must fail naming the other, not measure through it."""
+    from pipeline.server import ServerError
+    port = free_port()
+    orphan = start_stand_in(tmp_path, port)
+    second = subprocess.Popen(stand_in_argv(tmp_path, port), start_new_session=True, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL)
+    try:
+        rec = ServerRecord(pid=second.pid, pgid=second.pid, host="127.0.0.1", port=port, mode="speculative",
+                           argv=[], log="", started=time.time())
+        with pytest.raises(ServerError, match=rf"held by pid {orphan.pid} .*answered in its place"):
+            ServerController(tmp_path / "second.json").wait_healthy(rec, second, 30)
+    finally:
+        kill(second)
+        kill(orphan)
