@@ -178,3 +178,39 @@ def test_the_speculative_argv_carries_the_schedule(tmp_path):
     from vllm.v1.spec_decode.dynamic.utils import build_dynamic_sd_schedule_lookup
     dense = build_dynamic_sd_schedule_lookup(spec["num_speculative_tokens_per_batch_size"], 256, 4)
     assert dense[1] == dense[2] == 4 and dense[3] == dense[256] == 0
+
+
+class Ctx:
+    """What deploy-measure's weigh and settle use of a StageContext."""
+
+    def __init__(self, profile):
+        import logging
+        self.profile, self.notes, self.log = profile, [], logging.getLogger("test-schedule")
+
+    def note(self, text, say=None):
+        self.notes.append(text)
+
+
+def test_weigh_asks_to_serve_a_schedule_and_falls_back_to_one_k_when_vllm_refuses_it():
+    from pipeline.profile import load_profile
+    from pipeline.stages.deploy_measure import SCHEDULE_ROW, pooled_baseline, served_head_rows, settle, weigh
+    base, served = model_matrix({1: 100.0, 8: 600.0, 32: 1500.0}, {1: 0.05, 8: 0.25, 32: 0.2},
+                                {1: 0.0, 8: 0.15, 32: 0.9})
+    matrix = {"baseline": base, "eagle3": served[4], "eagle3-k1": served[1], "ngram": {"error": "x"}}
+    ctx = Ctx(load_profile("tests/profiles/tiny.toml", overrides={"evaluate.k": 4, "evaluate.ks": [1, 2, 3, 4],
+                                                                 "evaluate.concurrency": [1, 8, 32]}))
+    assert served_head_rows(matrix, 4) == {4: "eagle3", 1: "eagle3-k1"}
+    weights = {1: 0.2, 8: 0.5, 32: 0.3}
+    weighed = weigh(ctx, matrix, pooled_baseline(matrix), [1, 2, 3, 4], weights)
+    # vllm-cpu takes a schedule: it is to be served before anything is deployed
+    assert weighed["schedule_row"]["k"] == 4 and weighed["schedule_row"]["schedule"][0] == [1, 2, 4]
+    assert "deployed" not in weighed and any("k per level" in n for n in ctx.notes)
+    # the schedule's server refused: one k for every load, the best for the traffic, said
+    matrix[SCHEDULE_ROW] = {"error": "vLLM refused it"}
+    settled = settle(ctx, matrix, pooled_baseline(matrix), weighed, weights)
+    k = schedule.best_single_k(weighed["points"], weights, {1, 4})
+    assert settled["deployed"]["k"] == k and settled["deployed"]["row"] == {4: "eagle3", 1: "eagle3-k1"}[k]
+    assert any("did not serve" in n for n in ctx.notes) and any("one k for every load" in n for n in ctx.notes)
+    # served: the schedule is what is deployed
+    matrix[SCHEDULE_ROW] = served[4]
+    assert settle(ctx, matrix, pooled_baseline(matrix), weighed, weights)["deployed"]["row"] == SCHEDULE_ROW

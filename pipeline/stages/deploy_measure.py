@@ -374,12 +374,18 @@ class DeployMeasure(Stage):
         return DeployMeasureResult.of(figures)
 
 
+def served_head_rows(matrix: dict, k: int) -> dict[int, str]:
+    """The new head's measured rows by their k: eagle3 at evaluate.k, eagle3-kN at N (a row that failed left out)."""
+    return {(k if m == "eagle3" else int(m.removeprefix("eagle3-k"))): m for m, row in matrix.items()
+            if (m == "eagle3" or m.startswith("eagle3-k")) and not row.get("error")}
+
+
 def weigh(ctx: StageContext, matrix: dict, base: dict, ks: list[int], weights: dict[int, float]) -> dict:
     """The sweep over k, and what it leads to: a schedule to serve and measure (`schedule_row`: its
     server's k and ranges), or the one k to deploy (`deployed`), or why nothing (`why`)."""
     ev = ctx.profile.evaluate
-    head = {(ev.k if m == "eagle3" else int(m.removeprefix("eagle3-k"))): row for m, row in matrix.items()
-            if (m == "eagle3" or m.startswith("eagle3-k")) and not row.get("error")}
+    row_of = served_head_rows(matrix, ev.k)
+    head = {k: matrix[m] for k, m in row_of.items()}
     if not head:
         return {"why": "the new head was not measured" if "eagle3" in matrix else "no eagle3 row in evaluate.methods"}
     points = schedule.sweep(head, base, ks)
@@ -389,7 +395,6 @@ def weigh(ctx: StageContext, matrix: dict, base: dict, ks: list[int], weights: d
     if errors:
         ctx.note("the sweep's prediction against served k: " + ", ".join(
             f"k={k} c={c} {e:+.1%}" for k, c, e in errors), ctx.log.info)
-    row_of = {k: ("eagle3" if k == ev.k else f"eagle3-k{k}") for k in head}
     if ev.schedule == "off":
         return out | {"deployed": {"row": "eagle3", "k": ev.k, "what": f"k={ev.k}"}}
     chosen = schedule.choose_schedule(points, MAX_BATCH, ev.schedule_floor)
@@ -428,11 +433,8 @@ def settle(ctx: StageContext, matrix: dict, base: dict, weighed: dict, weights: 
     chosen = weighed["chosen"]
     if row.get("error"):
         ctx.note(f"the schedule ({chosen.text()}) did not serve: {row['error']}", ctx.log.warning)
-        ev = ctx.profile.evaluate
-        head = [m for m in matrix if m == "eagle3" or m.startswith("eagle3-k")]
-        row_of = {(ev.k if m == "eagle3" else int(m.removeprefix("eagle3-k"))): m for m in head
-                  if not matrix[m].get("error")}
-        return weighed | fallback(ctx, weighed["points"], weights, row_of, f"vLLM refused it: {row['error']}")
+        return weighed | fallback(ctx, weighed["points"], weights, served_head_rows(matrix, ctx.profile.evaluate.k),
+                                  f"vLLM refused it: {row['error']}")
     return weighed | {"deployed": {"row": SCHEDULE_ROW, "k": chosen.max_k, "schedule": chosen.as_vllm(),
                                    "what": f"schedule {chosen.text()}"}}
 
