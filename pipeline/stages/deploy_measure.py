@@ -174,9 +174,9 @@ def pooled_baseline(matrix: dict) -> dict:
     base = matrix["baseline"]
     levels = {}
     for c, level in base.get("levels", {}).items():
-        pooled = [r for m, row in matrix.items() if mode_of(m) == "baseline" and not row.get("error")
-                  for r in schedule.level_rounds(row["levels"].get(c) or {"output_tok_s": None})
-                  if r is not None]
+        pooled = [r for m, row in matrix.items()
+                  if mode_of(m) == "baseline" and not row.get("error") and c in row.get("levels", {})
+                  for r in schedule.level_rounds(row["levels"][c])]
         levels[c] = {**level, "baseline_rounds": pooled}
     return {**base, "levels": levels}
 
