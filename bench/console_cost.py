@@ -22,8 +22,8 @@ sys.path.insert(0, str(ROOT))
 
 
 def make_run(tmp: Path):
+    from pipeline.layout.rundir import RunDir
     from pipeline.profile import load_profile
-    from pipeline.rundir import RunDir
 
     profile = load_profile(ROOT / "tests/profiles/tiny.toml", {"run.runs_dir": str(tmp / "runs"), "server.port": 1})
     run = RunDir.create(profile, tmp / "run")
@@ -39,7 +39,7 @@ def make_run(tmp: Path):
 
 async def measure(seconds: float, lines: int) -> None:
     from console.app import ConsoleApp
-    from pipeline import gpu
+    from pipeline.host import gpu
     from tests.fake_nvml import FakeNvml, h200
 
     fake = FakeNvml([h200(i, procs=[(1000 + i, 10 << 30)]) for i in range(8)])

@@ -54,7 +54,7 @@ def extraction_ratio(run, repeats: int) -> None:
     import torch
     from datasets import load_from_disk
 
-    from pipeline import target
+    from pipeline.data import target
     from pipeline.stages.extract import extract, plan_batches
 
     profile = run.profile()
@@ -99,7 +99,7 @@ def extraction_ratio(run, repeats: int) -> None:
 
 
 def main() -> int:
-    from pipeline.rundir import RunDir
+    from pipeline.layout.rundir import RunDir
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--run-dir", type=Path)

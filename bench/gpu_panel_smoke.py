@@ -21,8 +21,8 @@ sys.path.insert(0, str(ROOT))
 
 async def screenshot(out: Path) -> None:
     from console.app import ConsoleApp
+    from pipeline.layout.rundir import RunDir
     from pipeline.profile import load_profile
-    from pipeline.rundir import RunDir
 
     with tempfile.TemporaryDirectory() as tmp:
         profile = load_profile(ROOT / "tests/profiles/tiny.toml", {"run.runs_dir": f"{tmp}/runs", "server.port": 1})
@@ -45,7 +45,7 @@ def main() -> int:
     ap.add_argument("--samples", type=int, default=200)
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
-    from pipeline import gpu
+    from pipeline.host import gpu
 
     t0 = time.perf_counter()
     first = gpu.sample()

@@ -23,7 +23,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 def extract_copy(run_dir: Path, work: Path, backend: str):
     """The extract stage again with `backend`, in a new run copied from the finished one (`run --copy-of`)."""
-    from pipeline.rundir import RunDir
+    from pipeline.layout.rundir import RunDir
 
     copy = work / backend
     proc = subprocess.run([sys.executable, "-m", "pipeline", "run", "--copy-of", str(run_dir), "--run-dir", str(copy),

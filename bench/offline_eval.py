@@ -13,8 +13,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from pipeline import conversations, speculative, target
-from pipeline.rundir import RunDir
+from pipeline.data import conversations, target
+from pipeline.evaluation import offline_decoding
+from pipeline.layout.rundir import RunDir
 
 
 def main() -> int:
@@ -26,23 +27,24 @@ def main() -> int:
     run = RunDir.open(a.run_dir)
     tdir = run.stage_state("build-target")["figures"]["target_dir"]
     model, tok = target.load_model(tdir, "float32"), target.load_tokenizer(tdir)
-    proposer = speculative.DraftProposer(speculative.load_draft(run.stage_state("train")["figures"]["checkpoint"]))
+    proposer = offline_decoding.DraftProposer(
+        offline_decoding.load_draft(run.stage_state("train")["figures"]["checkpoint"]))
     reader = target.HiddenStateReader(model, proposer.aux_ids)
-    eos = speculative.eos_ids(model)
+    eos = offline_decoding.eos_ids(model)
     prompts = [conversations.render_ids(tok, json.loads(line)["messages"], add_generation_prompt=True)
                for line in (run.data_dir / "heldout_prompts.jsonl").read_text().splitlines() if line.strip()]
     t0 = time.perf_counter()
-    one = [speculative.speculative_generate(reader, proposer, p, a.k, a.max_new_tokens, eos) for p in prompts]
+    one = [offline_decoding.speculative_generate(reader, proposer, p, a.k, a.max_new_tokens, eos) for p in prompts]
     t1 = time.perf_counter()
-    many = speculative.speculative_generate_batch(reader, proposer, prompts, a.k, a.max_new_tokens, eos)
+    many = offline_decoding.speculative_generate_batch(reader, proposer, prompts, a.k, a.max_new_tokens, eos)
     t2 = time.perf_counter()
-    refs1 = [speculative.greedy_reference(model, p, a.max_new_tokens, eos) for p in prompts]
+    refs1 = [offline_decoding.greedy_reference(model, p, a.max_new_tokens, eos) for p in prompts]
     t3 = time.perf_counter()
-    refsb = speculative.greedy_reference_batch(model, prompts, a.max_new_tokens, eos)
+    refsb = offline_decoding.greedy_reference_batch(model, prompts, a.max_new_tokens, eos)
     t4 = time.perf_counter()
     totals = []
     for results in (one, many):
-        total = speculative.SpecStats(k=a.k)
+        total = offline_decoding.SpecStats(k=a.k)
         for _, st in results:
             total.merge(st)
         totals.append(total)

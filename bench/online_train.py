@@ -29,7 +29,7 @@ def train_once(src: Path, dest: Path, mode: str, requests: int, more: list[str])
     """The train stage (and evaluate-offline) again in `mode`, in a new run copied from the finished one
     (`run --copy-of`): offline from its states; online from extract on, which then extracts nothing
     (extract.cache_gib = 0), so that every state is generated while the draft trains."""
-    from pipeline.rundir import RunDir
+    from pipeline.layout.rundir import RunDir
 
     sets = [f'extract.mode="{mode}"', 'extract.backend="vllm"', "extract.cache_gib=0.0",
             f"train.requests_per_worker={requests}", *more]

@@ -3,7 +3,7 @@
     python bench/regenerate_ratio.py PROFILE --work DIR [--concurrency 16 64] [--set KEY=VALUE ...]
 
 For each concurrency: a run of PROFILE up to build-target (its target and conversations), the regenerate
-server started through the pipeline's own controller (`box.start_mode`, as `server start --mode
+server started through the pipeline's own controller (`ports.start_mode`, as `server start --mode
 regenerate`), a bare asyncio client replaying every training conversation turn by turn with the stage's own
 request (greedy, the answer cap, the regenerated history), then the stage itself (`run --until regenerate`:
 speculators' regenerate-responses), which reuses that server and stops it. Printed side by side: generated
@@ -74,10 +74,11 @@ async def bare(base_url: str, model: str, convs: list[dict], concurrency: int, s
 
 
 def level(profile_arg: str, work: Path, c: int, sets: list[str], again_pass: bool = True) -> dict:
-    from pipeline import box, conversations
     from pipeline.compat import vllm_flags
-    from pipeline.rundir import RunDir
-    from pipeline.stages.regenerate import unique_ids
+    from pipeline.compat.speculators_rows import unique_ids
+    from pipeline.data import conversations
+    from pipeline.layout.rundir import RunDir
+    from pipeline.serving import ports
 
     run_dir = work / f"c{c}"
     if not (run_dir / "profile.toml").is_file():
@@ -91,8 +92,8 @@ def level(profile_arg: str, work: Path, c: int, sets: list[str], again_pass: boo
     train, _ = conversations.split_heldout(loaded.conversations, profile.data.heldout)
     convs = unique_ids(train)
     t0 = time.perf_counter()
-    rec = box.start_mode(profile, "regenerate", target, log_path=run.log_path("server-regenerate"),
-                         cache_root=run.cache_root, say=print)
+    rec = ports.start_mode(profile, "regenerate", target, log_path=run.log_path("server-regenerate"),
+                           cache_root=run.cache_root, say=print)
     start_s = time.perf_counter() - t0
     d = profile.data
     _, sampling = vllm_flags.regenerate_limits(d.seq_length, d.regenerate_max_tokens, d.regenerate_sampling)
@@ -107,12 +108,12 @@ def level(profile_arg: str, work: Path, c: int, sets: list[str], again_pass: boo
         print(f"c={c}: stage {figures}", flush=True)
         again = None
         if again_pass:
-            rec = box.start_mode(profile, "regenerate", target, log_path=run.log_path("server-regenerate"),
-                                 cache_root=run.cache_root, say=print)
+            rec = ports.start_mode(profile, "regenerate", target, log_path=run.log_path("server-regenerate"),
+                                   cache_root=run.cache_root, say=print)
             again = asyncio.run(bare(rec.base_url, str(target), convs, c, d.seq_length, sampling))
             print(f"c={c}: bare client again {again}", flush=True)
     finally:
-        box.free_port(profile, print)
+        ports.free_port(profile, print)
     stage_tok = figures.get("generated_tok_s") or 0.0
     return {"concurrency": c, "conversations": len(convs), "server_start_s": round(start_s, 1), "bare": first,
             "bare_again": again, "stage": {k: figures.get(k) for k in (

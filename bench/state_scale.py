@@ -50,10 +50,11 @@ def timed(fn, repeats: int = 3) -> tuple[float, object]:
 
 
 def main() -> None:
-    from pipeline import cli, runner
+    from pipeline import cli
+    from pipeline.layout.rundir import RunDir
     from pipeline.profile import load_profile
-    from pipeline.rundir import RunDir
-    from pipeline.runview import RunWatcher
+    from pipeline.run import runner
+    from pipeline.run.runview import RunWatcher
     from pipeline.stages import STAGES
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])

@@ -30,9 +30,10 @@ from console.pager import LogPager, stage_logs
 from console.screens import ConfirmScreen, HelpScreen, ModeScreen
 from console.tabs import EvalTab, GpusTab, NotesTab, RunTab, ServerTab
 from console.widgets import Line
-from pipeline import gpu, jobs
-from pipeline.rundir import RunDir
-from pipeline.runview import LogTailer, RunWatcher
+from pipeline.host import gpu
+from pipeline.layout.rundir import RunDir
+from pipeline.run import jobs
+from pipeline.run.runview import LogTailer, RunWatcher
 from pipeline.stages import stage_names
 
 __all__ = ["ConfirmScreen", "ConsoleApp", "HelpScreen", "ModeScreen", "main"]

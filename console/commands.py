@@ -5,11 +5,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pipeline import box, jobs, notes, portlock, procs, vllm_modes
+from pipeline.host import portlock, procs
+from pipeline.layout.rundir import RunDir
 from pipeline.profile import Profile
-from pipeline.rundir import RunDir
+from pipeline.report import notes
+from pipeline.run import jobs
+from pipeline.serving import ports, vllm_modes
 
-PortHeld = box.PortHeld  # a run in progress holds the port: the operator is asked before forcing it
+PortHeld = ports.PortHeld  # a run in progress holds the port: the operator is asked before forcing it
 MODES = vllm_modes.MODES  # every mode the CLI's `server start --mode` has
 
 
@@ -20,13 +23,11 @@ def serve(profile: Profile, rundir: RunDir, what: str, mode: str | None, force: 
     server; `expect`: the pid the operator's question named — only that process is stopped (a vLLM no
     record names included), another one there now is refused."""
     if what == "stop":
-        return f"stopped: {box.free_port(profile, lambda m: None, force=force, expect=expect, by=BY['stop'])}"
+        return f"stopped: {ports.free_port(profile, lambda m: None, force=force, expect=expect, by=BY['stop'])}"
     if mode is None:  # the start commands all name a mode
         raise ValueError("no server mode chosen")
-    target_dir, mode_args = box.mode_inputs(profile, rundir, mode)
-    rec = box.start_mode(profile, mode, target_dir, log_path=rundir.log_path(f"server-{mode}"),
-                         cache_root=rundir.cache_root, say=lambda m: None, force=force, expect=expect,
-                         by=f"{BY[what]} ({mode})", restart=what == "restart", **mode_args)
+    rec = ports.start_server(profile, rundir, mode, say=lambda m: None, force=force, expect=expect,
+                             by=f"{BY[what]} ({mode})", restart=what == "restart")
     return f"{mode} server healthy, pid {rec.pid}"
 
 
@@ -38,7 +39,7 @@ BY = {"stop": "eagle3-console console: Stop (x)", "restart": "eagle3-console con
 def start_preview(profile: Profile, rundir: RunDir, mode: str) -> dict:
     """What a start in `mode` would run, for the operator's question: the argv (secrets redacted), where it
     binds, and the draft it serves. ValueError: the mode cannot start from this run (no draft, no target)."""
-    target_dir, mode_args = box.mode_inputs(profile, rundir, mode)
+    target_dir, mode_args = ports.mode_inputs(profile, rundir, mode)
     argv = procs.redact_argv(vllm_modes.server_argv(profile, mode, target_dir, **mode_args))
     return {"argv": " ".join(argv), "host": vllm_modes.bind_host(profile, mode), "port": profile.server.port,
             "draft": str(mode_args["draft_dir"]) if mode_args.get("draft_dir") else None,
@@ -60,7 +61,7 @@ add_note = notes.add  # append to the run's notes; OSError: a read-only run, a f
 def export_notes(rundir: RunDir) -> Path:
     """The notes as Markdown into the run. The destination is opened first: a run that cannot be written
     fails before anything is rendered (the report may render matplotlib plots: seconds)."""
-    from pipeline.atomicio import atomic_write_rendered
+    from pipeline.layout.atomicio import atomic_write_rendered
 
     out = rundir.notes_export
     atomic_write_rendered(out, lambda: notes.export(rundir, "md", jobs.snapshot(rundir), out).encode())

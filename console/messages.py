@@ -5,9 +5,9 @@ from dataclasses import dataclass, replace
 
 from textual.message import Message
 
-from pipeline import gpu
-from pipeline.results import RunSnapshot
-from pipeline.runview import RunView
+from pipeline.host import gpu
+from pipeline.layout.results import RunSnapshot
+from pipeline.run.runview import RunView
 
 
 @dataclass

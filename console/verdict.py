@@ -4,8 +4,8 @@ and its recorded figures. Any field may be missing, and a level may carry fields
 (a k schedule, a traffic mix): the data passes a level's plain values through, the text shows what exists."""
 from __future__ import annotations
 
-from pipeline.matrix import level_of
-from pipeline.results import DeployMeasureResult, EvaluateOfflineResult, RunSnapshot, decision_in
+from pipeline.layout.matrix import level_of
+from pipeline.layout.results import DeployMeasureResult, EvaluateOfflineResult, RunSnapshot, decision_in
 
 
 def concurrency_order(key) -> tuple:

@@ -7,10 +7,11 @@ from rich.text import Text
 
 from console import verdict
 from console.formatting import BLOCKS, fmt_secs, na, spark
-from pipeline import gpu, jobs
-from pipeline.matrix import level_of
+from pipeline.host import gpu
+from pipeline.layout.matrix import level_of
+from pipeline.layout.results import RunSnapshot, decision_in
 from pipeline.profile import Profile
-from pipeline.results import RunSnapshot, decision_in
+from pipeline.run import jobs
 
 LOSS_CURVE_WIDTH = 70
 

@@ -1,5 +1,7 @@
+import fcntl
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -13,9 +15,12 @@ os.environ.setdefault("TQDM_DISABLE", "1")
 # the per-user cache (built demo targets, vLLM's probe answers) inside this checkout's ignored runs/: shared
 # by the suite's runs, never the home directory's
 os.environ["XDG_CACHE_HOME"] = str(ROOT / "runs" / ".xdg-cache")
-# the host-wide port registry (pipeline/portlock.py) of the suite's own: its runs never share locks or server
+# the host-wide port registry (pipeline/host/portlock.py) of the suite's own: its runs never share locks or server
 # records with real runs (or a teammate's demo) on this box
 os.environ.setdefault("EAGLE3_CONSOLE_RUNTIME_DIR", str(ROOT / "runs" / ".runtime"))
+# its parent made here: a fresh clone has no runs/ until a run makes one, and the registry makes one level only
+# (a test file alone, e.g. tests/test_console.py, read no stage at all)
+(ROOT / "runs").mkdir(exist_ok=True)
 
 
 # ---- the two lanes (Makefile: `make test-fast` runs `-m "not integration"`, `make test` runs everything)
@@ -45,9 +50,38 @@ def pytest_collection_modifyitems(config, items):
                     item.add_marker(mark)
 
 
+def once_per_suite(tmp_path_factory, name: str, build: Callable[[Path], Path]) -> Path:
+    """A session fixture's directory, built once for the whole suite. Under pytest-xdist (`make test` runs
+    two workers) every worker has a session of its own: the first to ask builds into the directory the
+    workers share (their base temp's parent) while holding a lock, the others wait on it and take the
+    result; a build that failed fails the others with its message instead of being tried again."""
+    base = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        base = base.parent
+    record = base / f"{name}.built.json"
+    with open(base / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, or with the process
+        if record.is_file():
+            done = json.loads(record.read_text())
+            if "error" in done:
+                pytest.fail(f"the shared {name} failed in another worker: {done['error']}")
+            return Path(done["path"])
+        try:
+            path = build(base / name)
+        except BaseException as exc:
+            record.write_text(json.dumps({"error": str(exc)[-3000:]}))
+            raise
+        record.write_text(json.dumps({"path": str(path)}))
+        return path
+
+
 @pytest.fixture(scope="session")
 def cache_dir(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("cache")
+    """Built demo targets, shared by every run of the suite (build_target is safe for two at once)."""
+    def build(where: Path) -> Path:
+        where.mkdir(parents=True, exist_ok=True)
+        return where
+    return once_per_suite(tmp_path_factory, "cache", build)
 
 
 @pytest.fixture(scope="session")
@@ -55,16 +89,18 @@ def finished_run(tmp_path_factory, cache_dir) -> Path:
     """One complete tiny pipeline run through the real CLI, shared by the read-only tests. On a free
     serving port: a run holds its port's lock, and another run on this box may hold the profile's. Its
     trainer also writes to TensorBoard (train.loggers), as an operator's would."""
-    run_dir = tmp_path_factory.mktemp("runs") / "tiny-complete"
-    proc = cli("run", TINY, "--no-tui", "--run-dir", run_dir, "--set", f'run.cache_dir="{cache_dir}"',
-               "--set", f"server.port={free_port()}", "--set", 'train.loggers=["tensorboard"]')
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return run_dir
+    def build(where: Path) -> Path:
+        run_dir = where / "tiny-complete"
+        proc = cli("run", TINY, "--no-tui", "--run-dir", run_dir, "--set", f'run.cache_dir="{cache_dir}"',
+                   "--set", f"server.port={free_port()}", "--set", 'train.loggers=["tensorboard"]')
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        return run_dir
+    return once_per_suite(tmp_path_factory, "runs", build)
 
 
 def completed_run(run_dir: Path, profile: Path, cache_dir: Path, *sets: str, timeout: int = 1500):
     """A whole run of `profile` through the real CLI on a free serving port; the finished RunDir."""
-    from pipeline.rundir import RunDir
+    from pipeline.layout.rundir import RunDir
 
     args = [a for kv in (f'run.cache_dir="{cache_dir}"', f"server.port={free_port()}", *sets) for a in ("--set", kv)]
     proc = cli("run", profile, "--no-tui", "--run-dir", run_dir, *args, timeout=timeout)
@@ -92,15 +128,18 @@ def vllm_run(tmp_path_factory, cache_dir):
     tests/test_mla.py (one run of a few minutes instead of two). Its data: the demo's conversations and
     three pre-tokenized rows in one file, as an operator may mix them (rendered and passed through),
     extracted by two speculators clients (extract.clients)."""
-    from pipeline import demo_data
+    from pipeline.data import demo_data
+    from pipeline.layout.rundir import RunDir
     from pipeline.profile import load_profile
 
-    root = tmp_path_factory.mktemp("vllm")
-    data = load_profile(TINY_MLA).data
-    rows = [{"input_ids": list(range(5 + i, 45 + i)), "loss_mask": [0] * 12 + [1] * 28} for i in range(3)]
-    mixed = root / "mixed.jsonl"
-    mixed.write_text("".join(json.dumps(r) + "\n" for r in
-                             [*rows, *demo_data.conversations(data.num_conversations, data.seed)]))
-    return completed_run(root / "run", TINY_MLA, cache_dir, 'data.tokenize="render"', "data.regenerate=false",
-                         f'data.conversations="{mixed}"', 'evaluate.methods=["baseline", "ngram", "eagle3"]',
-                         "extract.clients=2", timeout=1500)
+    def build(root: Path) -> Path:
+        root.mkdir(parents=True, exist_ok=True)
+        data = load_profile(TINY_MLA).data
+        rows = [{"input_ids": list(range(5 + i, 45 + i)), "loss_mask": [0] * 12 + [1] * 28} for i in range(3)]
+        mixed = root / "mixed.jsonl"
+        mixed.write_text("".join(json.dumps(r) + "\n" for r in
+                                 [*rows, *demo_data.conversations(data.num_conversations, data.seed)]))
+        return completed_run(root / "run", TINY_MLA, cache_dir, 'data.tokenize="render"', "data.regenerate=false",
+                             f'data.conversations="{mixed}"', 'evaluate.methods=["baseline", "ngram", "eagle3"]',
+                             "extract.clients=2", timeout=1500).root
+    return RunDir.open(once_per_suite(tmp_path_factory, "vllm", build))

@@ -23,7 +23,7 @@ def free_port() -> int:
 
 def free_port_pair() -> int:
     """A port p with p + 1 free too: a benchmark matrix's two servers side by side."""
-    from pipeline.server import port_in_use
+    from pipeline.serving.server import port_in_use
 
     for _ in range(50):
         p = free_port()

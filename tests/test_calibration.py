@@ -1,4 +1,4 @@
-"""A slice's measured rates carried to the whole target on a box (pipeline/calibration.py) and the plans that
+"""A slice's measured rates carried to the whole target on a box (pipeline/planning/calibration.py) and the plans that
 use them: measured where the box is what measured, extrapolated (and said so) elsewhere, the profile's guess
 beside, an earlier run's measurement still first, one line for every bad file or missing box figure."""
 from pathlib import Path
@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 import tomli_w
 
-from pipeline import calibration, plan
+from pipeline.planning import calibration, history, plan, rates
 from pipeline.profile import ProfileError, load_profile
 from tests.conftest import cli
 
@@ -157,9 +157,9 @@ def test_the_kimi_profiles_plan_from_the_committed_slice_calibration():
 def test_an_earlier_runs_measurement_still_comes_first(tmp_path, monkeypatch):
     path = calibration_file(tmp_path)
     p = load_profile("kimi-k2.5-rtx6000x8-lowered", {"hardware.calibration": str(path)}, check_inputs=False)
-    monkeypatch.setattr(plan, "_measured", lambda profile, stages, value_of, done=False:
+    monkeypatch.setattr(history, "measured", lambda profile, stages, value_of, done=False:
                         (1234.0, tmp_path / "run") if done else None)
-    assert plan.make_plan(p).extract == plan.Rate(1234.0, f"measured: {tmp_path / 'run'}", "measured")
+    assert plan.make_plan(p).extract == rates.Rate(1234.0, f"measured: {tmp_path / 'run'}", "measured")
 
 
 def test_plan_cli_with_a_calibration(tmp_path):
@@ -178,7 +178,7 @@ def test_the_kimi_slice_is_kimis_width_with_fewer_layers_and_calibrate_writes_wh
     import sys
     from pathlib import Path
 
-    from pipeline import targetinfo
+    from pipeline.data import targetinfo
 
     bench = Path(__file__).resolve().parent.parent / "bench" / "gpu"
     sys.path[:0] = [str(bench)]

@@ -10,9 +10,11 @@ from pathlib import Path
 import pytest
 
 from pipeline.compat import speculators_compat
+from pipeline.training import node_sync
 
 
-@pytest.mark.parametrize("module,attr", speculators_compat.ADAPTED + speculators_compat.ALWAYS_ADAPTED)
+@pytest.mark.parametrize("module,attr", speculators_compat.ADAPTED + speculators_compat.ALWAYS_ADAPTED
+                         + [node_sync.NODE_SYNC])
 def test_adapted_names_still_exist(module, attr):
     assert hasattr(importlib.import_module(module), attr), f"{module}.{attr} is gone: update the compat layer"
 

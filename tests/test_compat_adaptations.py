@@ -90,7 +90,7 @@ def test_the_installed_packages_are_ones_this_project_ran():
 
 
 def test_preflight_reads_the_compat_tables():
-    from pipeline import preflight
+    from pipeline.planning import preflight
     assert preflight.KNOWN is versions.KNOWN and preflight.RAN_HERE is versions.RAN_HERE
 
 
@@ -99,7 +99,7 @@ def test_preflight_reads_the_compat_tables():
 def test_transformers_last_hidden_state_is_post_norm_and_the_hook_sees_pre_norm(tiny_target):
     import torch
 
-    from pipeline.target import HiddenStateReader
+    from pipeline.data.target import HiddenStateReader
     seen = {}
     handle = prenorm.hook_final_norm_input(tiny_target.get_decoder(), lambda module, args: seen.update(x=args[0]))
     ids = torch.randint(0, VOCAB, (1, 7), generator=torch.Generator().manual_seed(1))
@@ -126,7 +126,7 @@ def test_a_loaded_head_defaults_to_flex_attention(tiny_head):
 def test_sdpa_is_honoured_by_the_head_and_its_layers(tiny_head, monkeypatch):
     import torch
 
-    from pipeline.speculative import DraftProposer, load_draft
+    from pipeline.evaluation.offline_decoding import DraftProposer, load_draft
     head = load_draft(tiny_head.checkpoint)
     assert head._attn_impl == draft_attention.DRAFT_ATTENTION
     assert all(layer.self_attn.config._attn_implementation == "sdpa" for layer in head.layers)
@@ -145,7 +145,7 @@ def test_sdpa_is_honoured_by_the_head_and_its_layers(tiny_head, monkeypatch):
 def test_speculators_keeps_the_training_time_verifier_path(tiny_head, tmp_path):
     from speculators.models.eagle3 import Eagle3DraftModel, Eagle3SpeculatorConfig
 
-    from pipeline.deploy import publish_draft
+    from pipeline.serving.deploy import publish_draft
     # The trainer's flag is what the checkpoint records ...
     assert "VerifierConfig.from_pretrained(" in inspect.getsource(Eagle3DraftModel.from_training_args)
     saved = json.loads((tiny_head.checkpoint / "config.json").read_text())
@@ -194,8 +194,8 @@ def serve_parser():
 @pytest.mark.parametrize("tokenize", ["local", "render"])
 @pytest.mark.parametrize("accelerator", [False, True], ids=["cpu", "gpu"])
 def test_vllm_parses_every_mode_argv(serve_parser, monkeypatch, tokenize, accelerator):
-    from pipeline import vllm_modes
     from pipeline.profile import load_profile
+    from pipeline.serving import vllm_modes
     from tests.conftest import TINY
 
     monkeypatch.setattr(vllm_modes, "accelerator_available", lambda: accelerator)
@@ -307,8 +307,8 @@ def test_speculators_refuses_a_server_not_named_after_the_verifier(monkeypatch, 
 # --- pipeline/compat/vllm_hidden_states_connector.py -----------------------------------------------------------
 
 def test_the_stock_hidden_states_connector_still_stalls_the_way_the_staged_one_avoids(serve_parser):
-    from pipeline import vllm_modes
     from pipeline.compat import vllm_hidden_states_connector as staged
+    from pipeline.serving import vllm_modes
     for cls, name in staged.ADAPTED:
         assert callable(getattr(getattr(staged.stock, cls), name, None)), f"{cls}.{name} is gone"
     source = inspect.getsource(staged.stock.ExampleHiddenStatesConnector._submit_async_write)
@@ -371,7 +371,7 @@ def test_the_stock_mooncake_connector_still_needs_an_accelerator_and_the_cpu_one
     with host.stream(host.Stream()):
         pass
     from pipeline.profile import load_profile
-    from pipeline.vllm_modes import extraction_config
+    from pipeline.serving.vllm_modes import extraction_config
     profile = load_profile(TINY, overrides={"extract.backend": "vllm", "extract.mode": "online",
                                             "extract.transfer": "mooncake"})
     _, kv = extraction_config(profile, [1, 2], Path("/nonexistent"), cpu=True)
@@ -407,7 +407,7 @@ def test_cpu_server_env_preloads_intel_openmp_next_to_the_interpreter(tmp_path):
                                          "/usr/lib/libother.so"]
 
 
-# --- pipeline/prompt_lookup.py: vLLM's n-gram proposer, ported -------------------------------------------------
+# --- pipeline/evaluation/prompt_lookup.py: vLLM's n-gram proposer, ported --------------------------------------
 
 @pytest.mark.parametrize("min_n,max_n,k", [(2, 4, 3), (1, 3, 5), (3, 3, 2)])
 def test_prompt_lookup_proposes_what_vllm_proposes(min_n, max_n, k):
@@ -417,7 +417,7 @@ def test_prompt_lookup_proposes_what_vllm_proposes(min_n, max_n, k):
     import numpy as np
     from vllm.v1.spec_decode.ngram_proposer import _find_longest_matched_ngram_and_propose_tokens as vllm_propose
 
-    from pipeline.prompt_lookup import propose
+    from pipeline.evaluation.prompt_lookup import propose
     rng = random.Random(min_n * 100 + k)
     for trial in range(400):
         alphabet = rng.choice([2, 3, 5, 50])  # small alphabets: many matches, many ties
@@ -503,7 +503,7 @@ def test_a_cpu_server_can_name_cpu_mla_for_a_float32_target():
 
 
 def test_versions_are_compared_as_versions():
-    from pipeline.preflight import _version
+    from pipeline.planning.preflight import _version
     assert _version("0.9.0rc1") < _version("0.9.0") < _version("0.9.1")  # a pre-release before its release
     assert _version("2.14.1+cu130") == _version("2.14.1") <= _version(versions.KNOWN["torch"][1])  # local tag
     assert _version("0.19.1") < _version(versions.VLLM_EXTRACTION_MIN) <= _version("0.20.1+cpu")
@@ -514,7 +514,7 @@ def test_versions_are_compared_as_versions():
 def test_preflight_warns_of_a_safetensors_that_holds_the_gil_beside_an_extracting_vllm(monkeypatch):
     """Below 0.8.0 safetensors' save_file holds the GIL, and vLLM's hidden-states writer threads stall its engine
     (bench/save_gil.py): preflight says so where the run extracts through vLLM, and only there."""
-    from pipeline import preflight
+    from pipeline.planning import preflight
     from pipeline.profile import load_profile
     from tests.conftest import TINY
 

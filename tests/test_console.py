@@ -5,7 +5,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -16,19 +15,15 @@ from rich.console import Console
 from textual.widgets import Button, DataTable, Log, Static
 
 from console.app import ConfirmScreen, ConsoleApp, HelpScreen
-from pipeline import gpu, notes, procs
+from pipeline.host import gpu, procs
+from pipeline.layout.rundir import RunDir
 from pipeline.profile import load_profile
-from pipeline.rundir import RunDir
-from pipeline.server import ServerRecord
+from pipeline.report import notes
+from pipeline.serving.server import ServerRecord
 from pipeline.stages import stage_names
 from tests.conftest import ROOT, TINY, stages_until_train_running
 from tests.fake_nvml import NVML_ERROR_GPU_IS_LOST, NVML_ERROR_NOT_SUPPORTED, FakeNvml, h200
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from tests.helpers import free_port
 
 
 def runner_alive(run):
@@ -162,8 +157,8 @@ def fake_server(run):
     """A real process group recorded as the port's server (the controller stops any group the same way)."""
     proc = subprocess.Popen(["sleep", "300"], start_new_session=True)
     profile = run.profile()
-    from pipeline import box
-    ctl = box.controller(profile)
+    from pipeline.serving import ports
+    ctl = ports.controller(profile)
     ctl.record_path.parent.mkdir(parents=True, exist_ok=True)
     ctl._save(ServerRecord(pid=proc.pid, pgid=proc.pid, host="127.0.0.1", port=profile.server.port,
                            mode="baseline", argv=["sleep", "300"], log="", started=time.time()))
@@ -355,7 +350,7 @@ def assert_footer_shows_the_keys(app, screen: str):
         assert f"{app.get_key_display(binding)} {binding.description}" in footer, footer
 
 
-@pytest.mark.parametrize("extra", [(), ("publish-online",)], ids=["12-stages", "13-stages"])
+@pytest.mark.parametrize("extra", [(), ("publish-online",)], ids=["13-stages", "14-stages"])
 def test_80x24_shows_every_stage_its_status_readable_times_and_the_footer(busy_run, monkeypatch, extra):
     names = [*stage_names(), *extra]
     monkeypatch.setattr("console.app.stage_names", lambda: names)
@@ -367,7 +362,8 @@ def test_80x24_shows_every_stage_its_status_readable_times_and_the_footer(busy_r
         assert table.region.bottom <= app.query_one("#log").region.y  # the log is below, not over it
         for name in names:
             status = "▶ running" if name == "train" else "· pending" if name in ("evaluate-offline", *extra) else \
-                "  n/a" if name in ("measure-production", "pick-checkpoint", "deploy-measure", "handover") \
+                "  n/a" if name in ("measure-production", "measure-existing", "pick-checkpoint", "deploy-measure",
+                                    "handover") \
                 else "✔ done"
             assert status in line_of(screen, name), screen
         train = line_of(screen, "train")
@@ -409,7 +405,7 @@ def test_a_failed_or_interrupted_stage_reads_so_with_its_error(busy_run):
 @pytest.fixture
 def port_holder(run):
     """Another process's run holding the serving port's lock (the lock is per process)."""
-    code = ("import sys, time; from pipeline import portlock; from pipeline.rundir import RunDir; "
+    code = ("import sys, time; from pipeline.host import portlock; from pipeline.layout.rundir import RunDir; "
             "r = RunDir.open(sys.argv[1]); fh = portlock.hold(r.profile(), r.root); print('held', flush=True); "
             "time.sleep(300)")
     proc = subprocess.Popen([sys.executable, "-c", code, str(run.root)], cwd=ROOT, stdout=subprocess.PIPE, text=True)
@@ -579,7 +575,7 @@ def test_enter_on_a_stage_opens_its_logs_in_a_pager_with_search_and_follow(finis
     async def check(app, pilot):
         await pilot.press("tab")  # the stage table; its cursor sits on the stage whose log is shown
         await pilot.pause(0.2)
-        assert app.focused is app.run_tab.stages and app.run_tab.stages.cursor_row == 10
+        assert app.focused is app.run_tab.stages and app.run_tab.stages.cursor_row == 11
         await pilot.press("up", "up", "up", "enter")  # train
         await pilot.pause(0.5)
         pager = app.screen
@@ -667,7 +663,7 @@ def test_a_readonly_palette_has_no_command_that_writes(run):
 
 def test_the_result_line_shows_what_exists_and_tolerates_fields_it_does_not_know():
     from console import verdict
-    from pipeline.results import DeployMeasureResult, EvaluateOfflineResult
+    from pipeline.layout.results import DeployMeasureResult, EvaluateOfflineResult
 
     online = {"decision": "deploy: x1.43", "deploy": True, "reason": "x1.43", "concurrency": [1, 8],
               "considered": {"row": "eagle3-schedule"}, "schedule": {"per_level": {"1": 3, "8": 2}},

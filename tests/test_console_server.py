@@ -10,7 +10,8 @@ import time
 import pytest
 
 from console.app import ConfirmScreen, ConsoleApp
-from pipeline import portlock, procs, vllm_modes
+from pipeline.host import portlock, procs
+from pipeline.serving import vllm_modes
 from tests.test_console import fake_server, question, run, run_app, until  # noqa: F401 - fixtures
 from tests.test_host_registry import start_stand_in
 
@@ -119,7 +120,7 @@ def test_restart_names_what_it_stops_and_starts_not_an_empty_pid_list(run, tmp_p
 def test_a_server_the_question_did_not_name_is_not_stopped(run, fake_server):
     """The consent is bound to the pid the question named: another server there by then is refused."""
     from console import commands
-    with pytest.raises(commands.box.ServerError, match=f"now served by pid {fake_server.pid}, not pid 1 as asked"):
+    with pytest.raises(commands.ports.ServerError, match=f"now served by pid {fake_server.pid}, not pid 1 as asked"):
         commands.serve(run.profile(), run, "stop", None, force=False, expect=1)
     time.sleep(0.2)
     assert fake_server.poll() is None

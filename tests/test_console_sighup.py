@@ -10,8 +10,8 @@ import time
 
 import pytest
 
-from pipeline import jobs
-from pipeline.rundir import RunDir
+from pipeline.layout.rundir import RunDir
+from pipeline.run import jobs
 from tests.conftest import ROOT, TINY, free_port
 
 pytestmark = pytest.mark.slow

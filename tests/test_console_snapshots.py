@@ -7,9 +7,9 @@ import psutil
 import pytest
 
 from console.app import ConsoleApp
-from pipeline import gpu
+from pipeline.host import gpu
+from pipeline.layout.rundir import RunDir
 from pipeline.profile import load_profile
-from pipeline.rundir import RunDir
 from tests.conftest import TINY, stages_until_train_running
 from tests.fake_nvml import NVML_ERROR_GPU_IS_LOST, NVML_ERROR_NOT_SUPPORTED, FakeNvml, h200
 

@@ -2,10 +2,10 @@ import json
 
 import pytest
 
-from pipeline import conversations
+from pipeline.data import conversations
+from pipeline.layout.rundir import RunDir
 from pipeline.profile import load_profile
-from pipeline.rundir import RunDir
-from pipeline.runner import run_stages
+from pipeline.run.runner import run_stages
 from pipeline.stages.base import StageError
 from tests.conftest import TINY
 
@@ -25,8 +25,8 @@ def test_malformed_rows_are_skipped_and_counted(tmp_path):
 
 
 def test_assistant_only_loss_mask(cache_dir):
+    from pipeline.data.target import load_tokenizer
     from pipeline.stages.build_target import build_target
-    from pipeline.target import load_tokenizer
 
     tok = load_tokenizer(build_target(load_profile(TINY).demo_target, cache_dir))
     msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2+2?"},
@@ -77,7 +77,7 @@ def test_demo_answers_as_sources_are_the_same_conversations_with_their_definitio
     first answer the definition's own source (within SOURCE_CHARS, cut at a line), longer than its docstring."""
     import ast
 
-    from pipeline import demo_data
+    from pipeline.data import demo_data
     docs, codes = demo_data.conversations(200, 3), demo_data.conversations(200, 3, "source")
     assert [c["id"] for c in docs] == [c["id"] for c in codes]
     for doc, code in zip(docs, codes, strict=True):

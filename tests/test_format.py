@@ -4,9 +4,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from pipeline import target
-from pipeline.rundir import RunDir
-from pipeline.target import resolve_layer_ids
+from pipeline.data import target
+from pipeline.data.target import resolve_layer_ids
+from pipeline.layout.rundir import RunDir
 
 
 def layers(run):
@@ -77,7 +77,7 @@ def test_vocab_files_equal_speculators_mapping(finished_run):
 def test_checkpoint_is_a_speculators_eagle3_model(finished_run):
     run = RunDir.open(finished_run)
     ckpt = run.stage_state("train")["figures"]["checkpoint"]
-    from pipeline.speculative import load_draft
+    from pipeline.evaluation.offline_decoding import load_draft
     draft = load_draft(ckpt)
     _, ids = layers(run)
     assert draft.target_layer_ids == ids[:-1]  # the trainer takes the final layer as its target, not an aux id

@@ -2,7 +2,7 @@ import json
 
 import pytest
 
-from pipeline import gpu
+from pipeline.host import gpu
 from tests.fake_nvml import NVML_ERROR_GPU_IS_LOST, NVML_ERROR_NOT_SUPPORTED, FakeNvml, GiB, h200
 from tests.helpers import wait_for
 

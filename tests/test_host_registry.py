@@ -17,9 +17,11 @@ from pathlib import Path
 import psutil
 import pytest
 
-from pipeline import box, portlock, procs
+from pipeline.host import portlock, procs
+from pipeline.host.httpio import get as http_get
 from pipeline.profile import load_profile
-from pipeline.server import ServerController, ServerRecord, death, http_get
+from pipeline.serving import ports
+from pipeline.serving.server import ServerController, ServerRecord, death, is_live
 from tests.helpers import ROOT, TINY, cli, free_port
 
 STAND_IN = '''
@@ -92,7 +94,7 @@ def one_line_error(proc, code: int) -> str:
     return lines[0]
 
 
-HOLD = ("import sys, time; from pathlib import Path; from pipeline import portlock; "
+HOLD = ("import sys, time; from pathlib import Path; from pipeline.host import portlock; "
         "from pipeline.profile import load_profile; "
         "p = load_profile(sys.argv[1]); h = portlock.hold(p, Path(sys.argv[2])); print('held', flush=True); "
         "time.sleep(300)")
@@ -117,7 +119,7 @@ def test_two_folders_two_runs_one_port_see_one_lock(tmp_path, registry):
         with pytest.raises(portlock.PortTaken, match=f"pid {holder.pid}, .*runB\\) of user "):
             portlock.hold(pa, tmp_path / "A" / "runs" / "runA")
         assert portlock.holder(pa)["run"] == str(tmp_path / "B" / "runs" / "runB")
-        from pipeline.preflight import port_findings
+        from pipeline.planning.preflight import port_findings
         [finding] = port_findings(pa)
         assert finding.severity == "block" and "runB" in finding.message
         line = one_line_error(cli("server", "stop", a), 1)
@@ -134,6 +136,49 @@ def test_two_folders_two_runs_one_port_see_one_lock(tmp_path, registry):
     assert mode == 0o1777, oct(mode)  # every user creates, none changes another's files
 
 
+def test_the_wall_clock_moving_does_not_make_a_live_process_dead(tmp_path, registry, monkeypatch):
+    """psutil adds /proc/stat's btime, recomputed from the wall clock at every read, to a process's start: a
+    clock moved on CI (twice, the second time past a 2-s tolerance), and the run's own port lock read as held by
+    a gone process ("its holder file is gone"), failing real runs in the middle of their matrix. Processes are
+    known by their start in ticks since boot now: with the clock an hour off either way, this process's lock
+    is its own, another run's lock names that run, a recorded server is still live and its owner alive; a
+    process that is really gone, or another start, still is not the one recorded."""
+    import psutil._pslinux as linux
+    port = free_port()
+    p = folder_profile(tmp_path, "A", port)
+    mine = portlock.hold(p, tmp_path / "A" / "runs" / "runA")
+    b = profile_file(tmp_path, "B", free_port())
+    other = hold_port(b, tmp_path / "B" / "runs" / "runB")
+    server = start_stand_in(tmp_path, free_port())
+    try:
+        recorded = procs.identity(other.pid)
+        assert recorded["start"], "no start mark on Linux"
+        rec = ServerRecord(pid=server.pid, pgid=server.pid, host="127.0.0.1", port=1, mode="baseline", argv=[],
+                           log="", started=psutil.Process(server.pid).create_time(), owner_pid=other.pid,
+                           owner_since=recorded["since"], owner_start=recorded["start"],
+                           start=procs.start_mark(server.pid))
+        real = linux.boot_time
+        for shift in (3600.0, -3600.0):
+            monkeypatch.setattr(linux, "boot_time", lambda s=shift: real() + s)
+            assert portlock.holder(p) is None  # this process's own lock
+            ports.guard(p)
+            assert portlock.holder(load_profile(b))["pid"] == other.pid  # another run's: named
+            assert procs.is_process(other.pid, recorded["since"], recorded["start"])
+            assert rec.owner_alive() and is_live(rec)
+        boot, _, ticks = recorded["start"].partition(":")
+        assert not procs.is_process(other.pid, recorded["since"], f"{boot}:{int(ticks) + 1}")  # another start
+        assert not procs.is_process(other.pid, recorded["since"], f"another-boot:{ticks}")
+        assert not procs.is_process(other.pid, psutil.Process(other.pid).create_time() - 60)  # no mark: by time
+        assert not procs.is_process(other.pid, "not a time") and not procs.is_process("x", 0)
+    finally:
+        mine.close()
+        kill(server)
+        other.kill()
+        other.wait()
+    assert not procs.is_process(other.pid, recorded["since"], recorded["start"])
+    assert not procs.is_process(other.pid, time.time())
+
+
 def test_a_server_another_run_owns_is_refused_by_name_and_its_run_told_who_stopped_it(tmp_path):
     """Run B owns the stand-in server on P (its process lives). `server stop` in folder A is refused naming
     run B; with --force it stops it, and run B's report of its server's death names the command, not
@@ -148,7 +193,7 @@ def test_a_server_another_run_owns_is_refused_by_name_and_its_run_told_who_stopp
                            argv=stand_in_argv(tmp_path, port), log="", started=psutil.Process(server.pid).create_time(),
                            run=str(tmp_path / "B" / "runs" / "runB"), owner_pid=owner.pid,
                            owner_since=psutil.Process(owner.pid).create_time())
-        box.controller(pb)._save(rec)
+        ports.controller(pb)._save(rec)
         line = one_line_error(cli("server", "stop", a), 1)
         assert "runB" in line and f"pid {owner.pid}" in line and "--force" in line
         assert server.poll() is None  # refused: nothing stopped
@@ -177,10 +222,10 @@ def test_a_vllm_no_record_names_is_shown_and_stopped_only_when_named(tmp_path):
         line = one_line_error(cli("server", "stop", a), 1)
         assert f"pid {server.pid}" in line and "no record names" in line and "api_server" in line
         assert server.poll() is None
-        with pytest.raises(box.Unrecorded, match=f"pid {server.pid} .*not stopped"):
-            box.free_port(folder_profile(tmp_path, "A", port), print, expect=1)  # the consent named another pid
+        with pytest.raises(ports.Unrecorded, match=f"pid {server.pid} .*not stopped"):
+            ports.free_port(folder_profile(tmp_path, "A", port), print, expect=1)  # the consent named another pid
         assert server.poll() is None
-        stopped = box.free_port(folder_profile(tmp_path, "A", port), lambda m: None, expect=server.pid)
+        stopped = ports.free_port(folder_profile(tmp_path, "A", port), lambda m: None, expect=server.pid)
         assert stopped["stopped"] and server.wait(10) is not None
     finally:
         kill(server)
@@ -260,9 +305,9 @@ def test_two_users_see_each_others_port_and_cannot_change_or_stop_it(tmp_path, m
         # the stand-in on the system's interpreter: another user may not reach this venv's (under /root)
         argv = stand_in_argv(shared, port, "/usr/bin/python3")
         env = {**os.environ, "HOME": str(shared)}
-        start = ("import sys; from pathlib import Path; from pipeline import box; "
+        start = ("import sys; from pathlib import Path; from pipeline.serving import ports; "
                  "from pipeline.profile import load_profile; p = load_profile(sys.argv[1]); "
-                 f"rec = box.controller(p).start({argv!r}, host='127.0.0.1', port={port}, mode='production', "
+                 f"rec = ports.controller(p).start({argv!r}, host='127.0.0.1', port={port}, mode='production', "
                  f"log=Path({str(shared / 'A' / 'server.log')!r}), health_timeout=30); print(rec.pid)")
         started = as_user(alice, [sys.executable, "-c", start, str(prof["A"])], env=env)
         assert started.returncode == 0, started.stderr
@@ -302,21 +347,21 @@ def test_two_users_see_each_others_port_and_cannot_change_or_stop_it(tmp_path, m
 
 def test_a_server_writing_into_a_runs_logs_is_that_runs_own(tmp_path):
     """A run's server whose record was lost (a kill between two of its steps) is still known as the run's: its
-    output goes into the run's logs/ (box.free_port stops it for that run instead of calling it a stranger)."""
+    output goes into the run's logs/ (ports.free_port stops it for that run instead of calling it a stranger)."""
     import subprocess
     import sys
 
-    from pipeline import box
+    from pipeline.serving import ports
     run = tmp_path / "run"
     (run / "logs").mkdir(parents=True)
     with open(run / "logs" / "server-x.log", "wb") as out:
         mine = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"], stdout=out)
     other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"], stdout=subprocess.DEVNULL)
     try:
-        assert box.writes_into(mine.pid, str(run))
-        assert not box.writes_into(other.pid, str(run))
-        assert not box.writes_into(mine.pid, str(tmp_path / "another-run"))
-        assert not box.writes_into(mine.pid, "") and not box.writes_into(None, str(run))
+        assert ports.writes_into(mine.pid, str(run))
+        assert not ports.writes_into(other.pid, str(run))
+        assert not ports.writes_into(mine.pid, str(tmp_path / "another-run"))
+        assert not ports.writes_into(mine.pid, "") and not ports.writes_into(None, str(run))
     finally:
         for p in (mine, other):
             p.kill()
@@ -326,7 +371,7 @@ def test_a_server_writing_into_a_runs_logs_is_that_runs_own(tmp_path):
 def test_a_server_whose_port_another_answers_for_is_not_healthy(tmp_path):
     """A server left on the port (its run killed between starting it and recording it) answers /health while
     the one just started fails to bind: the start must fail naming the other, not measure through it."""
-    from pipeline.server import ServerError
+    from pipeline.serving.server import ServerError
     port = free_port()
     orphan = start_stand_in(tmp_path, port)
     second = subprocess.Popen(stand_in_argv(tmp_path, port), start_new_session=True, stdout=subprocess.DEVNULL,

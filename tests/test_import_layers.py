@@ -1,32 +1,44 @@
-"""Imports run down the layers only: CLI and console → runner → stages → serving and planning → layout,
-profiles and version adaptations (pipeline/compat/), and never in a circle. Every import counts, the ones
-inside functions too: a lazy import that runs upwards is the same knot. A stage imports no other stage:
-what two stages share lives in a stage helper (STAGE_HELPERS) or further down."""
+"""Imports run down the layers only, and never in a circle: CLI and console → the run (pipeline/run/) → stages →
+report → planning → evaluation → serving → the host, the data and the trainer's process → layout, profiles and
+version adaptations (pipeline/compat/). A package is its layer (LAYERS). Every import counts, the ones inside
+functions too: a lazy import that runs upwards is the same knot. A stage imports no other stage: what two stages
+share lives in a stage helper (STAGE_HELPERS) or further down."""
 import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-TOP = ("console", "pipeline.cli", "pipeline.__main__")
-RUNNER = ("pipeline.runner", "pipeline.jobs", "pipeline.runview", "pipeline.runcopy", "pipeline.exporter")
-STAGES = ("pipeline.stages",)
-BOTTOM = ("pipeline.compat", "pipeline.rundir", "pipeline.profile", "pipeline.atomicio", "pipeline.results",
-          "pipeline.decision")
-STAGE_HELPERS = ("pipeline.stages.base", "pipeline.stages.served", "pipeline.stages.production")
-NAMES = {4: "CLI/console", 3: "runner", 2: "stages", 1: "serving/planning", 0: "layout/profiles/compat"}
+# package (or module) → layer; a module is its longest entry's. `pipeline` names the package itself only: a
+# module new at pipeline/'s top has no layer until it gets an entry (or goes into a package).
+LAYERS = {
+    "console": 8, "pipeline.cli": 8, "pipeline.__main__": 8,
+    "pipeline.run": 7,
+    "pipeline.stages": 6,
+    "pipeline.report": 5,      # the run's report, plots, the published head's card
+    "pipeline.planning": 4,    # the plan, calibration, preflight: they read what serving and evaluation will do
+    "pipeline.evaluation": 3,  # the offline evaluator, prompt lookup, the k schedule, diagnosis
+    "pipeline.serving": 2,     # vLLM servers, their ports and argv, the HTTP client, Mooncake
+    "pipeline.host": 1, "pipeline.data": 1,  # GPUs, process groups, port locks; conversations, the target
+    "pipeline.training": 1,    # the trainer's own process: its launcher, the nodes' agreement
+    "pipeline.layout": 0, "pipeline.profile": 0, "pipeline.compat": 0, "pipeline": 0,
+    "pipeline.units": 0,       # GIB, bytes and parameter counts as people read them
+}
+ITSELF_ONLY = {"pipeline"}
+STAGE_HELPERS = ("pipeline.stages.base", "pipeline.stages.served", "pipeline.stages.production",
+                 "pipeline.stages.benchmark", "pipeline.stages.heads")
+NAMES = {8: "CLI/console", 7: "run", 6: "stages", 5: "report", 4: "planning", 3: "evaluation", 2: "serving",
+         1: "host/data/training", 0: "layout/profile/compat"}
+
+
+def owner(module: str) -> str | None:
+    """The LAYERS entry a module belongs to: the longest that is it or a package above it; None if none is."""
+    entries = [e for e in LAYERS if module == e or (e not in ITSELF_ONLY and module.startswith(e + "."))]
+    return max(entries, key=len, default=None)
 
 
 def layer(module: str) -> int:
-    def under(prefixes):
-        return any(module == p or module.startswith(p + ".") for p in prefixes)
-    if under(TOP):
-        return 4
-    if under(RUNNER):
-        return 3
-    if under(STAGES):
-        return 2
-    if under(BOTTOM) or module == "pipeline":
-        return 0
-    return 1
+    entry = owner(module)
+    assert entry is not None, f"{module} is in no package of LAYERS: give it one"
+    return LAYERS[entry]
 
 
 def modules() -> dict[str, Path]:
@@ -38,13 +50,14 @@ def modules() -> dict[str, Path]:
 
 
 def imported(tree: ast.AST, known: set[str]) -> set[str]:
-    """The project's modules a file imports (`from pipeline import box` names pipeline.box)."""
+    """The project's modules a file imports (`from pipeline.serving import ports` names pipeline.serving.ports)."""
     out = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             names = [a.name for a in node.names]
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            # `from pipeline import box` names pipeline.box; `from pipeline.stages import STAGES` the package
+            # `from pipeline.serving import ports` names pipeline.serving.ports;
+            # `from pipeline.stages import STAGES` the package
             names = [f"{node.module}.{a.name}" for a in node.names]
         else:
             continue
@@ -133,21 +146,37 @@ def test_the_checks_catch_a_circle_and_a_stage_importing_a_stage():
     assert imported(ast.parse("from pipeline.stages import STAGES\n"), known) == {"pipeline.stages"}
 
 
+def test_every_module_belongs_to_one_package_of_the_map():
+    known = modules()
+    homeless = sorted(m for m in known if owner(m) is None)
+    assert not homeless, "in no package of LAYERS (move each into a package, or add an entry): " + ", ".join(homeless)
+    unused = sorted(e for e in LAYERS if not any(owner(m) == e for m in known))
+    assert not unused, "LAYERS entries no module belongs to (moved or gone?): " + ", ".join(unused)
+
+
 def test_the_layer_map_knows_every_module_and_catches_an_upward_import():
     known = modules()
-    assert layer("pipeline.stages.train") == 2 and layer("pipeline.box") == 1
-    assert layer("pipeline.compat.vllm_flags") == 0 and layer("console.views") == 4
-    assert {"pipeline.runner", "pipeline.stages.pick_checkpoint", "pipeline.checkpoints", "console.app"} <= set(known)
-    tree = ast.parse("def f():\n    from pipeline.runner import run_stages\n")
-    assert imported(tree, set(known)) == {"pipeline.runner"}  # a lazy import counts
-    assert layer("pipeline.runner") > layer("pipeline.stages.base")
+    assert owner("pipeline.newcomer") is None and owner("pipeline") == "pipeline"  # a new top module has no layer
+    assert owner("pipeline.run.runner") == "pipeline.run" and owner("console.tabs.gpus") == "console"
+    assert layer("pipeline.stages.train") == 6 and layer("pipeline.serving.ports") == 2
+    assert layer("pipeline.host.gpu") == 1 and layer("pipeline.data.targetinfo") == 1
+    assert layer("pipeline.compat.vllm_flags") == 0 and layer("console.views") == 8
+    assert layer("pipeline.layout.rundir") == 0 and layer("pipeline.profile") == 0
+    assert {"pipeline.run.runner", "pipeline.stages.pick_checkpoint", "pipeline.layout.checkpoints",
+            "console.app"} <= set(known)
+    tree = ast.parse("def f():\n    from pipeline.run.runner import run_stages\n")
+    assert imported(tree, set(known)) == {"pipeline.run.runner"}  # a lazy import counts
+    tree = ast.parse("from pipeline.serving import ports\n")
+    assert imported(tree, set(known)) == {"pipeline.serving.ports"}  # a module from its package
+    assert layer("pipeline.run.runner") > layer("pipeline.stages.base")
 
 
 def test_the_console_commands_the_engine_through_one_module():
     """console/commands.py alone imports what changes a run or a box (servers, port locks, notes, the runner);
     the tabs and the app read (snapshots, views) and call it."""
     known = modules()
-    commanding = {"pipeline.box", "pipeline.portlock", "pipeline.notes", "pipeline.runner", "pipeline.deploy"}
+    commanding = {"pipeline.serving.ports", "pipeline.host.portlock", "pipeline.report.notes", "pipeline.run.runner",
+                  "pipeline.serving.deploy"}
     elsewhere = [f"{module} imports {target}" for module, path in sorted(known.items())
                  if module.startswith("console") and module != "console.commands"
                  for target in imported(ast.parse(path.read_text()), set(known)) & commanding]

@@ -17,10 +17,11 @@ from pathlib import Path
 import psutil
 import pytest
 
-from pipeline import box, gpu, procs
+from pipeline.host import gpu, procs
+from pipeline.layout.rundir import RunDir
 from pipeline.profile import load_profile
-from pipeline.rundir import RunDir
-from pipeline.server import port_in_use
+from pipeline.serving import ports as serving_ports
+from pipeline.serving.server import port_in_use
 from tests.fake_nvml import FakeNvml, h200
 from tests.helpers import TINY, cli, free_port_pair, spawn_cli, wait_for
 
@@ -44,7 +45,7 @@ def trained(tmp_path_factory, finished_run) -> tuple[Path, int]:
     and whose head is measured through vLLM only (evaluate.offline = off): copied for each kill below.
     Its stages up to train are the shared finished_run's, copied as `run --copy-of finished_run --from
     pick-checkpoint` copies them (nothing trained again)."""
-    from pipeline.runcopy import copy_of as copy_run
+    from pipeline.run.runcopy import copy_of as copy_run
 
     port = free_port_pair()
     profile = load_profile(finished_run / "profile.toml", {
@@ -70,9 +71,9 @@ def resume(run_dir: Path, log: Path) -> subprocess.Popen:
 
 def records_of(run_dir: Path, port: int, healthy: bool = False) -> list:
     profile = RunDir.open(run_dir).profile()
-    recs = [rec for _, rec in box.run_servers(profile, run_dir.resolve()) if rec.port in (port, port + 1)]
+    recs = [rec for _, rec in serving_ports.run_servers(profile, run_dir.resolve()) if rec.port in (port, port + 1)]
     if healthy:
-        return [r for r in recs if box.controller(profile.with_port(r.port)).status().get("healthy")]
+        return [r for r in recs if serving_ports.controller(profile.with_port(r.port)).status().get("healthy")]
     return recs
 
 
@@ -118,7 +119,7 @@ def test_sigkill_leaves_servers_that_the_resume_reuses_or_stops(trained, tmp_pat
     proc.wait()
     left = vllm_serving(port, port + 1)
     assert len(left) == 2, "both servers outlive the killed run (their own sessions)"
-    side = box.controller(RunDir.open(run_dir).profile().with_port(port + 1))
+    side = serving_ports.controller(RunDir.open(run_dir).profile().with_port(port + 1))
     other = replace(side.record(), run="/runs/another-dead-run")
     side._save(other)
 
@@ -156,7 +157,7 @@ def test_a_stale_record_is_dropped_unsignalled_and_a_strangers_port_is_left_alon
     the matrix falls back to one server at a time."""
     import logging
 
-    from pipeline.server import ServerRecord
+    from pipeline.serving.server import ServerRecord
     from pipeline.stages.base import StageContext
     from pipeline.stages.deploy_measure import side_by_side_ports
 
@@ -171,9 +172,9 @@ def test_a_stale_record_is_dropped_unsignalled_and_a_strangers_port_is_left_alon
         day_ago = time.time() - 86400  # a record from before a reboot: its group id now names the listener
         rec = ServerRecord(pid=listener.pid, pgid=listener.pid, host="127.0.0.1", port=port + 1, mode="speculative",
                            argv=["vllm"], log="", started=day_ago, run=str(run.root), owner_pid=1, owner_since=1.0)
-        side = box.controller(profile.with_port(port + 1))
+        side = serving_ports.controller(profile.with_port(port + 1))
         side._save(rec)
-        assert [r.pid for r in box.stop_run_servers(profile, run.root, lambda text: None)] == [listener.pid]
+        assert [r.pid for r in serving_ports.stop_run_servers(profile, run.root, lambda text: None)] == [listener.pid]
         assert listener.poll() is None and side.record() is None  # not signalled; the stale record is gone
         with ExitStack() as stack:
             assert side_by_side_ports(ctx, 2, stack) == [profile]  # not ours to stop: one at a time
@@ -214,7 +215,7 @@ def test_side_by_side_servers_are_planned_against_each_gpus_free_memory(util, us
     profile = load_profile(TINY, {"server.gpu_memory_utilization": util, "server.tensor_parallel_size": tp})
     gpu.use_nvml(FakeNvml(gpus))
     try:
-        count, why = box.side_by_side(profile, 3)
+        count, why = serving_ports.side_by_side(profile, 3)
     finally:
         gpu.use_nvml(None)
     assert count == expected, why

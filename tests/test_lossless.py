@@ -5,9 +5,10 @@ from itertools import pairwise
 import pytest
 import torch
 
-from pipeline import conversations, speculative, target
-from pipeline.rundir import RunDir
-from pipeline.runner import run_stages
+from pipeline.data import conversations, target
+from pipeline.evaluation import offline_decoding
+from pipeline.layout.rundir import RunDir
+from pipeline.run.runner import run_stages
 
 
 def load(finished_run):
@@ -15,7 +16,7 @@ def load(finished_run):
     tdir = run.stage_state("build-target")["figures"]["target_dir"]
     model = target.load_model(tdir, "float32")
     tok = target.load_tokenizer(tdir)
-    draft = speculative.load_draft(run.stage_state("train")["figures"]["checkpoint"])
+    draft = offline_decoding.load_draft(run.stage_state("train")["figures"]["checkpoint"])
     heldout = (run.data_dir / "heldout_prompts.jsonl").read_text()
     prompts = [json.loads(line)["messages"] for line in heldout.splitlines()]
     return run, model, tok, draft, prompts
@@ -35,31 +36,31 @@ def test_offline_evaluation_result(finished_run):
 @pytest.mark.parametrize("k", [1, 4])
 def test_trained_and_untrained_heads_are_lossless(finished_run, k):
     _, model, tok, draft, prompts = load(finished_run)
-    eos = speculative.eos_ids(model)
-    untrained = speculative.load_draft(RunDir.open(finished_run).stage_state("train")["figures"]["checkpoint"])
+    eos = offline_decoding.eos_ids(model)
+    untrained = offline_decoding.load_draft(RunDir.open(finished_run).stage_state("train")["figures"]["checkpoint"])
     torch.manual_seed(0)
     for p in untrained.fc.parameters():
         torch.nn.init.normal_(p, std=1.0)  # scramble: acceptance collapses, correctness must not
     for head in (draft, untrained):
-        proposer = speculative.DraftProposer(head)
+        proposer = offline_decoding.DraftProposer(head)
         reader = target.HiddenStateReader(model, proposer.aux_ids)
         for msgs in prompts[:2]:
             ids = conversations.render_ids(tok, msgs, add_generation_prompt=True)
-            out, stats = speculative.speculative_generate(reader, proposer, ids, k, 20, eos)
-            assert out == speculative.greedy_reference(model, ids, 20, eos)
+            out, stats = offline_decoding.speculative_generate(reader, proposer, ids, k, 20, eos)
+            assert out == offline_decoding.greedy_reference(model, ids, 20, eos)
             assert stats.rounds > 0 and len(stats.per_position) == k
 
 
 def test_draft_step0_matches_speculators_forward(finished_run):
     """The proposer's first step is speculators' own Eagle3DraftModel.forward on the same inputs."""
     _, model, tok, draft, prompts = load(finished_run)
-    proposer = speculative.DraftProposer(draft)
+    proposer = offline_decoding.DraftProposer(draft)
     reader = target.HiddenStateReader(model, proposer.aux_ids)
     ids = conversations.render_ids(tok, prompts[0], add_generation_prompt=True)
     _, states = reader(torch.tensor([ids]))
     aux = states.flatten(2)[:, :-1]
     nxt = ids[1:]
-    ref_model = speculative.load_draft(RunDir.open(finished_run).stage_state("train")["figures"]["checkpoint"])
+    ref_model = offline_decoding.load_draft(RunDir.open(finished_run).stage_state("train")["figures"]["checkpoint"])
     with torch.no_grad():
         tokens = ref_model(hidden_states=aux, input_ids=torch.tensor([nxt]),
                            document_ids=torch.zeros(1, len(nxt), dtype=torch.long), ttt_steps=1)
@@ -73,8 +74,8 @@ def test_stage_fails_when_output_differs_from_greedy(finished_run, tmp_path, mon
     run_dir = tmp_path / "copy"
     shutil.copytree(finished_run, run_dir, symlinks=True)
     run = RunDir.open(run_dir)
-    real = speculative.greedy_reference_batch
-    monkeypatch.setattr(speculative, "greedy_reference_batch",
+    real = offline_decoding.greedy_reference_batch
+    monkeypatch.setattr(offline_decoding, "greedy_reference_batch",
                         lambda *a, **k: [[t + 1 for t in row] for row in real(*a, **k)])  # a verifier that disagrees
     run.update_stage("evaluate-offline", status="pending")
     with pytest.raises(Exception, match="lossless check failed: 4/4"):
@@ -87,15 +88,15 @@ def test_batched_speculation_equals_one_prompt_at_a_time(finished_run):
     """Right padding must change nothing: each row of a batch gets the drafts, acceptances and output it
     gets alone, and the batched greedy reference equals the one-prompt one."""
     _, model, tok, draft, prompts = load(finished_run)
-    eos = speculative.eos_ids(model)
-    proposer = speculative.DraftProposer(draft)
+    eos = offline_decoding.eos_ids(model)
+    proposer = offline_decoding.DraftProposer(draft)
     reader = target.HiddenStateReader(model, proposer.aux_ids)
     ids = [conversations.render_ids(tok, msgs, add_generation_prompt=True) for msgs in prompts[:4]]
     assert len({len(i) for i in ids}) > 1  # rows of different lengths: padding is exercised
-    batched = speculative.speculative_generate_batch(reader, proposer, ids, 3, 24, eos)
-    refs = speculative.greedy_reference_batch(model, ids, 24, eos)
+    batched = offline_decoding.speculative_generate_batch(reader, proposer, ids, 3, 24, eos)
+    refs = offline_decoding.greedy_reference_batch(model, ids, 24, eos)
     for p, (out, st), ref in zip(ids, batched, refs, strict=True):
-        alone, st1 = speculative.speculative_generate(reader, proposer, p, 3, 24, eos)
-        assert out == alone == ref == speculative.greedy_reference(model, p, 24, eos)
+        alone, st1 = offline_decoding.speculative_generate(reader, proposer, p, 3, 24, eos)
+        assert out == alone == ref == offline_decoding.greedy_reference(model, p, 24, eos)
         assert (st.rounds, st.accepted, st.per_position, st.target_forwards) == \
             (st1.rounds, st1.accepted, st1.per_position, st1.target_forwards)

@@ -10,7 +10,7 @@ import torch
 from datasets import load_from_disk
 from safetensors.torch import load_file
 
-from pipeline import target
+from pipeline.data import target
 from pipeline.stages.extract import extract
 
 pytestmark = pytest.mark.slow
@@ -92,7 +92,7 @@ def test_kimi_wrapper_target_has_kimis_layout_and_reads_as_its_text_model(kimi_t
     loads, the DeepSeek-V3 text model under text_config; the pre-norm last slot is the text model's."""
     from safetensors import safe_open
 
-    from pipeline.targetinfo import from_config
+    from pipeline.data.targetinfo import from_config
     config = json.loads((kimi_target / "config.json").read_text())
     assert config["architectures"] == ["KimiK25ForConditionalGeneration"] and config["model_type"] == "kimi_k25"
     assert config["text_config"]["kv_lora_rank"] == 512 and "media_placeholder_token_id" in config
@@ -141,7 +141,7 @@ def test_planned_draft_size_is_the_trained_draft(vllm_run):
     qk_rope_head_dim, every head a KV head) equals the trained checkpoint's trainable tensors."""
     from safetensors import safe_open
 
-    from pipeline.targetinfo import draft_plan, target_info
+    from pipeline.data.targetinfo import draft_plan, target_info
     profile = vllm_run.profile()
     plan = draft_plan(target_info(profile), profile)
     with safe_open(str(checkpoint(vllm_run) / "model.safetensors"), framework="pt") as fh:

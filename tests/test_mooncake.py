@@ -5,9 +5,10 @@ import subprocess
 
 import pytest
 
-from pipeline import mooncake, portlock, procs
+from pipeline.host import portlock, procs
+from pipeline.layout.rundir import RunDir
 from pipeline.profile import load_profile
-from pipeline.rundir import RunDir
+from pipeline.serving import mooncake
 from tests.conftest import TINY, completed_run, free_port
 
 ONLINE = ('extract.backend="vllm"', 'extract.mode="online"', "server.enforce_eager=true",
@@ -65,7 +66,7 @@ def test_a_master_left_by_a_killed_attempt_is_stopped_before_the_next_starts(tmp
 def taken_elsewhere(port: int, tmp_path) -> bool:
     """Whether another process (a second run of the box) is refused the master's port lock."""
     import sys
-    code = ("from pipeline import portlock; from pipeline.profile import load_profile; "
+    code = ("from pipeline.host import portlock; from pipeline.profile import load_profile; "
             f"p = load_profile({str(TINY)!r}, overrides={{'run.runs_dir': {str(tmp_path / 'runs')!r}, "
             f"'server.port': {port}}}); portlock.hold(p, '/elsewhere')")
     probe = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
@@ -90,7 +91,7 @@ def test_a_master_that_cannot_start_is_one_line_naming_the_port(tmp_path):
 def test_preflight_blocks_a_python_that_cannot_load_the_store(tmp_path):
     import sys
 
-    from pipeline.preflight import mooncake_findings
+    from pipeline.planning.preflight import mooncake_findings
     bare = tmp_path / "bare"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(bare)], check=True)  # no Mooncake in it
     profile = load_profile(TINY, overrides={"extract.backend": "vllm", "extract.mode": "online",

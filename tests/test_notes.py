@@ -1,8 +1,9 @@
 import json
 
-from pipeline import atomicio, notes
+from pipeline.layout import atomicio
+from pipeline.layout.rundir import RunDir
 from pipeline.profile import load_profile
-from pipeline.rundir import RunDir
+from pipeline.report import notes
 from tests.conftest import TINY, cli
 
 

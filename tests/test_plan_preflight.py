@@ -5,7 +5,9 @@ import socket
 
 import pytest
 
-from pipeline import gpu, plan, preflight, schedule
+from pipeline.evaluation import schedule
+from pipeline.host import gpu
+from pipeline.planning import plan, preflight, vllm_probe
 from pipeline.profile import ProfileError, load_profile
 from pipeline.stages.train import torchrun_args
 from tests.conftest import TINY, cli, free_port
@@ -100,9 +102,8 @@ def test_no_mla_question_without_vllm():
 def _answer(profile):
     """vLLM's answer as preflight gets it (asked once per vLLM version and question, then remembered under
     the profile's cache_dir, where preflight.target_findings finds it)."""
-    from pipeline.targetinfo import target_info
-    return preflight.ask_vllm(profile, json.dumps(preflight.probe_question(profile, target_info(profile)),
-                                                  sort_keys=True))
+    from pipeline.data.targetinfo import target_info
+    return vllm_probe.target_answer(profile, target_info(profile))
 
 
 @pytest.mark.integration  # a vLLM probe
@@ -269,11 +270,11 @@ def test_one_run_at_a_time_per_serving_port(tmp_path):
     import subprocess
     import sys
 
-    from pipeline import portlock
+    from pipeline.host import portlock
     runs = tmp_path / "runs"
     profile = load_profile(TINY, {"run.runs_dir": str(runs)})
     holder = subprocess.Popen([sys.executable, "-c", (
-        "import sys, time; from pathlib import Path; from pipeline import portlock; "
+        "import sys, time; from pathlib import Path; from pipeline.host import portlock; "
         "from pipeline.profile import load_profile; "
         f"p = load_profile({str(TINY)!r}, {{'run.runs_dir': {str(runs)!r}}}); "
         "fh = portlock.hold(p, Path('/runs/first')); print('held', flush=True); time.sleep(60)")],
@@ -308,7 +309,7 @@ def test_the_kimi_plans_count_regeneration_evaluation_and_every_server_start():
         assert p.matrix.runs and p.matrix.seconds and p.server_starts["offline"] == 9
         offline, online = p.totals["offline"], p.totals["online"]
         assert offline["wall_s"] == pytest.approx(p.extract_s + p.train_s + p.regenerate.seconds + p.matrix.seconds
-                                                  + 9 * p.server_start.tokens_per_s)
+                                                  + 9 * p.server_start.seconds)
         if p.online.fits:
             assert online["wall_s"] > p.online.wall_s and online["gpu_hours"] > p.online.gpu_hours
         else:  # the lowered box: no split serves and trains at once, so online has no time to total
@@ -324,7 +325,7 @@ def test_the_kimi_plans_count_regeneration_evaluation_and_every_server_start():
     ({"evaluate.offline": "off", "evaluate.online": False}, "evaluate", "nothing measures the head"),
 ], ids=["transformers-regeneration", "offline-forced-on", "nothing-evaluates"])
 def test_preflight_blocks_what_would_load_the_1t_target_in_transformers(sets, check, says):
-    from pipeline.preflight import evaluation_findings
+    from pipeline.planning.preflight import evaluation_findings
     found = [f for f in evaluation_findings(load_profile(KIMI[0], sets, check_inputs=False)) if f.check == check]
     assert found and found[0].severity == "block" and says in found[0].message, found
     assert "\n" not in found[0].message and ("do not fit" in found[0].message or "nothing" in says)
@@ -333,9 +334,9 @@ def test_preflight_blocks_what_would_load_the_1t_target_in_transformers(sets, ch
 def test_a_missing_data_file_is_said_even_where_the_target_cannot_be_read(tmp_path):
     """Issue 45's bug: the data findings ran at the end of target_findings, which returns early when the
     target's config.json cannot be read, so a missing conversations file went unreported."""
-    from pipeline.cli import _overrides
+    from pipeline.cli.base import overrides
     missing = tmp_path / "nope.jsonl"
-    profile = load_profile(TINY, _overrides(['target.source="path"', f'target.model_path="{tmp_path / "no-model"}"',
+    profile = load_profile(TINY, overrides(['target.source="path"', f'target.model_path="{tmp_path / "no-model"}"',
                                              f'data.conversations="{missing}"']), check_inputs=False)
     found = preflight.target_findings(profile) + preflight.data_findings(profile)
     assert any(f.check == "target" and f.severity == "block" for f in found)

@@ -10,8 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from pipeline import plan
+from pipeline.planning import plan
 from pipeline.profile import load_profile
+from pipeline.units import GIB
 from tests.helpers import cli
 
 PROFILES = sorted(f.stem for f in (Path(__file__).resolve().parents[1] / "profiles").glob("*.toml")
@@ -24,7 +25,7 @@ UNITS = {"B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12, "PB": 1e15, "s": 1
 def make(name: str, **sets) -> plan.Plan:
     """A plan for the box the profile is written for (its disk), as `plan` makes it, not this machine's."""
     p = load_profile(name, sets, check_inputs=False)
-    return plan.make_plan(p, free=int(p.hardware.disk_gib * plan.GIB) if p.hardware.disk_gib else None)
+    return plan.make_plan(p, free=int(p.hardware.disk_gib * GIB) if p.hardware.disk_gib else None)
 
 
 def amount(text: str) -> float:

@@ -5,10 +5,10 @@ import json
 
 import pytest
 
-from pipeline import preflight
-from pipeline.cli import _overrides
+from pipeline.cli.base import overrides
+from pipeline.layout.rundir import RunDir
+from pipeline.planning import preflight
 from pipeline.profile import ProfileError, load_profile
-from pipeline.rundir import RunDir
 from tests.conftest import TINY, cli, free_port
 
 STORY = ("evaluate.production_before_after=true", 'server.after_run="production-with-draft"')
@@ -16,16 +16,16 @@ STORY = ("evaluate.production_before_after=true", 'server.after_run="production-
 
 def test_production_measured_after_needs_a_handover_back():
     with pytest.raises(ProfileError, match="evaluate.production_before_after"):
-        load_profile(TINY, _overrides(["evaluate.production_before_after=true"]))
+        load_profile(TINY, overrides(["evaluate.production_before_after=true"]))
 
 
 def test_preflight_asks_for_production_first(tmp_path):
     port = free_port()
-    demo = load_profile(TINY, _overrides([*STORY, f"server.port={port}", f'run.runs_dir="{tmp_path}"']))
+    demo = load_profile(TINY, overrides([*STORY, f"server.port={port}", f'run.runs_dir="{tmp_path}"']))
     found = [f for f in preflight.port_findings(demo) if f.check == "production"]
     assert len(found) == 1 and found[0].severity == "info" and "after build-target" in found[0].message
     (tmp_path / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
-    served = load_profile(TINY, _overrides([*STORY, f"server.port={port}", f'run.runs_dir="{tmp_path}"',
+    served = load_profile(TINY, overrides([*STORY, f"server.port={port}", f'run.runs_dir="{tmp_path}"',
                                             'target.source="path"', f'target.model_path="{tmp_path}"']))
     found = [f for f in preflight.port_findings(served) if f.check == "production"]
     assert len(found) == 1 and found[0].severity == "block" and f"port {port}" in found[0].message
@@ -34,7 +34,7 @@ def test_preflight_asks_for_production_first(tmp_path):
 def test_a_resume_after_production_was_measured_needs_no_production_up(tmp_path):
     port = free_port()
     (tmp_path / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
-    served = load_profile(TINY, _overrides([*STORY, f"server.port={port}", f'run.runs_dir="{tmp_path}"',
+    served = load_profile(TINY, overrides([*STORY, f"server.port={port}", f'run.runs_dir="{tmp_path}"',
                                             'target.source="path"', f'target.model_path="{tmp_path}"']))
     run_dir = tmp_path / "run"
     (run_dir / "eval").mkdir(parents=True)
@@ -64,7 +64,11 @@ def test_production_before_and_after_on_the_same_requests(tmp_path, cache_dir):
             "evaluate.min_new_tokens=20", 'evaluate.schedule="off"', "evaluate.deploy_speedup=0.0",
             # a long chain the head was not trained for (3 TTT steps): on a CPU each step costs far more than
             # it saves (x0.48 of the baseline with k = 6 on a busy 2-core box), beyond the noise
-            "evaluate.k=10", "evaluate.ks=[10]", "evaluate.instance_spread=0.3", "evaluate.traffic_window_s=2"]
+            "evaluate.k=10", "evaluate.ks=[10]", "evaluate.traffic_window_s=2",
+            # the noise bound loose enough that the forced head is deployed on a loaded box (CI once measured two
+            # baseline instances more than 30 % apart: "the figures cannot decide"); slower after the handover
+            # is then told by the rounds (every round after below every round before)
+            "evaluate.instance_spread=0.9"]
     args = [a for s in sets for a in ("--set", s)]
     assert cli("run", TINY, "--no-tui", "--run-dir", run_dir, "--until", "build-target", *args).returncode == 0
     started = cli("server", "start", "--run-dir", run_dir, "--mode", "production")
@@ -92,7 +96,7 @@ def test_production_before_and_after_on_the_same_requests(tmp_path, cache_dir):
                 assert lv["output_tokens"] >= 20 * run.profile().evaluate.num_prompts
         figs = run.stage_state("handover")["figures"]
         assert figs["production_speedup"] == result["speedup"][levels[0]]  # the lowest concurrency's
-        assert result["with_draft"] and figures["deploy"]  # forced in
+        assert result["with_draft"] and figures["deploy"], figures["decision"]  # forced in
         assert before["traffic"]["samples"] >= 2 and before["traffic"]["weights"] == {}  # idle production
         slower = [c for c in levels if result["speedup"][c] < 0.7 or result["speedup_interval"][c][2] < 1]
         assert slower, f"the head did not lose on this CPU: {result['speedup']} {result['speedup_interval']}"

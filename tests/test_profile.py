@@ -114,7 +114,7 @@ def test_bad_kimi_class_target_keys_are_one_line_errors(key, value, why):
 def test_any_string_round_trips_through_a_run_directory(tmp_path, text):
     """A resolved profile is written with a TOML library: every string reads back as it was (a newline in
     a description used to make profile.toml invalid, and the run unreadable for good)."""
-    from pipeline.rundir import RunDir
+    from pipeline.layout.rundir import RunDir
     profile = load_profile(TINY, {"description": text, "server.production_args": [text, "--x"]})
     run = RunDir.create(profile, tmp_path / "run")
     again = run.profile()

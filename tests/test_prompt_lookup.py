@@ -1,6 +1,6 @@
-"""n-gram prompt lookup replayed offline (pipeline/prompt_lookup.py), counted as vLLM counts it; the
+"""n-gram prompt lookup replayed offline (pipeline/evaluation/prompt_lookup.py), counted as vLLM counts it; the
 proposer itself is held to vLLM's own function in tests/test_compat_adaptations.py."""
-from pipeline.prompt_lookup import Acceptance, acceptance, propose
+from pipeline.evaluation.prompt_lookup import Acceptance, acceptance, propose
 
 
 def test_a_copied_prompt_is_drafted_once_a_bigram_matches():

@@ -2,7 +2,7 @@
 and the run's evaluation; refused for a head whose run did not decide deploy, unless --force."""
 import json
 
-from pipeline.rundir import RunDir
+from pipeline.layout.rundir import RunDir
 from tests.conftest import cli
 
 
@@ -17,7 +17,7 @@ def test_a_head_without_a_deploy_decision_is_published_only_when_forced(finished
 
     done = cli("publish", finished_run, out, "--force")
     assert done.returncode == 0, done.stderr
-    from pipeline.speculative import load_draft
+    from pipeline.evaluation.offline_decoding import load_draft
     load_draft(out)  # speculators loads it as it is
     config = json.loads((out / "config.json").read_text())
     run = RunDir.open(finished_run)

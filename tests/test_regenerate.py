@@ -11,8 +11,8 @@ from pathlib import Path
 import psutil
 import pytest
 
+from pipeline.layout.rundir import RunDir
 from pipeline.profile import ProfileError, load_profile
-from pipeline.rundir import RunDir
 from tests.helpers import ROOT, TINY, cli, free_port, spawn_cli
 
 TINY_KIMI = ROOT / "tests" / "profiles" / "tiny-kimi.toml"
@@ -42,7 +42,8 @@ def test_regenerate_through_vllm_resumes_after_sigkill_and_equals_the_targets_gr
         {"role": "user", "content": "word " * 600}, {"role": "assistant", "content": "a"}]}])  # 1,200 tokens
     sets = [f'run.cache_dir="{cache_dir}"', f"server.port={port}", "data.regenerate_concurrency=2",
             f'data.conversations=[{{source = "{long}"}}, {{source = "demo"}}]', "data.regenerate_failure_budget=0.05",
-            "data.regenerate_max_retries=1", 'evaluate.offline="off"', "evaluate.start_together=2"]
+            "data.regenerate_max_retries=1", 'evaluate.offline="off"', "evaluate.start_together=2",
+            'evaluate.schedule="off"']  # one head server: the k sweep and the schedule are the vllm_run fixture's
     args = [a for kv in sets for a in ("--set", kv)]
     run_dir = tmp_path / "run"
     proc = spawn_cli("run", TINY_KIMI, "--no-tui", "--until", "regenerate", "--run-dir", run_dir, *args,
@@ -90,7 +91,7 @@ def test_regenerate_through_vllm_resumes_after_sigkill_and_equals_the_targets_gr
             if len(json.loads(line)["input_ids"]) <= run.profile().server.max_model_len]
     assert vllm_rows == fits and len(vllm_rows) > len(convs)
 
-    from pipeline import target
+    from pipeline.data import target
     tok = target.load_tokenizer(run.stage_state("build-target")["figures"]["target_dir"])
     think = tok.convert_tokens_to_ids("<think>")
     for row in map(json.loads, vllm_rows):
@@ -110,8 +111,8 @@ def test_regenerate_through_vllm_resumes_after_sigkill_and_equals_the_targets_gr
 
 def test_a_transformers_regeneration_of_a_tokenizer_without_pad_token_pads_with_eos(tmp_path, cache_dir):
     """A Llama-3-like tokenizer has no pad token: the transformers path pads with eos, not None."""
-    from pipeline import target as tgt
-    from pipeline.speculative import eos_ids, greedy_reference_batch
+    from pipeline.data import target as tgt
+    from pipeline.evaluation.offline_decoding import eos_ids, greedy_reference_batch
     from pipeline.stages.build_target import build_target
 
     spec = load_profile(TINY).demo_target
@@ -134,7 +135,7 @@ def _conv(i: int, tag: str) -> dict:
 
 
 def test_a_mix_of_sources_with_limits_is_gathered_shuffled_and_held_out_from_every_source(tmp_path):
-    from pipeline import sources
+    from pipeline.data import sources
 
     a = _jsonl(tmp_path / "a.jsonl", [_conv(i, "a") for i in range(30)])
     b = _jsonl(tmp_path / "b.jsonl", [_conv(i, "b") for i in range(30)] + [{"input_ids": [1, 2], "loss_mask": [0, 1]}])
@@ -190,11 +191,12 @@ def test_a_run_trains_on_a_gathered_mix(tmp_path, cache_dir):
                                                                    "1:mine.jsonl": {"rows": 10, "skipped": 0}}
     held = [json.loads(line) for line in _lines(run.heldout_prompts)]
     assert len(held) == 4 and run.stage_state("prepare")["figures"]["rows"] >= 26
+    assert {h["source"] for h in held[:2]} == {"0:demo", "1:mine.jsonl"}  # every source, taken in turn
 
 
 def test_a_resume_cuts_a_torn_row_and_the_last_conversation_whole(tmp_path):
     """A kill between two rows of one conversation must not leave it looking done."""
-    from pipeline.stages.regenerate import repair_tail
+    from pipeline.compat.speculators_rows import repair_tail
 
     rows = [{"primary_id": p, "id": f"{p}_gen{g}"} for p, g in (("a", 0), ("b", 0), ("b", 1))]
     path = tmp_path / "responses.jsonl"
@@ -208,7 +210,7 @@ def test_a_resume_cuts_a_torn_row_and_the_last_conversation_whole(tmp_path):
 
 
 def test_conversation_ids_are_unique_and_never_empty_and_mute_ones_are_left_out():
-    from pipeline.stages.regenerate import askable, unique_ids
+    from pipeline.compat.speculators_rows import askable, unique_ids
 
     convs = [{"id": i, "messages": [{"role": "user", "content": "q"}]} for i in ("a", "a", "a#2", "")]
     assert [c["id"] for c in unique_ids(convs)] == ["a", "a#2", "a#2#2", "conversation3"]

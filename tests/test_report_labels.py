@@ -8,10 +8,13 @@ import re
 
 import pytest
 
-from pipeline import atomicio, diagnose, jobs, notes, plots
+from pipeline.evaluation import diagnose
+from pipeline.layout import atomicio
+from pipeline.layout.results import DeployMeasureResult, EvaluateOfflineResult, read
+from pipeline.layout.rundir import RunDir
 from pipeline.profile import load_profile
-from pipeline.results import DeployMeasureResult, EvaluateOfflineResult, read
-from pipeline.rundir import RunDir
+from pipeline.report import notes, plots
+from pipeline.run import jobs
 from tests.helpers import TINY
 
 K = 3  # TTT steps

@@ -1,10 +1,10 @@
-"""Stage results as declared types (pipeline/results.py): stored through their models by the runner, read
+"""Stage results as declared types (pipeline/layout/results.py): stored through their models by the runner, read
 typed by later stages, the CLI, the report and the plots."""
 import pytest
 
-from pipeline import results
+from pipeline.layout import results
+from pipeline.layout.rundir import RunDir
 from pipeline.profile import load_profile
-from pipeline.rundir import RunDir
 from tests.conftest import TINY
 
 
@@ -72,7 +72,7 @@ def test_the_trainer_writes_its_metrics_to_tensorboard_inside_the_run(finished_r
 def test_a_tracker_that_is_not_installed_blocks_preflight(monkeypatch):
     from importlib import metadata
 
-    from pipeline.preflight import tracker_findings
+    from pipeline.planning.preflight import tracker_findings
     real = metadata.version
     monkeypatch.setattr(metadata, "version", lambda name: real("no-such-dist") if name == "wandb" else real(name))
     said = tracker_findings(load_profile(TINY, overrides={"train.loggers": ["tensorboard", "wandb"]}))
@@ -83,8 +83,8 @@ def test_a_tracker_that_is_not_installed_blocks_preflight(monkeypatch):
 def test_the_snapshot_says_stale_only_where_it_checks_the_outputs(tmp_path):
     """A done stage whose outputs changed is "stale" in `status` (outputs checked) and "done" in the
     console's poll (not checked); what it recorded reads typed from the snapshot itself."""
-    from pipeline import jobs
-    from pipeline.runner import manifest
+    from pipeline.run import jobs
+    from pipeline.run.runner import manifest
     run = RunDir.create(load_profile(TINY, overrides={"run.runs_dir": str(tmp_path / "runs")}), tmp_path / "run")
     d2t, t2d = run.vocab_mappings(run.profile().vocab.draft_vocab_size)
     for path in (d2t, t2d):

@@ -9,10 +9,12 @@ from pathlib import Path
 import psutil
 import pytest
 
-from pipeline import atomicio, box, procs
-from pipeline.checkpoints import epoch_complete, epoch_dirs
-from pipeline.rundir import RunDir
-from pipeline.target import resolve_layer_ids
+from pipeline.data.target import resolve_layer_ids
+from pipeline.host import procs
+from pipeline.layout import atomicio
+from pipeline.layout.checkpoints import epoch_complete, epoch_dirs
+from pipeline.layout.rundir import RunDir
+from pipeline.serving import ports
 from tests.helpers import TINY, cli, free_port, spawn_cli, wait_for
 
 pytestmark = pytest.mark.slow
@@ -140,7 +142,7 @@ def test_sigkill_during_online_training_then_resume(tmp_path, cache_dir, finishe
     assert not [p for p in run.hs_raw_dir.rglob("*") if p.is_file()]
     tau, offline_tau = (r.stage_state("evaluate-offline")["figures"]["tau"] for r in (run, RunDir.open(finished_run)))
     assert abs(tau - offline_tau) <= 0.2, (tau, offline_tau)
-    assert box.controller(profile).status() == {"state": "none"}  # the server went with the run
+    assert ports.controller(profile).status() == {"state": "none"}  # the server went with the run
 
 
 def _alive(p):

@@ -3,10 +3,10 @@ import json
 import os
 from pathlib import Path
 
+from pipeline.layout.rundir import RunDir
 from pipeline.profile import load_profile
-from pipeline.runcopy import RunCopyError, copy_of
-from pipeline.rundir import RunDir
-from pipeline.runner import outputs_intact
+from pipeline.run.runcopy import RunCopyError, copy_of
+from pipeline.run.runner import outputs_intact
 from tests.conftest import cli, free_port
 
 

@@ -4,9 +4,9 @@ import os
 
 import pytest
 
+from pipeline.layout.rundir import RunDir
 from pipeline.profile import load_profile
-from pipeline.rundir import RunDir
-from pipeline.runview import LogTailer, RunWatcher
+from pipeline.run.runview import LogTailer, RunWatcher
 from pipeline.stages import stage_names
 from tests.conftest import TINY
 

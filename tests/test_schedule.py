@@ -5,7 +5,7 @@ import math
 
 import pytest
 
-from pipeline import schedule
+from pipeline.evaluation import schedule
 from pipeline.stages.deploy_measure import decide
 
 
@@ -164,8 +164,8 @@ def test_profile_keys_are_checked_naming_the_key(tmp_path):
 def test_the_speculative_argv_carries_the_schedule(tmp_path):
     import json
 
-    from pipeline import vllm_modes
     from pipeline.profile import load_profile
+    from pipeline.serving import vllm_modes
     p = load_profile("tests/profiles/tiny.toml")
     argv = vllm_modes.server_argv(p, "speculative", tmp_path, draft_dir=tmp_path / "d", k=4,
                                   schedule=[[1, 2, 4], [3, 1024, 0]])
@@ -193,12 +193,14 @@ class Ctx:
 
 def test_weigh_asks_to_serve_a_schedule_and_falls_back_to_one_k_when_vllm_refuses_it():
     from pipeline.profile import load_profile
-    from pipeline.stages.deploy_measure import SCHEDULE_ROW, pooled_baseline, served_head_rows, settle, weigh
+    from pipeline.stages.benchmark import pooled_baseline, schedule_row, served_head_rows, settle, weigh
+    SCHEDULE_ROW = schedule_row("eagle3")
     base, served = model_matrix({1: 100.0, 8: 600.0, 32: 1500.0}, {1: 0.05, 8: 0.25, 32: 0.2},
                                 {1: 0.0, 8: 0.15, 32: 0.9})
     matrix = {"baseline": base, "eagle3": served[4], "eagle3-k1": served[1], "ngram": {"error": "x"}}
     ctx = Ctx(load_profile("tests/profiles/tiny.toml", overrides={"evaluate.k": 4, "evaluate.ks": [1, 2, 3, 4],
-                                                                 "evaluate.concurrency": [1, 8, 32]}))
+                                                                 "evaluate.concurrency": [1, 8, 32],
+                                                                 "evaluate.schedule": "auto"}))
     assert served_head_rows(matrix, 4) == {4: "eagle3", 1: "eagle3-k1"}
     weights = {1: 0.2, 8: 0.5, 32: 0.3}
     weighed = weigh(ctx, matrix, pooled_baseline(matrix), [1, 2, 3, 4], weights)
@@ -214,3 +216,24 @@ def test_weigh_asks_to_serve_a_schedule_and_falls_back_to_one_k_when_vllm_refuse
     # served: the schedule is what is deployed
     matrix[SCHEDULE_ROW] = served[4]
     assert settle(ctx, matrix, pooled_baseline(matrix), weighed, weights)["deployed"]["row"] == SCHEDULE_ROW
+
+
+def test_the_existing_head_is_weighed_over_k_like_the_new_one_and_apart_from_it():
+    """measure-existing makes deploy-measure's decision: its rows (existing, existing-kN) swept, a schedule asked
+    for; the new head's rows in the same matrix are not the existing head's."""
+    from pipeline.profile import load_profile
+    from pipeline.stages.benchmark import pooled_baseline, schedule_row, served_head_rows, sweep_rows, weigh
+    base, served = model_matrix({1: 100.0, 8: 600.0, 32: 1500.0}, {1: 0.05, 8: 0.25, 32: 0.2},
+                                {1: 0.0, 8: 0.15, 32: 0.9})
+    profile = load_profile("tests/profiles/tiny.toml", overrides={
+        "evaluate.k": 4, "evaluate.ks": [1, 2, 3, 4], "evaluate.concurrency": [1, 8, 32], "evaluate.schedule": "auto",
+        "evaluate.k_sweep": "predict"})
+    rows, args = sweep_rows(profile, "existing", "/heads/old")
+    assert rows == ["existing-k1"] and args == {"existing-k1": {"draft_dir": "/heads/old", "k": 1}}
+    matrix = {"baseline": base, "existing": served[4], "existing-k1": served[1], "eagle3": {"error": "x"},
+              "eagle3-k2": served[1], "existing-schedule": {"error": "not yet"}}
+    assert served_head_rows(matrix, 4, "existing") == {4: "existing", 1: "existing-k1"}
+    ctx = Ctx(profile)
+    weighed = weigh(ctx, matrix, pooled_baseline(matrix), [1, 2, 3, 4], {1: 0.2, 8: 0.5, 32: 0.3}, "existing")
+    assert weighed["schedule_row"]["schedule"][0] == [1, 2, 4] and schedule_row("existing") == "existing-schedule"
+    assert any("for existing" in n for n in ctx.notes)

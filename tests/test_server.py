@@ -6,9 +6,11 @@ import time
 
 import pytest
 
-from pipeline import procs, vllm_modes
+from pipeline.host import procs
+from pipeline.host.httpio import get as http_get
 from pipeline.profile import load_profile
-from pipeline.server import ServerController, ServerError, http_get
+from pipeline.serving import vllm_modes
+from pipeline.serving.server import ServerController, ServerError
 from tests.helpers import TINY, free_port
 
 pytestmark = pytest.mark.slow
@@ -41,20 +43,20 @@ def test_start_healthy_adopt_then_sigkill_api_server_then_stop_cleans_group(tmp_
     models = json.loads(http_get(f"{rec.base_url}/v1/models", headers={"Authorization": f"Bearer {SECRET}"})[1])
     assert models["data"][0]["id"] == "target"
     # deploy-measure asks a server for the target's margin where outputs part (its top two next tokens)
-    from pipeline import online
+    from pipeline.serving import client
     auth, prompt = {"Authorization": f"Bearer {SECRET}"}, [1, 5, 9, 13, 17]
-    top = online.top_logprobs(rec.base_url, "target", prompt, auth)
-    greedy = online.complete(rec.base_url, "target", prompt, 1, auth)["token_ids"]
+    top = client.top_logprobs(rec.base_url, "target", prompt, auth)
+    greedy = client.complete(rec.base_url, "target", prompt, 1, auth)["token_ids"]
     assert len(top) == 2 and top[0][1] >= top[1][1] and top[0][0] == greedy[0], (top, greedy)
     # the matrix streams: the same greedy tokens as one answer, the first token's wait apart from the decode
-    whole = online.complete(rec.base_url, "target", prompt, 12, auth)
-    level = online.send_all(rec.base_url, "target", [prompt, prompt[:3]], 12, 2, headers=auth)
+    whole = client.complete(rec.base_url, "target", prompt, 12, auth)
+    level = client.send_all(rec.base_url, "target", [prompt, prompt[:3]], 12, 2, headers=auth)
     assert level["outputs"][0] == whole["token_ids"]
     assert level["output_tokens"] == len(whole["token_ids"]) + len(level["outputs"][1])
     assert 0 < level["ttft_ms"] and 0 < level["decode_tpot_ms"] and 0 < level["chunk_ms"], level
-    held = online.send_all(rec.base_url, "target", [prompt], 12, 1, headers=auth, min_tokens=12)  # vLLM's min_tokens
+    held = client.send_all(rec.base_url, "target", [prompt], 12, 1, headers=auth, min_tokens=12)  # vLLM's min_tokens
     assert [len(o) for o in held["outputs"]] == [12], held
-    streamed = online.stream_complete(rec.base_url, "target", prompt, 12, auth)
+    streamed = client.stream_complete(rec.base_url, "target", prompt, 12, auth)
     # one engine step a chunk (vLLM merges a slow reader's steps, never splits one)
     assert 1 < streamed["chunks"] <= len(streamed["token_ids"]) == len(whole["token_ids"]), streamed
     assert streamed["ttft"] + streamed["decode_seconds"] <= streamed["seconds"]

@@ -5,9 +5,9 @@ import re
 import shutil
 import tomllib
 
+from pipeline.layout.rundir import RunDir
 from pipeline.profile import dump_toml
-from pipeline.rundir import RunDir
-from pipeline.runner import run_stages
+from pipeline.run.runner import run_stages
 
 
 def test_two_process_ddp_train_on_cpu(finished_run, tmp_path):

@@ -6,13 +6,12 @@ head's final loss is the one-node run's with the same world size."""
 import json
 import socket
 import subprocess
-import time
 
 import psutil
 import pytest
 
-from pipeline.rundir import RunDir
-from tests.helpers import TINY, cli, free_port, spawn_cli
+from pipeline.layout.rundir import RunDir
+from tests.helpers import TINY, cli, free_port, spawn_cli, wait_for
 
 ONLINE = ('extract.backend="vllm"', 'extract.mode="online"', "server.enforce_eager=true",
           "server.max_model_len=1024", 'server.dtype="float32"', "train.epochs=3")
@@ -45,11 +44,10 @@ def kill_node(run_dir) -> list[int]:
 
 
 def wait_file(path, procs, timeout=600):
-    deadline = time.monotonic() + timeout
-    while not path.exists():
+    def there() -> bool:
         assert all(p.poll() is None for p in procs), [p.communicate()[1][-2000:] for p in procs if p.poll() is not None]
-        assert time.monotonic() < deadline, f"{path} did not appear"
-        time.sleep(0.2)
+        return path.exists()
+    wait_for(there, timeout, f"{path} to appear", poll=0.2)
 
 
 @pytest.mark.integration
@@ -122,8 +120,8 @@ def test_the_lost_node_wordings_torch_prints():
 
 
 def test_a_node_that_does_not_answer_is_a_line_not_a_failure(tmp_path):
-    from pipeline import peers
     from pipeline.profile import ProfileError, load_profile
+    from pipeline.run import peers
 
     dead = f"http://127.0.0.1:{free_port()}/metrics"
     (peer,) = peers.read(dead)

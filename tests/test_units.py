@@ -15,17 +15,17 @@ from types import SimpleNamespace
 import psutil
 import pytest
 
-from pipeline import procs
-from pipeline.checkpoints import epoch_complete, epoch_dirs, final_checkpoint, quarantine_incomplete
+from pipeline.host import procs
+from pipeline.layout.checkpoints import epoch_complete, epoch_dirs, final_checkpoint, quarantine_incomplete
+from pipeline.layout.rundir import RunDir
 from pipeline.profile import load_profile
-from pipeline.rundir import RunDir
-from pipeline.runner import RunnerError, manifest, outputs_intact, select
+from pipeline.run.runner import RunnerError, manifest, outputs_intact, select
 from pipeline.stages import stage_names
 from pipeline.stages.base import StageError, stop_orphan_child
 from tests.helpers import TINY, wait_for
 
-ALL_STAGES = ["preflight", "build-target", "measure-production", "regenerate", "prepare", "extract", "vocab",
-              "train", "pick-checkpoint", "evaluate-offline", "deploy-measure", "handover"]
+ALL_STAGES = ["preflight", "build-target", "measure-production", "measure-existing", "regenerate", "prepare", "extract",
+              "vocab", "train", "pick-checkpoint", "evaluate-offline", "deploy-measure", "handover"]
 
 
 class Log:
@@ -44,7 +44,7 @@ class Log:
         self._add("warning", msg, *args)
 
 
-# --- pipeline.runner.select -------------------------------------------------------------------
+# --- pipeline.run.runner.select ---------------------------------------------------------------
 
 def test_every_stage_is_named_in_run_order():
     assert stage_names() == ALL_STAGES
@@ -52,7 +52,7 @@ def test_every_stage_is_named_in_run_order():
 
 @pytest.mark.parametrize("start,until,expected", [
     (None, None, ALL_STAGES),
-    (None, "prepare", ["preflight", "build-target", "measure-production", "regenerate", "prepare"]),
+    (None, "prepare", ["preflight", "build-target", "measure-production", "measure-existing", "regenerate", "prepare"]),
     ("extract", "train", ["preflight", "extract", "vocab", "train"]),  # preflight runs whatever --from says
     ("train", "train", ["preflight", "train"]),
     ("preflight", "preflight", ["preflight"]),
@@ -62,7 +62,8 @@ def test_every_stage_is_named_in_run_order():
 ])
 def test_select_ranges_keep_preflight(start, until, expected):
     profile = load_profile(TINY, {"evaluate.online": True, "evaluate.checkpoints": "each",  # every stage applies
-                                  "evaluate.production_before_after": True, "server.after_run": "production"})
+                                  "evaluate.production_before_after": True, "server.after_run": "production",
+                                  "evaluate.existing_head": "head"})
     assert [s.name for s in select(profile, start, until)] == expected
 
 
@@ -91,7 +92,7 @@ def test_select_refuses_unknown_stages_and_reversed_ranges(start, until, message
     assert message in str(err.value) and "\n" not in str(err.value), str(err.value)
 
 
-# --- pipeline.runner.manifest / outputs_intact ------------------------------------------------
+# --- pipeline.run.runner.manifest / outputs_intact --------------------------------------------
 
 @pytest.fixture
 def outputs(tmp_path):
@@ -172,7 +173,7 @@ def test_an_empty_record_is_never_intact(outputs):
     assert outputs_intact(run, {}) is False  # a stage that recorded nothing is redone, not skipped
 
 
-# --- pipeline.procs: stopping a process group ----------------------------------------------------
+# --- pipeline.host.procs: stopping a process group --------------------------------------------
 
 # A group leader that starts one child (ignoring SIGTERM or not), reports the child's pid once the
 # child's handler is in place, then sleeps: the shape of a trainer or a vLLM server and its workers.
@@ -340,7 +341,7 @@ def _measure_context(tmp_path, port: int, start_together: int):
 
 def _held_elsewhere(tmp_path, port: int) -> bool:
     """Whether another process sees the port's run lock held (portlock.holder from a child)."""
-    code = ("from pipeline import portlock; from pipeline.profile import load_profile; "
+    code = ("from pipeline.host import portlock; from pipeline.profile import load_profile; "
             f"p = load_profile({str(TINY)!r}, overrides={{'server.port': {port}, "
             f"'run.runs_dir': {str(tmp_path / 'runs')!r}}}); print(portlock.holder(p) is not None)")
     probe = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
@@ -385,19 +386,19 @@ def test_a_side_by_side_start_lost_to_vllms_memory_profiling_is_started_again_al
     """The race needs servers sharing a GPU (one H200: the n-gram server of three started together failed
     with "No available memory for the cache blocks"); here the starter stands in for the GPU, and what is
     asserted is the stage's handling: only those failures start again, once, and the notes say so."""
-    from pipeline import notes
-    from pipeline.stages import deploy_measure
+    from pipeline.report import notes
+    from pipeline.stages import benchmark
     from tests.conftest import free_port
     ctx = _measure_context(tmp_path, free_port(), 3)
     calls = []
-    monkeypatch.setattr(deploy_measure, "start_method",
+    monkeypatch.setattr(benchmark, "start_method",
                         lambda ctx, profile, method, **kw: calls.append(method) or ("lease", None))
     race = ("vLLM (ngram) exited with 1 before becoming healthy: (EngineCore pid=7) ValueError: No available "
             "memory for the cache blocks. Try increasing `gpu_memory_utilization`")
-    assert deploy_measure.again_alone(ctx, "ngram", ctx.profile, {}, None, race) == ("lease", None)
+    assert benchmark.again_alone(ctx, "ngram", ctx.profile, {}, None, race) == ("lease", None)
     other = "vLLM (eagle3) exited with 1 before becoming healthy: (EngineCore pid=8) KeyError: 'draft_vocab_size'"
-    assert deploy_measure.again_alone(ctx, "eagle3", ctx.profile, {}, None, other) == (None, other)
-    assert deploy_measure.again_alone(ctx, "baseline", ctx.profile, {}, "up", None) == ("up", None)
+    assert benchmark.again_alone(ctx, "eagle3", ctx.profile, {}, None, other) == (None, other)
+    assert benchmark.again_alone(ctx, "baseline", ctx.profile, {}, "up", None) == ("up", None)
     assert calls == ["ngram"]
     said = [n["text"] for n in notes.read(ctx.run)]
     assert any("ngram: its side-by-side start failed on vLLM's memory profiling" in t and "started again alone: up"
@@ -450,12 +451,31 @@ def test_the_data_wait_share_leaves_the_compile_step_out():
     assert data_wait_share([], []) is None
 
 
-def test_every_subcommand_dispatches_to_its_function():
-    """main() runs cmd_NAME for the subcommand NAME: a subcommand without one would fail only when typed."""
+def test_every_subcommand_dispatches_to_its_command():
+    """main() runs the Command the subcommand NAME's parser names: a subcommand without one would fail only when
+    typed, one named twice would run the wrong code."""
     import argparse
 
     from pipeline import cli
     sub = next(a for a in cli.build_parser()._actions if isinstance(a, argparse._SubParsersAction))
     assert len(sub.choices) >= 10
-    missing = [n for n in sub.choices if not callable(getattr(cli, f"cmd_{n.replace('-', '_')}", None))]
-    assert missing == []
+    assert {n: p.get_default("command").name for n, p in sub.choices.items()} == {n: n for n in sub.choices}
+    assert all(type(c).cmd is not cli.Command.cmd for c in cli.COMMANDS)
+
+
+def test_wait_until_returns_the_first_truthy_answer_or_the_last_at_the_deadline():
+    import time
+
+    from pipeline.host.waiting import wait_until
+    answers = iter([0, None, "", 7, 8])
+    assert wait_until(lambda: next(answers), 5, 0.01) == 7  # asked until truthy, no longer
+    asked = []
+    t0 = time.monotonic()
+    assert wait_until(lambda: asked.append(1) or {}, 0.3, 0.05) == {}  # the last falsy answer
+    assert 0.25 <= time.monotonic() - t0 < 2 and len(asked) >= 3
+    assert wait_until(lambda: asked.append(1) or None, 0, 1) is None and asked  # asked once with no time at all
+
+    def exited():
+        raise RuntimeError("it exited")
+    with pytest.raises(RuntimeError, match="it exited"):
+        wait_until(exited, 5)

@@ -4,9 +4,9 @@ from pathlib import Path
 
 import pytest
 
-from pipeline import online, vllm_modes
 from pipeline.profile import load_profile
-from pipeline.server import ServerController, ServerError
+from pipeline.serving import client, vllm_modes
+from pipeline.serving.server import ServerController, ServerError
 from tests.conftest import TINY
 
 
@@ -97,9 +97,9 @@ vllm:spec_decode_num_drafts_total{engine="1",model_name="target"} 10.0
 
 
 def test_spec_counters_difference():
-    after = online.parse_spec_counters(METRICS)
+    after = client.parse_spec_counters(METRICS)
     assert after.drafts == 50.0 and after.draft_tokens == 120.0  # summed over engines, *_created skipped
-    before = online.SpecCounters(10.0, 30.0, 10.0, (6.0, 3.0, 1.0))
+    before = client.SpecCounters(10.0, 30.0, 10.0, (6.0, 3.0, 1.0))
     d = after - before
     assert d.mean_acceptance_length == pytest.approx(1 + 40 / 40)
     assert d.acceptance_rate == pytest.approx(40 / 90)

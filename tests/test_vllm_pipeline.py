@@ -8,14 +8,14 @@ from pathlib import Path
 import pytest
 from datasets import load_from_disk
 
-from pipeline import target
+from pipeline.data import target
 from tests.conftest import ROOT, cli
 
 pytestmark = pytest.mark.slow
 
 
 def test_render_endpoint_rows_equal_local_chat_template(vllm_run):
-    from pipeline import conversations
+    from pipeline.data import conversations
 
     """The data file mixes conversations and pre-tokenized rows: the rows pass through as they are, the
     conversations as the local chat template renders them, both in one dataset; two clients extract it."""
@@ -70,8 +70,8 @@ def test_benchmark_matrix_and_speculative_serving_matches_baseline(vllm_run):
     assert vllm_run.stage_state("deploy-measure")["figures"]["decision"] == res["decision"]
     hand = json.loads((vllm_run.root / "server-handover.json").read_text())
     assert hand["after_run"] == "stop"
-    from pipeline import box
-    assert box.controller(vllm_run.profile()).status() == {"state": "none"}  # nothing left serving
+    from pipeline.serving import ports
+    assert ports.controller(vllm_run.profile()).status() == {"state": "none"}  # nothing left serving
 
 
 def test_offline_and_vllm_acceptance_agree(vllm_run):
@@ -86,7 +86,7 @@ def test_offline_and_vllm_acceptance_agree(vllm_run):
 
 
 def test_the_offline_ngram_replay_counts_what_vllm_counts(vllm_run):
-    """evaluate-offline replays vLLM's prompt lookup on its greedy outputs (pipeline/prompt_lookup.py);
+    """evaluate-offline replays vLLM's prompt lookup on its greedy outputs (pipeline/evaluation/prompt_lookup.py);
     vLLM's n-gram server on the same prompts reports the same drafts and acceptance (equal on the demo)."""
     served = json.loads((vllm_run.eval_dir / "online.json").read_text())["matrix"]["ngram"]["levels"]["1"]
     replayed = json.loads(vllm_run.offline_result.read_text())["ngram"]
@@ -122,7 +122,7 @@ def test_report_has_matrix_plots_and_decision(vllm_run, tmp_path):
     ({}, False),
 ])
 def test_production_gets_the_head_only_on_a_deploy_decision(figures, deploys):
-    from pipeline.results import DeployMeasureResult
+    from pipeline.layout.results import DeployMeasureResult
     from pipeline.stages.handover import draft_goes_to_production
     decision = DeployMeasureResult.model_validate(figures).verdict()
     ok, why = draft_goes_to_production(decision)
@@ -154,7 +154,7 @@ def test_handover_to_production_follows_the_runs_decision(vllm_run, tmp_path):
         assert secret not in proc.stdout + proc.stderr
         registry = Path(resolved["run"]["runs_dir"]) if Path(resolved["run"]["runs_dir"]).is_absolute() \
             else ROOT / resolved["run"]["runs_dir"]
-        from pipeline import portlock
+        from pipeline.host import portlock
         for path in [*copy.rglob("*"), *(registry / ".servers").rglob("*"), *portlock.runtime_dir().rglob("*")]:
             if path.is_file() and not path.is_symlink():
                 assert secret.encode() not in path.read_bytes(), f"the API key leaked into {path}"

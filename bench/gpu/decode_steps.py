@@ -18,9 +18,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from pipeline import conversations, online, target  # noqa: E402
-from pipeline.online import in_threads  # noqa: E402
-from pipeline.rundir import RunDir  # noqa: E402
+from pipeline.data import conversations, target  # noqa: E402
+from pipeline.layout.rundir import RunDir  # noqa: E402
+from pipeline.serving import client  # noqa: E402
+from pipeline.serving.client import in_threads  # noqa: E402
 from pipeline.stages.base import StageContext  # noqa: E402
 
 LOG_LINES = re.compile(r"cuda ?graph|Asynchronous scheduling|attention backend|Using .*backend|"
@@ -36,12 +37,12 @@ def cli(*argv: str) -> str:
 
 def measure(base_url: str, prompts: list[list[int]], tokens: int, concurrency: int, ignore_eos: bool) -> dict:
     extra = {"ignore_eos": True} if ignore_eos else None
-    before = online.scrape(base_url)
-    results = in_threads(lambda ids: online.stream_complete(base_url, "target", ids, tokens, {}, extra=extra),
+    before = client.scrape(base_url)
+    results = in_threads(lambda ids: client.stream_complete(base_url, "target", ids, tokens, {}, extra=extra),
                          prompts, concurrency)
-    spec = online.scrape(base_url) - before
+    spec = client.scrape(base_url) - before
     n = [len(r["token_ids"]) for r in results]
-    figures = online.stream_figures(results)
+    figures = client.stream_figures(results)
     return {"tokens_mean": round(sum(n) / len(n), 1),
             **{k: figures[k] for k in ("ttft_ms", "decode_tpot_ms", "chunk_ms")},
             "request_ms": round(1000 * sum(r["seconds"] for r in results) / len(results), 3),
@@ -77,7 +78,7 @@ def main() -> int:
         start = ["server", "start", "--run-dir", str(run.root), "--mode", mode]
         text = cli(*start, *(["--draft", str(args.draft)] if mode == "speculative" else []))
         base_url = found(r"(http://[0-9.:]+)", text)
-        online.complete(base_url, "target", prompts[0], 4, {})  # warm-up
+        client.complete(base_url, "target", prompts[0], 4, {})  # warm-up
         for ignore_eos in (False, True):
             for c in args.concurrency:
                 r = measure(base_url, prompts, args.tokens, c, ignore_eos)

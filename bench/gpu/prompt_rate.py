@@ -5,7 +5,7 @@ item 4): the whole window, and the steady middle that a short run's ramp and tai
     python bench/gpu/prompt_rate.py rate FILE [FILE ...]            # per file: whole window, 10–90 % of its tokens
 
 The whole window runs from the last sample before the counter moved to its last move; first-to-last, from its
-first move to its last (what the extract stage reports as its tokens_per_s: pipeline.online.PromptWindow); the
+first move to its last (what the extract stage reports as its tokens_per_s: pipeline.serving.client.PromptWindow); the
 steady rate is the slope between the samples where 10 % and 90 % of the window's tokens had arrived.
 """
 from __future__ import annotations
@@ -17,13 +17,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from pipeline import online  # noqa: E402
+from pipeline.serving import client  # noqa: E402
 
 
 def sample(port: int, out: Path, every: float) -> int:
     with out.open("a") as f:
         while True:
-            n = online.prompt_tokens(f"http://127.0.0.1:{port}")
+            n = client.prompt_tokens(f"http://127.0.0.1:{port}")
             if n is not None:
                 f.write(f"{time.time():.3f} {n:.0f}\n")
                 f.flush()

@@ -31,9 +31,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from decode_steps import measure  # noqa: E402
 from step_cost import SIZES, server_env, write_head, write_target  # noqa: E402
 
-from pipeline import online, vllm_modes  # noqa: E402
 from pipeline.compat import vllm_flags  # noqa: E402
-from pipeline.server import ServerController, ServerError  # noqa: E402
+from pipeline.serving import client, vllm_modes  # noqa: E402
+from pipeline.serving.server import ServerController, ServerError  # noqa: E402
 
 SCHEDULE = [[1, 2, 3], [3, 16, 1], [17, 1024, 0]]
 PIECEWISE = ["--compilation-config", json.dumps({"cudagraph_mode": "PIECEWISE"})]
@@ -143,7 +143,7 @@ def main() -> int:
             runner = "V2" if "Using V2 Model Runner" in log else "V1"
             mode = "PIECEWISE (forced)" if "Overriding cudagraph_mode" in log else ""
             print(f"{name}: up in {time.monotonic() - t0:.0f} s, runner {runner} {mode}", flush=True)
-            online.complete(rec.base_url, "target", prompts[0], 4, {})
+            client.complete(rec.base_url, "target", prompts[0], 4, {})
             for c in args.concurrency:
                 measure(rec.base_url, prompts[:c], 16, c, ignore_eos=True)  # each shape once before timing
                 clocks = Clocks()

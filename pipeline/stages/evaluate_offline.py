@@ -6,9 +6,10 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from pipeline import atomicio, diagnose
-from pipeline.plan import evaluates_offline
-from pipeline.results import EvaluateOfflineResult
+from pipeline.evaluation import diagnose
+from pipeline.evaluation.offline_policy import evaluates_offline
+from pipeline.layout import atomicio
+from pipeline.layout.results import EvaluateOfflineResult
 from pipeline.stages.base import Stage, StageContext, StageError, first_difference
 
 
@@ -25,15 +26,16 @@ class EvaluateOffline(Stage):
         return [ctx.run.offline_result]
 
     def run(self, ctx: StageContext) -> EvaluateOfflineResult:
-        from pipeline import prompt_lookup, speculative
+        from pipeline.evaluation import offline_decoding, prompt_lookup
 
         ev = ctx.profile.evaluate
         prompts = ctx.heldout_rows()
-        bench = speculative.OfflineTarget(ctx.profile, ctx.target_dir())
+        bench = offline_decoding.OfflineTarget(ctx.profile, ctx.target_dir())
         head = bench.head(ctx.draft_checkpoint())
-        total = speculative.SpecStats(k=ev.k)
+        total = offline_decoding.SpecStats(k=ev.k)
         ngram = prompt_lookup.Acceptance(per_position=[0] * ev.k)
         per_prompt, mismatches, outputs = [], [], []
+        by_source: dict[str, offline_decoding.SpecStats] = {}  # a mix's held-out prompts: τ per source
         t_spec = t_ref = 0.0
         for start in range(0, len(prompts), ev.batch_size):
             batch = prompts[start: start + ev.batch_size]
@@ -49,12 +51,15 @@ class EvaluateOffline(Stage):
             t_spec += t1 - t0
             for p, prompt_ids, (out, stats), ref, ref_on in zip(batch, ids, results, refs, longer, strict=True):
                 total.merge(stats)
+                if "source" in p:
+                    by_source.setdefault(p["source"], offline_decoding.SpecStats(k=ev.k)).merge(stats)
                 ngram.add(prompt_lookup.acceptance(prompt_ids, ref_on, ev.k, ev.ngram_min, ev.ngram_max,
                                                    ctx.profile.server.max_model_len, emitted=len(ref)))
                 same = out == ref
                 if not same:
                     mismatches.append({"id": p["id"], "first_difference": first_difference(out, ref)})
-                per_prompt.append({"id": p["id"], "tau": round(stats.tau, 4), "tokens": len(out), "lossless": same})
+                per_prompt.append({"id": p["id"], "tau": round(stats.tau, 4), "tokens": len(out), "lossless": same,
+                                   **({"source": p["source"]} if "source" in p else {})})
             ctx.progress(start + len(batch), len(prompts), "prompts", tau=round(total.tau, 3))
         acceptance = [round(a, 4) for a in total.acceptance()]
         result = {
@@ -67,6 +72,10 @@ class EvaluateOffline(Stage):
             "batch_size": ev.batch_size, "seconds_speculative": round(t_spec, 3),
             "seconds_greedy_reference": round(t_ref, 3),
             "ngram": ngram_figures(ngram, ev.ngram_min, ev.ngram_max),
+            "per_source": {src: {"prompts": sum(1 for e in per_prompt if e.get("source") == src),
+                                 "tau": round(st.tau, 4),
+                                 "acceptance_per_position": [round(a, 4) for a in st.acceptance()]}
+                           for src, st in sorted(by_source.items())},
         }
         atomicio.atomic_write_json(ctx.run.offline_result, result)
         if mismatches:

@@ -11,14 +11,17 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
-from pipeline import atomicio, box, online, online_training, procs, target, vllm_modes
 from pipeline.compat import offline_clients
-from pipeline.compat.offline_clients import shard
-from pipeline.plan import GIB, extraction_clients
-from pipeline.results import ExtractResult
-from pipeline.server import explain_failure
+from pipeline.compat.offline_clients import extraction_clients, shard
+from pipeline.data import target
+from pipeline.data.targetinfo import from_config
+from pipeline.host import procs
+from pipeline.layout import atomicio
+from pipeline.layout.results import ExtractResult
+from pipeline.serving import client, online_training, ports, vllm_modes
+from pipeline.serving.server import explain_failure
 from pipeline.stages.base import Stage, StageContext, StageError, argv_for
-from pipeline.targetinfo import from_config
+from pipeline.units import GIB
 
 
 def hs_path(hs_dir: Path, index: int) -> Path:
@@ -214,7 +217,7 @@ def extract_with_vllm(ctx: StageContext, world_size: int, rank: int, keep_server
         return sum(hs_path(ctx.run.hidden_states_dir, i).exists() for i in rows)
 
     before = have_files()  # a resume skips them
-    _, mode_args = box.mode_inputs(ctx.profile, ctx.run, "extraction")
+    _, mode_args = ports.mode_inputs(ctx.profile, ctx.run, "extraction")
     with ctx.server("extraction", on_wait=lambda s: ctx.progress(0, total, "samples", server_wait_s=round(s)),
                     **mode_args) as srv:
         cmd = [sys.executable, "-m", "speculators", "generate-offline-data", "--endpoint", f"{srv.base_url}/v1",
@@ -227,7 +230,7 @@ def extract_with_vllm(ctx: StageContext, world_size: int, rank: int, keep_server
             cmd = offline_clients.client_argv(cmd, world_size, rank)
         ctx.log.info("command: %s", " ".join(cmd))
         t1 = time.perf_counter()
-        window = online.PromptWindow(srv.base_url)
+        window = client.PromptWindow(srv.base_url)
         window.start()
         rc = ctx.run_child(cmd)
         seconds = time.perf_counter() - t1

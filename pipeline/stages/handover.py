@@ -1,15 +1,17 @@
 """handover: leave the serving port as the profile says: the production server restarted (with the new
-head only when deploy-measure decided "deploy", else without it and the reason recorded) or nothing
-running."""
+head only when deploy-measure decided "deploy", else without it and the reason recorded; with the existing head
+instead where evaluate.existing_policy = "deploy" skipped making a new one, on measure-existing's decision) or
+nothing running."""
 from __future__ import annotations
 
 from pathlib import Path
 
-from pipeline import atomicio, box
-from pipeline.decision import Decision
-from pipeline.results import DeployMeasureResult, HandoverResult
-from pipeline.rundir import now_iso
-from pipeline.stages.base import Stage, StageContext
+from pipeline.layout import atomicio
+from pipeline.layout.decision import Decision
+from pipeline.layout.results import DeployMeasureResult, HandoverResult
+from pipeline.layout.rundir import now_iso
+from pipeline.serving import ports
+from pipeline.stages.base import Stage, StageContext, StageError, existing_clears
 
 
 def draft_goes_to_production(decision: Decision | None) -> tuple[bool, str]:
@@ -36,14 +38,22 @@ class Handover(Stage):
     def run(self, ctx: StageContext) -> HandoverResult:
         after = ctx.profile.server.after_run
         if after == "stop":
-            stopped = box.free_port(ctx.profile, ctx.log.info, own_run=str(ctx.run.root))
+            stopped = ports.free_port(ctx.profile, ctx.log.info, own_run=str(ctx.run.root))
             figures: dict = {"after_run": after, "server": "stopped" if stopped else "none running"}
         else:
             draft, why, spec = None, "", {}
-            if after.startswith("production-with-draft"):
+            existing = existing_clears(ctx.run, ctx.profile)
+            if after.startswith("production-with-draft") and existing is not None:
+                # no new head was made (evaluate.existing_policy = deploy): the existing one, on its own decision
+                deploy, why = draft_goes_to_production(existing.verdict())
+                if deploy:
+                    draft = existing_draft(ctx, Path(existing.head or ""))
+                    spec = deployed_spec(atomicio.read_json(ctx.run.existing_result))
+                    why = f"{why} (the existing head {existing.existing_head or existing.head}, measured first)"
+            elif after.startswith("production-with-draft"):
                 deploy, why = draft_goes_to_production(ctx.run.result(DeployMeasureResult).verdict())
                 if deploy:
-                    from pipeline.deploy import publish_draft
+                    from pipeline.serving.deploy import publish_draft
                     draft = publish_draft(ctx.draft_checkpoint(), ctx.run.draft_dir, ctx.target_dir())
                     spec = deployed_spec(atomicio.read_json(ctx.run.online_result))
                 else:
@@ -51,7 +61,8 @@ class Handover(Stage):
             rec = start_production(ctx, draft, spec)
             figures = {"after_run": after, "server": "production" + (" with draft" if draft else ""),
                        "pid": rec.pid, "port": rec.port, **({"draft": why} if why else {}),
-                       **({"deployed_k": spec.get("k"), "schedule": spec.get("schedule")} if draft else {})}
+                       **({"deployed_k": spec.get("k"), "schedule": spec.get("schedule"),
+                           "head": "existing" if existing is not None else "new"} if draft else {})}
             if ctx.profile.evaluate.production_before_after:
                 from pipeline.stages.production import after as measure_after
                 figures |= measure_after(ctx, rec, with_draft=draft is not None)
@@ -61,8 +72,22 @@ class Handover(Stage):
         return HandoverResult.of(figures)
 
 
+def existing_draft(ctx: StageContext, head: Path) -> Path:
+    """The existing head measure-existing measured, at the run's published head's place (RunDir.draft_dir) as a
+    new head would be; where it was served from outside the run (weights publishing does not copy), from there."""
+    from pipeline.serving.deploy import FILES, publish_draft
+
+    if not all((head / name).is_file() for name in FILES):
+        if not (head / "config.json").is_file():
+            raise StageError(f"{head}: the existing head measure-existing measured is gone (run --resume "
+                             f"{ctx.run.root} --from measure-existing measures it again)")
+        return head
+    return publish_draft(head, ctx.run.draft_dir, ctx.target_dir())
+
+
 def deployed_spec(online: dict | None) -> dict:
-    """The k (and the k per batch size) deploy-measure decided to deploy: {} = evaluate.k everywhere."""
+    """The k (and the k per batch size) deploy-measure (or measure-existing, for the existing head) decided to
+    deploy: {} = evaluate.k everywhere."""
     deployed = (online or {}).get("deployed") or {}
     return {key: deployed[key] for key in ("k", "schedule") if deployed.get(key)}
 
@@ -70,8 +95,8 @@ def deployed_spec(online: dict | None) -> dict:
 def start_production(ctx: StageContext, draft: Path | None, spec: dict):
     # owner "": production is the operator's server once handed over (a later cleanup of this run never
     # stops it)
-    return box.start_mode(ctx.profile, "production", ctx.target_dir(), log_path=ctx.run.log_path("server-production"),
-                          cache_root=ctx.run.cache_root, say=ctx.log.info, owner="", draft_dir=draft, **spec)
+    return ports.start_mode(ctx.profile, "production", ctx.target_dir(), log_path=ctx.run.log_path("server-production"),
+                            cache_root=ctx.run.cache_root, say=ctx.log.info, owner="", draft_dir=draft, **spec)
 
 
 def slower_after(ctx: StageContext, after: str, slower: list[str]) -> dict:

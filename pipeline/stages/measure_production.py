@@ -8,9 +8,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pipeline import atomicio, box, online, schedule
-from pipeline.results import MeasureProductionResult
-from pipeline.rundir import now_iso
+from pipeline.evaluation import schedule
+from pipeline.layout import atomicio
+from pipeline.layout.results import MeasureProductionResult
+from pipeline.layout.rundir import now_iso
+from pipeline.serving import client, ports
 from pipeline.stages.base import Stage, StageContext, StageError
 from pipeline.stages.production import heldout_prompt_ids, level_summary, measure
 
@@ -25,7 +27,7 @@ class MeasureProduction(Stage):
         return [ctx.run.production_before]
 
     def run(self, ctx: StageContext) -> MeasureProductionResult:
-        ctl = box.controller(ctx.profile)
+        ctl = ports.controller(ctx.profile)
         rec, status = ctl.record(), ctl.status()
         port = ctx.profile.server.port
         if rec is None or rec.mode != "production" or not status.get("healthy"):
@@ -54,7 +56,7 @@ def sample_traffic(ctx: StageContext, rec) -> dict:
     if not ev.traffic_window_s:
         return {}
     ctx.log.info("sampling production's load (vllm:num_requests_running) for %d s", ev.traffic_window_s)
-    samples = online.sample_running(rec.base_url, ev.traffic_window_s)
+    samples = client.sample_running(rec.base_url, ev.traffic_window_s)
     weights = schedule.traffic_weights(samples, sorted(ev.concurrency))
     busy = [x for x in samples if x >= 0.5]
     ctx.note(f"production's load over {ev.traffic_window_s} s: {len(busy)} of {len(samples)} samples busy"

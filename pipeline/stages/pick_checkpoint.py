@@ -14,16 +14,20 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from pipeline import atomicio, conversations, diagnose, online, target
-from pipeline.checkpoints import Checkpoint, candidates
-from pipeline.deploy import publish_draft
-from pipeline.plan import evaluates_offline
-from pipeline.results import PickCheckpointResult
-from pipeline.rundir import now_iso
+from pipeline.data import conversations, target
+from pipeline.evaluation import diagnose
+from pipeline.evaluation.offline_policy import evaluates_offline
+from pipeline.layout import atomicio
+from pipeline.layout.checkpoints import Checkpoint, candidates, measures_checkpoints, with_start
+from pipeline.layout.results import PickCheckpointResult
+from pipeline.layout.rundir import now_iso
+from pipeline.serving import client
+from pipeline.serving.deploy import publish_draft
+from pipeline.stages import heads
 from pipeline.stages.base import Stage, StageContext, StageError
 
 if TYPE_CHECKING:
-    from pipeline.speculative import OfflineTarget
+    from pipeline.evaluation.offline_decoding import OfflineTarget
 
 
 def chosen_path(run) -> str | None:
@@ -54,7 +58,7 @@ class PickCheckpoint(Stage):
     name = "pick-checkpoint"
 
     def applies(self, profile) -> bool:
-        return profile.train.first_node and profile.evaluate.checkpoints == "each"
+        return measures_checkpoints(profile)
 
     def inputs(self, ctx: StageContext) -> list[Path]:
         return [ctx.run.heldout_prompts]
@@ -71,6 +75,12 @@ class PickCheckpoint(Stage):
         found = candidates(ctx.run.checkpoints_dir)
         if not found:
             raise StageError(f"{ctx.run.checkpoints_dir}: no complete checkpoint to measure (train has not finished?)")
+        start = heads.start_head(ctx)
+        if start is not None and not (start / "model.safetensors").is_file():
+            ctx.note(f"the starting head {start} is not measured beside the checkpoints (its weights are not one "
+                     f"model.safetensors)", ctx.log.warning)
+            start = None
+        found = with_start(found, start, ctx.profile.evaluate.checkpoints == "each")
         backend = "offline" if evaluates_offline(ctx.profile) else "vllm"
         rows = ctx.heldout_rows()
         kept = self._kept(ctx, backend, len(rows))
@@ -147,7 +157,7 @@ class OfflineMeasure:
     def _ready(self) -> OfflineTarget:
         if self._bench is None:
             t0 = time.perf_counter()
-            from pipeline.speculative import OfflineTarget  # torch: the console imports the stages
+            from pipeline.evaluation.offline_decoding import OfflineTarget  # torch: the console imports the stages
 
             self._bench = OfflineTarget(self.ctx.profile, self.ctx.target_dir())
             self._ids = self._bench.prompt_ids(self.rows)
@@ -160,12 +170,12 @@ class OfflineMeasure:
         return self._bench
 
     def measure(self, ckpt: Checkpoint) -> dict:
-        from pipeline import speculative
+        from pipeline.evaluation import offline_decoding
 
         bench = self._ready()
         refs = self._refs or []
         head = bench.head(ckpt.path)
-        total = speculative.SpecStats(k=self.ctx.profile.evaluate.k)
+        total = offline_decoding.SpecStats(k=self.ctx.profile.evaluate.k)
         size = self.ctx.profile.evaluate.batch_size
         differ = 0
         for i in range(0, len(self._ids), size):
@@ -194,10 +204,10 @@ class VllmMeasure:
         try:
             with ctx.server("speculative", name=f"checkpoint-{ckpt.label}", draft_dir=draft) as srv:
                 model = p.server.served_model_name
-                online.complete(srv.base_url, model, self.prompts[0], 4, {})  # warm-up
-                before = online.scrape(srv.base_url)
-                level = online.send_all(srv.base_url, model, self.prompts, p.evaluate.max_new_tokens, concurrency)
-                spec = online.scrape(srv.base_url) - before
+                client.complete(srv.base_url, model, self.prompts[0], 4, {})  # warm-up
+                before = client.scrape(srv.base_url)
+                level = client.send_all(srv.base_url, model, self.prompts, p.evaluate.max_new_tokens, concurrency)
+                spec = client.scrape(srv.base_url) - before
         finally:
             shutil.rmtree(draft, ignore_errors=True)
         if not spec.drafts:

@@ -1,13 +1,13 @@
-"""preflight: the run's first stage. Every check of pipeline/preflight.py, written to
+"""preflight: the run's first stage. Every check of pipeline/planning/preflight.py, written to
 RUN/preflight.json and the notes; a blocking finding fails the run before any GPU work. It runs
 again on every resume: GPUs, the port and the disk change between attempts."""
 from __future__ import annotations
 
 from pathlib import Path
 
-from pipeline import atomicio
-from pipeline import preflight as checks
-from pipeline.results import PreflightResult
+from pipeline.layout import atomicio
+from pipeline.layout.results import PreflightResult
+from pipeline.planning import preflight as checks
 from pipeline.stages.base import Stage, StageContext, StageError
 
 
@@ -36,7 +36,7 @@ class Preflight(Stage):
             if earlier.get("extract_mode"):
                 figures.update(extract_mode=earlier["extract_mode"], extract_mode_why=earlier["extract_mode_why"])
             else:
-                from pipeline.plan import make_plan
+                from pipeline.planning.plan import make_plan
                 plan = make_plan(ctx.profile, ctx.run.root)
                 figures.update(extract_mode=plan.mode, extract_mode_why=plan.mode_why)
         return PreflightResult.of(figures)

@@ -8,9 +8,12 @@ import shutil
 import sys
 from pathlib import Path
 
-from pipeline import atomicio, box, conversations, procs, target
-from pipeline.results import PrepareResult
-from pipeline.server import explain_failure
+from pipeline.data import conversations, target
+from pipeline.host import procs
+from pipeline.layout import atomicio
+from pipeline.layout.results import PrepareResult
+from pipeline.serving import ports
+from pipeline.serving.server import explain_failure
 from pipeline.stages.base import Stage, StageContext, StageError, argv_for
 
 
@@ -26,7 +29,7 @@ class Prepare(Stage):
     name = "prepare"
 
     def inputs(self, ctx: StageContext) -> list[Path]:
-        from pipeline import sources
+        from pipeline.data import sources
         needed = [ctx.training_conversations()] if ctx.profile.data.regenerate else []
         if not sources.gathered(ctx.profile.data):  # a preset or a mix is gathered here when absent
             needed.insert(0, ctx.source_conversations())
@@ -146,7 +149,7 @@ class Prepare(Stage):
             atomicio.atomic_write_text(source, "".join(json.dumps({"conversations": c["messages"]}) + "\n"
                                                        for c in train))
             mode = "extraction" if ctx.profile.extract.backend == "vllm" else "baseline"
-            _, mode_args = box.mode_inputs(ctx.profile, ctx.run, mode)
+            _, mode_args = ports.mode_inputs(ctx.profile, ctx.run, mode)
             with ctx.server(mode, **mode_args) as srv:
                 parts.append(tmp.with_name(tmp.name + "-rendered") if parts else tmp)
                 if (rc := prepare_data(parts[-1], ["--data", str(source), "--render-endpoint", srv.base_url])) != 0:
@@ -178,7 +181,8 @@ class Prepare(Stage):
 
 
 def _write_heldout(ctx: StageContext, heldout: list[dict]) -> list[dict]:
-    prompts = [{"id": c["id"], "messages": conversations.first_prompt(c["messages"])} for c in heldout]
+    prompts = [{"id": c["id"], "messages": conversations.first_prompt(c["messages"]),
+                **({"source": c["source"]} if "source" in c else {})} for c in heldout]
     atomicio.atomic_write_text(ctx.run.heldout_prompts, "".join(json.dumps(p) + "\n" for p in prompts))
     return prompts
 

@@ -5,10 +5,11 @@ from __future__ import annotations
 import json
 import os
 
-from pipeline import atomicio, conversations, target
-from pipeline.matrix import level_of
-from pipeline.rundir import now_iso
-from pipeline.schedule import level_rounds, speedup_interval
+from pipeline.data import conversations, target
+from pipeline.evaluation.schedule import level_rounds, speedup_interval
+from pipeline.layout import atomicio
+from pipeline.layout.matrix import level_of
+from pipeline.layout.rundir import now_iso
 from pipeline.stages.base import StageContext, StageError
 from pipeline.stages.served import measure_served
 
@@ -28,6 +29,13 @@ def heldout_prompt_ids(ctx: StageContext) -> tuple[list[str], list[list[int]]]:
     ids = [conversations.render_ids(tok, conversations.first_prompt(c["messages"]), add_generation_prompt=True)
            for c in heldout]
     return [c["id"] for c in heldout], ids
+
+
+def heldout_sources(ctx: StageContext) -> list[str]:
+    """Each held-out prompt's source in a mix, in heldout_prompt_ids' order ("" for a single source)."""
+    loaded = conversations.load(ctx.source_conversations())
+    _, heldout = conversations.split_heldout(loaded.conversations, ctx.profile.data.heldout, len(loaded.token_rows))
+    return [c.get("source", "") for c in heldout[: ctx.profile.evaluate.num_prompts]]
 
 
 def level_summary(row: dict) -> dict:

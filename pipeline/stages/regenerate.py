@@ -19,12 +19,15 @@ import time
 from itertools import accumulate
 from pathlib import Path
 
-from pipeline import atomicio, conversations, procs, target
 from pipeline.compat import vllm_flags
-from pipeline.online import PromptWindow, generation_tokens
+from pipeline.compat.speculators_rows import RowsWatch, askable, read_rows, repair_tail, unique_ids
+from pipeline.data import conversations, target
+from pipeline.host import procs
+from pipeline.layout import atomicio
+from pipeline.layout.results import RegenerateResult
 from pipeline.profile import GREEDY
-from pipeline.results import RegenerateResult
-from pipeline.server import death, explain_failure
+from pipeline.serving.client import PromptWindow, generation_tokens
+from pipeline.serving.server import death, explain_failure
 from pipeline.stages.base import Stage, StageContext, StageError, argv_for
 
 
@@ -35,7 +38,7 @@ class Regenerate(Stage):
         return profile.data.regenerate
 
     def inputs(self, ctx: StageContext) -> list[Path]:
-        from pipeline import sources
+        from pipeline.data import sources
         return [] if sources.gathered(ctx.profile.data) else [ctx.source_conversations()]
 
     def outputs(self, ctx: StageContext) -> list[Path]:
@@ -77,85 +80,6 @@ def enough_for(train: list[dict], rows: int) -> list[dict]:
 
 
 # ---------------------------------------------------------------------------------------------- vllm
-
-def unique_ids(train: list[dict]) -> list[dict]:
-    """The conversations as speculators reads them ({"id", "messages"}), ids made unique and never empty
-    (its resume keys on them: a repeated id would be taken for done, an empty one replaced by a hash)."""
-    used: set[str] = set()
-    out = []
-    for i, conv in enumerate(train):
-        base = str(conv["id"]) or f"conversation{i}"
-        cid, n = base, 1
-        while cid in used:
-            n += 1
-            cid = f"{base}#{n}"
-        used.add(cid)
-        out.append({"id": cid, "messages": conv["messages"]})
-    return out
-
-
-def askable(conv: dict) -> bool:
-    """speculators regenerates from the user turns; a conversation without a non-empty one it skips
-    without a word (it would count as failed on every attempt)."""
-    return any(m["role"] == "user" and m["content"].strip() for m in conv["messages"])
-
-
-def repair_tail(path: Path) -> int:
-    """speculators appends a finished conversation's rows one after another; a kill can leave the last line
-    torn (the next append would glue a row to it) or only a conversation's first rows written (its resume
-    takes one row for done). Cut the torn line, then the file's last conversation whole — regenerated
-    again, which costs at most two conversations. Returns bytes cut."""
-    if not path.is_file() or path.stat().st_size == 0:
-        return 0
-
-    def pid(line: bytes):
-        try:
-            return json.loads(line).get("primary_id")
-        except (json.JSONDecodeError, AttributeError):
-            return None
-
-    with open(path, "rb+") as fh:
-        data = fh.read()
-        keep = data.rfind(b"\n") + 1  # whole lines only
-        last = None
-        while keep > 0:
-            start = data.rfind(b"\n", 0, keep - 1) + 1
-            this = pid(data[start:keep])
-            if last is not None and this != last:
-                break
-            last, keep = this, start
-        fh.truncate(keep)
-        return len(data) - keep
-
-
-class RowsWatch:
-    """Follows speculators' output file as rows arrive: conversations done, tokens generated (from each
-    row's usage), tokens/s; and whether the server is still alive."""
-
-    def __init__(self, path: Path):
-        self.path, self.offset = path, 0
-        self.done: set[str] = set()
-        self.tokens = 0
-        self.last_row_at: float | None = None  # when the latest row was seen (perf_counter)
-
-    def poll(self) -> None:
-        rows, self.offset = atomicio.read_jsonl_from(self.path, self.offset)
-        for row in rows:
-            self.done.add(str(row.get("primary_id")))
-            self.tokens += int((row.get("metadata") or {}).get("usage", {}).get("completion_tokens") or 0)
-            self.last_row_at = time.perf_counter()
-
-
-def read_rows(path: Path) -> dict[str, list[dict]]:
-    """speculators' rows by conversation, each conversation's generations in order."""
-    by_conv: dict[str, list[dict]] = {}
-    for row in atomicio.read_jsonl(path):
-        if isinstance(row, dict) and row.get("input_ids") and row.get("primary_id") is not None:
-            by_conv.setdefault(str(row["primary_id"]), []).append(row)
-    for rows in by_conv.values():
-        rows.sort(key=lambda r: int(str(r.get("id", "")).rsplit("_gen", 1)[-1] or 0))
-    return by_conv
-
 
 def regenerate_command(ctx: StageContext, endpoint: str, dataset: Path, outfile: Path) -> list[str]:
     """speculators regenerate-responses with the profile's settings; --model is the target's path, which
@@ -309,7 +233,7 @@ def with_vllm(ctx: StageContext, train: list[dict]) -> tuple[list[dict], dict]:
 # --------------------------------------------------------------------------------------- transformers
 
 def with_transformers(ctx: StageContext, train: list[dict]) -> tuple[list[dict], dict]:
-    from pipeline.speculative import eos_ids, greedy_reference_batch
+    from pipeline.evaluation.offline_decoding import eos_ids, greedy_reference_batch
 
     data = ctx.profile.data
     tok = target.load_tokenizer(ctx.target_dir())

@@ -4,35 +4,37 @@ from __future__ import annotations
 
 from functools import partial
 
-from pipeline import online
-from pipeline.online import send_all
-from pipeline.server import explain_failure
+from pipeline.serving import client
+from pipeline.serving.client import send_all
+from pipeline.serving.server import explain_failure
 from pipeline.stages.base import StageContext, first_difference
 
 
 def measure_served(ctx: StageContext, method: str, rec, start_s: float, prompts: list[list[int]],
-                   reference: list[list[int]] | None = None, headers: dict | None = None) -> dict:
+                   reference: list[list[int]] | None = None, headers: dict | None = None,
+                   sources: list[str] | None = None) -> dict:
     """One method's row; with the baseline's outputs (`reference`), every output that differs at the lowest
     concurrency is located and the target's own margin there asked of this server (`divergences`).
-    `headers`: production's key (measure-production, handover)."""
+    `headers`: production's key (measure-production, handover). `sources`: each prompt's source in a mix: a
+    head's τ per source (per_source)."""
     p = ctx.profile
     row: dict = {"method": method, "server_start_s": start_s, "levels": {}}
     try:
-        online.complete(rec.base_url, p.server.served_model_name, prompts[0], 4, headers or {})  # warm-up
+        client.complete(rec.base_url, p.server.served_model_name, prompts[0], 4, headers or {})  # warm-up
         ev = p.evaluate
         for c in sorted(ev.concurrency):
             sent = round_requests(prompts, c, ev.waves)
             rounds = []
             for r in range(ev.rounds):  # each round with its own counters: a level's figures are one round's
                 label = f", round {r + 1}/{ev.rounds}" if ev.rounds > 1 else ""
-                before = online.scrape(rec.base_url)
+                before = client.scrape(rec.base_url)
                 level = send_all(rec.base_url, p.server.served_model_name, sent, ev.max_new_tokens, c,
                                  on_done=partial(ctx.progress, total=len(sent),
                                                  unit=f"prompts ({method}, c={c}{label})"),
                                  headers=headers, min_tokens=ev.min_new_tokens)
                 level["outputs"] = level["outputs"][: len(prompts)]  # a prompt sent again answers the same
                 level["requests"] = len(sent)
-                spec = online.scrape(rec.base_url) - before
+                spec = client.scrape(rec.base_url) - before
                 if spec.drafts:
                     level.update(mean_acceptance_length=round(spec.mean_acceptance_length, 4),
                                  acceptance_rate=round(spec.acceptance_rate, 4),
@@ -45,9 +47,27 @@ def measure_served(ctx: StageContext, method: str, rec, start_s: float, prompts:
         if reference is not None:
             row["divergences"] = divergences(rec, p.server.served_model_name, prompts, reference,
                                              row["levels"][min(ev.concurrency)]["outputs"])
+        if sources and len(set(sources)) > 1 and row["levels"][min(ev.concurrency)].get("drafts"):
+            row["per_source"] = per_source(rec, p.server.served_model_name, prompts, sources, ev, headers)
     except Exception as exc:  # noqa: BLE001 - a method that fails mid-way is a row, not a crash
         row["error"] = explain_failure(rec, f"{type(exc).__name__}: {exc}")
     return row
+
+
+def per_source(rec, model: str, prompts: list[list[int]], sources: list[str], ev, headers: dict | None) -> dict:
+    """τ and per-position acceptance of each source's prompts: vLLM's /metrics count the server, not a request,
+    so each source is sent alone (at the highest concurrency: acceptance does not depend on the batch under
+    greedy decoding) between two scrapes."""
+    out = {}
+    for src in sorted(set(sources)):
+        mine = [pr for pr, s in zip(prompts, sources, strict=True) if s == src]
+        before = client.scrape(rec.base_url)
+        send_all(rec.base_url, model, mine, ev.max_new_tokens, min(max(ev.concurrency), len(mine)),
+                 headers=headers, min_tokens=ev.min_new_tokens)
+        spec = client.scrape(rec.base_url) - before
+        out[src] = {"prompts": len(mine), "tau": round(spec.mean_acceptance_length, 4) if spec.drafts else None,
+                    "acceptance_per_position": [round(x, 4) for x in spec.per_position_rate()] if spec.drafts else []}
+    return out
 
 
 def round_requests(prompts: list[list[int]], concurrency: int, waves: int) -> list[list[int]]:
@@ -82,7 +102,7 @@ def divergences(rec, model: str, prompts: list[list[int]], reference: list[list[
         entry: dict = {"prompt": i, "position": at, "baseline": ref[at: at + 1], "method": out[at: at + 1]}
         try:  # the two tokens that parted, among the target's top five (its end of text may be first where
             # evaluate.min_new_tokens held it back; vLLM's logprobs are the raw model's)
-            top = dict(online.top_logprobs(rec.base_url, model, prompts[i] + ref[:at], {}, n=5))
+            top = dict(client.top_logprobs(rec.base_url, model, prompts[i] + ref[:at], {}, n=5))
             pair = (top.get(ref[at]) if at < len(ref) else None, top.get(out[at]) if at < len(out) else None)
             if pair[0] is not None and pair[1] is not None:
                 entry["gap"] = round(abs(pair[0] - pair[1]), 4)

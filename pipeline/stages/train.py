@@ -1,6 +1,6 @@
 """train: `speculators train` as a subprocess (torchrun when the profile asks for more than one
 process per node), in its own process group, its output in logs/train.log, its metric records (the
-compat launcher's JSON lines) into events. speculators resumes from the highest epoch directory by
+trainer's launcher's JSON lines) into events. speculators resumes from the highest epoch directory by
 itself; before a relaunch, epoch directories that a kill left half-written are moved aside so that
 resume never reads them."""
 from __future__ import annotations
@@ -11,19 +11,26 @@ import sys
 import time
 from pathlib import Path
 
-from pipeline import atomicio, box, mooncake, online_training, procs, vllm_modes
-from pipeline.checkpoints import final_checkpoint, kept_sub_epoch, quarantine_incomplete
 from pipeline.compat import speculators_compat, torch_distributed_errors
-from pipeline.results import TrainResult
-from pipeline.server import explain_failure
+from pipeline.data.target import resolve_layer_ids
+from pipeline.data.targetinfo import from_config
+from pipeline.host import procs
+from pipeline.layout import atomicio
+from pipeline.layout.checkpoints import final_checkpoint, kept_sub_epoch, quarantine_incomplete
+from pipeline.layout.results import TrainResult
+from pipeline.serving import mooncake, online_training, ports, vllm_modes
+from pipeline.serving.server import explain_failure
+from pipeline.stages import heads
 from pipeline.stages.base import Stage, StageContext, StageError, argv_for
-from pipeline.target import resolve_layer_ids
-from pipeline.targetinfo import from_config
+from pipeline.training import launch, node_sync
 
 
-def build_command(ctx: StageContext, *, python: str = sys.executable, endpoint: str | None = None) -> list[str]:
+def build_command(ctx: StageContext, *, python: str = sys.executable, endpoint: str | None = None,
+                  start: Path | None = None) -> list[str]:
     """The argv (never a shell string) that trains the draft with this profile; with `endpoint` (online),
-    missing states are generated through that extraction server instead of being an error."""
+    missing states are generated through that extraction server instead of being an error; with `start`, on
+    from that head (--from-pretrained: it defines the draft, so the decoder-shaping --num-layers is not
+    given — speculators refuses both; preflight saw the profile agree with the head)."""
     p, t = ctx.profile, ctx.profile.train
     gpu = vllm_modes.accelerator_available()
     n_layers = from_config(ctx.target_dir() / "config.json").layers  # multimodal wrappers: text_config
@@ -40,7 +47,8 @@ def build_command(ctx: StageContext, *, python: str = sys.executable, endpoint: 
         "--d2t-path", str(d2t), "--t2d-path", str(t2d),
         "--epochs", str(t.epochs), "--total-seq-len", str(t.total_seq_len),
         "--lr", str(t.lr), "--optimizer", t.optimizer, "--ttt-steps", str(t.ttt_steps),
-        "--num-layers", str(t.num_layers), "--num-workers", str(t.num_workers), "--seed", str(t.seed),
+        *(["--from-pretrained", str(start)] if start else ["--num-layers", str(t.num_layers)]),
+        "--num-workers", str(t.num_workers), "--seed", str(t.seed),
         "--draft-attn-impl", t.draft_attn_impl if t.draft_attn_impl != "auto"
         else ("simple_flex_attention" if gpu else "sdpa"),  # flex has no CPU backward
         "--loss-implementation", t.loss_implementation if t.loss_implementation != "auto"
@@ -61,12 +69,12 @@ def build_command(ctx: StageContext, *, python: str = sys.executable, endpoint: 
     flags += list(t.extra_args)
     if t.fsdp:
         flags.append("--fsdp-shard")
-    # Always through the compat launcher: it adapts nothing that works as released (a CPU's three
+    # Always through the trainer's launcher: it adapts nothing that works as released (a CPU's three
     # accelerator assumptions and gloo; on a GPU the fused loss's shared autotuner lists).
-    launch = ["-m", "pipeline.compat.speculators_compat", "train", *flags]
+    trainer = ["-m", "pipeline.training.launch", "train", *flags]
     if t.nproc_per_node * t.nnodes > 1:
-        return [python, "-m", "torch.distributed.run", *torchrun_args(t, p.name), *launch]
-    return [python, *launch]
+        return [python, "-m", "torch.distributed.run", *torchrun_args(t, p.name), *trainer]
+    return [python, *trainer]
 
 
 def eagle31_flags(t) -> list[str]:
@@ -122,7 +130,7 @@ class Train(Stage):
     def run(self, ctx: StageContext) -> TrainResult:
         if ctx.extract_mode() != "online":
             return TrainResult.of(self.train(ctx))
-        _, mode_args = box.mode_inputs(ctx.profile, ctx.run, "extraction")
+        _, mode_args = ports.mode_inputs(ctx.profile, ctx.run, "extraction")
         try:
             master = mooncake.master(ctx.profile, ctx.run, self.name)  # Mooncake transfer: before both, after both
             with master, ctx.server("extraction", on_wait=lambda w: ctx.progress(
@@ -142,7 +150,8 @@ class Train(Stage):
         save = ctx.run.checkpoints_dir
         moved = quarantine_incomplete(save, ctx.log)
         resumed = final_checkpoint(save)
-        cmd = build_command(ctx, endpoint=endpoint)
+        start = heads.start_head(ctx)
+        cmd = build_command(ctx, endpoint=endpoint, start=start)
         ctx.log.info("command: %s", " ".join(cmd))
         ctx.emit("command", argv=cmd, resumed_from=resumed.name if resumed else None)
         t = ctx.profile.train
@@ -182,9 +191,9 @@ class Train(Stage):
         env.pop(speculators_compat.KEEP_ENV, None)  # only this profile's setting turns it on, not the shell's
         if ctx.profile.evaluate.checkpoints == "each" and ctx.profile.train.checkpoint_freq < 1:
             env[speculators_compat.KEEP_ENV] = "1"  # each sub-epoch checkpoint copied to kept/ as it is saved
-        env.pop(speculators_compat.REQUESTS_ENV, None)
+        env.pop(launch.REQUESTS_ENV, None)
         if endpoint:  # online: each loader worker's batch fetched through several requests at once
-            env[speculators_compat.REQUESTS_ENV] = str(ctx.profile.train.requests_per_worker)
+            env[launch.REQUESTS_ENV] = str(ctx.profile.train.requests_per_worker)
         log = ctx.run.log_path(self.name)
         this_attempt = log.stat().st_size if log.exists() else 0  # the log keeps every attempt's lines
         rc = ctx.run_child(cmd, env=env, on_line=on_line)
@@ -192,8 +201,8 @@ class Train(Stage):
         if rc != 0:
             failure = f"speculators train exited with {rc}; see {log}: {procs.last_error_line(log)}"
             said = procs.read_log(log, this_attempt) or ""
-            if speculators_compat.NODES_DISAGREE in said:  # the launcher's own reason comes before its echoes
-                raise StageError(said.split(speculators_compat.NODES_DISAGREE, 1)[1].splitlines()[0])
+            if node_sync.NODES_DISAGREE in said:  # the launcher's own reason comes before its echoes
+                raise StageError(said.split(node_sync.NODES_DISAGREE, 1)[1].splitlines()[0])
             if t.nnodes > 1 and (why := torch_distributed_errors.node_lost(said)):
                 raise StageError(f"the training job across {t.nnodes} nodes lost a node ({why}); resume every "
                                  f"node's run (node 0 hands its last checkpoint to the others)")
@@ -212,6 +221,7 @@ class Train(Stage):
                    "tokens_per_s": steady_tokens_per_s(step_ms, ctx.profile),
                    "data_wait_share": data_wait_share(step_ms, fetch_ms),
                    "resumed_from_epoch": int(resumed.name) if resumed else None, "quarantined": moved,
+                   "from_pretrained": str(start) if start else None,
                    **({"kept_sub_epoch": len(kept_sub_epoch(save))} if speculators_compat.KEEP_ENV in env else {})}
         figures.update({k.replace("/", "_"): round(v, 4) for k, v in last.items()
                         if k == "train/loss" or (k.startswith("val/") and re.search(r"(loss|acc)", k))})

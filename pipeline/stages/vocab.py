@@ -1,13 +1,18 @@
 """vocab: the draft vocabulary (d2t offsets / t2d mask) for the profile's draft vocab size, built by
-speculators' own mapping function from the token frequencies that prepare counted."""
+speculators' own mapping function from the token frequencies that prepare counted — or, on a warm start
+(train.from_pretrained, vocab.from_head), the starting head's own: speculators' --from-pretrained replaces
+the head's mapping by the files the trainer is given, so they must be the head's for its lm_head rows to
+keep their meaning."""
 from __future__ import annotations
 
 from pathlib import Path
 
-from pipeline import atomicio
-from pipeline.results import VocabResult
+from pipeline.compat import speculators_heads
+from pipeline.data.targetinfo import from_config
+from pipeline.layout import atomicio
+from pipeline.layout.results import VocabResult
+from pipeline.stages import heads
 from pipeline.stages.base import Stage, StageContext, StageError
-from pipeline.targetinfo import from_config
 
 
 class Vocab(Stage):
@@ -20,6 +25,7 @@ class Vocab(Stage):
         return list(ctx.run.vocab_mappings(ctx.profile.vocab.draft_vocab_size))
 
     def run(self, ctx: StageContext) -> VocabResult:
+        import numpy as np
         import torch
         from speculators.train.vocab_mapping import build_vocab_mappings_from_distribution
 
@@ -28,14 +34,25 @@ class Vocab(Stage):
         size = ctx.profile.vocab.draft_vocab_size
         if size > target_vocab:
             raise StageError(f"vocab.draft_vocab_size {size} > target vocab size {target_vocab}", resumable=False)
-        d2t, t2d = build_vocab_mappings_from_distribution(freq, size, target_vocab)
         d2t_path, t2d_path = ctx.run.vocab_mappings(ctx.profile.vocab.draft_vocab_size)
-        atomicio.atomic_write_with(d2t_path, lambda p: _save_npy(p, d2t.numpy()))
-        atomicio.atomic_write_with(t2d_path, lambda p: _save_npy(p, t2d.numpy()))
+        head = heads.start_head(ctx)
+        if head is not None and ctx.profile.vocab.from_head and speculators_heads.shape(head).has_t2d:
+            speculators_heads.write_vocab_files(head, ctx.run.prepared_dir)  # its size is the profile's (checked)
+            t2d = torch.from_numpy(np.load(t2d_path))
+            ctx.note(f"the draft vocabulary is the starting head's ({head}): its d2t/t2d kept", ctx.log.info)
+        else:
+            if head is not None:
+                ctx.note(f"the starting head's vocabulary mapping is dropped (vocab.from_head = "
+                         f"{str(ctx.profile.vocab.from_head).lower()}, or it has none): built from this run's "
+                         f"tokens", ctx.log.warning)
+            d2t, t2d = build_vocab_mappings_from_distribution(freq, size, target_vocab)
+            atomicio.atomic_write_with(d2t_path, lambda p: _save_npy(p, d2t.numpy()))
+            atomicio.atomic_write_with(t2d_path, lambda p: _save_npy(p, t2d.numpy()))
         total = sum(freq.values())
         covered = sum(c for tid, c in freq.items() if t2d[tid])
         return VocabResult.of({"draft_vocab_size": size, "target_vocab_size": target_vocab, "seen_tokens": len(freq),
-                               "coverage": round(covered / total, 4) if total else 0.0})
+                               "coverage": round(covered / total, 4) if total else 0.0,
+                               "from_head": str(head) if head is not None and ctx.profile.vocab.from_head else None})
 
 
 def _save_npy(path: Path, array) -> None:

@@ -167,7 +167,7 @@ def _metric_sum(text: str, name: str) -> float:
 
 
 def _metrics(base_url: str) -> dict:
-    from pipeline.server import http_get
+    from pipeline.host.httpio import get as http_get
     code, text = http_get(f"{base_url}/metrics", timeout=10)
     if code != 200:
         return {}
@@ -197,18 +197,18 @@ def cmd_prefill(a) -> int:
 
     from datasets import load_from_disk
 
-    from pipeline import box
-    from pipeline.rundir import RunDir
+    from pipeline.layout.rundir import RunDir
+    from pipeline.serving import ports
 
     run = RunDir.open(Path(a.run_dir))
     profile = run.profile()
-    target_dir, mode_args = box.mode_inputs(profile, run, "baseline")
+    target_dir, mode_args = ports.mode_inputs(profile, run, "baseline")
     t0 = time.perf_counter()
-    rec = box.start_mode(profile, "baseline", target_dir, log_path=run.log_path("server-baseline"),
-                         cache_root=run.cache_root, say=lambda m: print(m[:300], flush=True), **mode_args)
+    rec = ports.start_mode(profile, "baseline", target_dir, log_path=run.log_path("server-baseline"),
+                           cache_root=run.cache_root, say=lambda m: print(m[:300], flush=True), **mode_args)
     start_s = round(time.perf_counter() - t0, 1)
     print(f"baseline server healthy after {start_s} s: pid {rec.pid}, {rec.base_url}", flush=True)
-    status = box.controller(profile).status()
+    status = ports.controller(profile).status()
     rows = load_from_disk(str(run.prepared_dir)).with_format(None)["input_ids"]
     concurrency = a.concurrency or profile.extract.concurrency
     model = profile.server.served_model_name
@@ -262,7 +262,7 @@ def cmd_compare(a) -> int:
     import torch
     from safetensors.torch import load_file
 
-    from pipeline.rundir import RunDir
+    from pipeline.layout.rundir import RunDir
 
     ra, rb = RunDir.open(Path(a.a)), RunDir.open(Path(a.b))
     layer_ids = ra.stage_state("extract").get("figures", {}).get("layer_ids") or []
@@ -333,15 +333,15 @@ def format_compare(c: dict) -> str:
 
 def cmd_stop(a) -> int:
     """Stop, through the pipeline's own controller, whatever vLLM serves each run's port."""
-    from pipeline import box
-    from pipeline.rundir import RunDir
+    from pipeline.layout.rundir import RunDir
+    from pipeline.serving import ports
 
     for r in a.runs:
         if not (Path(r) / "profile.toml").is_file():
             continue
         profile = RunDir.open(Path(r)).profile()
         try:
-            stopped = box.free_port(profile, lambda m: print(f"  {m}"), force=True)
+            stopped = ports.free_port(profile, lambda m: print(f"  {m}"), force=True)
         except Exception as exc:  # noqa: BLE001 - report and go on to the next port
             print(f"  port {profile.server.port}: {type(exc).__name__}: {exc}")
             continue

@@ -37,8 +37,8 @@ import sys, torch
 from pathlib import Path
 from datasets import load_from_disk
 from safetensors.torch import load_file
-from pipeline import target
-from pipeline.rundir import RunDir
+from pipeline.data import target
+from pipeline.layout.rundir import RunDir
 from pipeline.stages.extract import extract
 run = RunDir.open(Path(sys.argv[1]))
 tdir = run.stage_state("build-target")["figures"]["target_dir"]

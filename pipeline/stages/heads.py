@@ -1,0 +1,80 @@
+"""Heads a run did not train (a stage helper, like benchmark.py): the one an operator names in the profile —
+evaluate.existing_head, measured first (measure-existing), or train.from_pretrained, trained on from
+(vocab, train, pick-checkpoint) — resolved into a speculators directory once, and checked against the target
+and the profile before a server or a trainer is started on it."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from pipeline.compat import speculators_heads
+from pipeline.compat.speculators_heads import HeadError, HeadSource
+from pipeline.planning.preflight import start_mismatches
+from pipeline.serving.deploy import FILES, publish_draft
+from pipeline.stages.base import StageContext, StageError
+
+
+def resolve_head(ctx: StageContext, named: str, key: str, dest: Path) -> tuple[HeadSource, Path]:
+    """What `named` (the profile's `key`) is, and the speculators head directory to serve or train from: a
+    research-format head converted into `dest` by speculators' converter, once (it renames the head into place
+    whole, so a config.json there is a finished conversion); a speculators head (or a run's) published into
+    `dest` with its verifier pointed at this run's target, as deploy-measure publishes a new one
+    (compat/verifier_path), or used where it is when its weights are not the one model.safetensors that
+    publishing copies."""
+    try:
+        source = speculators_heads.classify(Path(named))
+    except HeadError as exc:  # the profile names it: a resume would read the same path
+        raise StageError(f"{key} = {named!r}: {exc}", resumable=False) from None
+    if source.kind != "research":
+        if not all((source.head / name).is_file() for name in FILES):
+            ctx.note(f"the head {source.head} ({key}) is used where it is (weights "
+                     f"{', '.join(p.name for p in source.weights)}, not one model.safetensors): its verifier path "
+                     f"is kept as it was written", ctx.log.warning)
+            return source, source.head
+        return source, publish_draft(source.head, dest, ctx.target_dir())
+    if (dest / "config.json").is_file():
+        ctx.log.info("the research-format head was converted by an earlier attempt: %s", dest)
+        return source, dest
+
+    def child(argv: list[str], env: dict[str, str]) -> tuple[int, str]:
+        # through the stage's child runner: its output in the stage's log, its group stopped on a resume
+        lines: list[str] = []
+        return ctx.run_child(argv, env=env, on_line=lines.append), "".join(lines)
+
+    ctx.note(f"converting the research-format head {source.head} ({key}) with speculators convert into {dest}",
+             ctx.log.info)
+    try:
+        return source, speculators_heads.convert(source.head, dest, verifier=ctx.target_dir(), run_child=child)
+    except HeadError as exc:
+        raise StageError(f"{key} = {named!r}: {exc}") from None
+
+
+def start_head(ctx: StageContext) -> Path | None:
+    """The head train.from_pretrained names, as a speculators directory (None without a warm start):
+    "existing" is evaluate.existing_head, as measure-existing resolved it (or resolves it now, where that
+    stage did not run); checked against the target and the profile (check_start)."""
+    t, ev = ctx.profile.train, ctx.profile.evaluate
+    if not t.from_pretrained:
+        return None
+    if t.from_pretrained == "existing":
+        named, key, dest = ev.existing_head, "evaluate.existing_head", ctx.run.existing_head_dir
+    else:
+        named, key, dest = t.from_pretrained, "train.from_pretrained", ctx.run.start_head_dir
+    # vocab, train and pick-checkpoint each ask: the head is copied (or converted) into the run once, by the
+    # first; publish_draft renames a whole directory into place, so a config.json there is a finished copy
+    head = dest if (dest / "config.json").is_file() else resolve_head(ctx, named, key, dest)[1]
+    check_start(ctx, head)
+    return head
+
+
+def check_start(ctx: StageContext, head: Path) -> None:
+    from pipeline.data.targetinfo import TargetInfoError, from_config
+
+    named = ctx.profile.train.from_pretrained
+    try:
+        info = from_config(ctx.target_dir() / "config.json")
+        found = start_mismatches(ctx.profile, head, info.hidden, info.vocab, info.layers)
+    except (TargetInfoError, HeadError) as exc:
+        raise StageError(f"train.from_pretrained = {named!r}: {exc}", resumable=False) from None
+    if found:
+        key, why = found[0]
+        raise StageError(f"train.from_pretrained = {named!r}: {key}: {why}", resumable=False)

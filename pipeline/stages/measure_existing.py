@@ -1,0 +1,196 @@
+"""measure-existing (evaluate.existing_head, evaluate.existing_policy = "measure" or "deploy"): the head an
+operator already has, measured before the run spends anything on a new one. The head is resolved with
+speculators' own signals (compat/speculators_heads: a run directory's published head, a speculators head, or a
+research-format EAGLE-3 head converted into the run by speculators' converter), checked against the target's
+shape, then served through vLLM beside the target alone on the held-out prompts prepare will hold out, at each
+evaluate.concurrency with evaluate.k (and the other k of the sweep, and the schedule it leads to, as
+deploy-measure serves a new head): τ, acceptance per position, tok/s per level with its spread, the
+lossless check at the lowest level, and the deploy decision deploy-measure makes for a new head (the same
+functions: stages/benchmark.py). eval/existing.json holds it all; under policy "deploy" a head that clears it
+lets the run skip the stages that make a new head (the runner) and the handover deploys it."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from pipeline.compat import speculators_heads
+from pipeline.compat.speculators_heads import HeadError, HeadSource
+from pipeline.evaluation import schedule
+from pipeline.layout import atomicio
+from pipeline.layout.decision import Decision
+from pipeline.layout.results import MeasureExistingResult
+from pipeline.layout.rundir import now_iso
+from pipeline.stages import heads
+from pipeline.stages.base import Stage, StageContext, StageError, argv_for
+from pipeline.stages.benchmark import (
+    cannot_decide,
+    compare_rows,
+    decide,
+    head_failure,
+    measure_all,
+    pooled_baseline,
+    row_levels,
+    schedule_row,
+    settle,
+    settled_noise,
+    sweep_rows,
+    traffic_of,
+    traffic_text,
+    weigh,
+)
+from pipeline.stages.production import heldout_prompt_ids, heldout_sources
+
+ROW = "existing"  # its row in the matrix (deploy-measure's name for the same head), its server's log name
+
+
+def resolve_head(ctx: StageContext) -> tuple[HeadSource, Path]:
+    """What evaluate.existing_head names, and the speculators head directory vLLM serves
+    (RunDir.existing_head_dir; heads.resolve_head)."""
+    return heads.resolve_head(ctx, ctx.profile.evaluate.existing_head, "evaluate.existing_head",
+                              ctx.run.existing_head_dir)
+
+
+def check_shape(ctx: StageContext, head: Path) -> None:
+    """A head the target cannot serve (another hidden size or vocabulary) fails here, naming the field and both
+    values, not after two server starts."""
+    from pipeline.data.targetinfo import TargetInfoError, from_config
+
+    named = ctx.profile.evaluate.existing_head
+    try:
+        info = from_config(ctx.target_dir() / "config.json")
+        shape = speculators_heads.shape(head)
+    except (TargetInfoError, HeadError) as exc:
+        raise StageError(f"evaluate.existing_head = {named!r}: {exc}", resumable=False) from None
+    # only what serving needs: the draft vocabulary, layers and aux ids are the head's own when it is served
+    found = speculators_heads.mismatches(shape, hidden_size=info.hidden, target_vocab=info.vocab, draft_vocab=None,
+                                         layers=None)
+    if found:
+        key, why = found[0]
+        raise StageError(f"evaluate.existing_head = {named!r}: {key}: {why}", resumable=False)
+
+
+def level_figures(row: dict, base: dict, intervals: dict[int, tuple[float, float, float]]) -> dict:
+    """tok/s of the head and of the target alone per level, the rounds' spread, the speedup's interval."""
+    out = {}
+    for c, level in sorted((row.get("levels") or {}).items(), key=lambda kv: int(kv[0])):
+        b = base["levels"].get(c, {})
+        entry = {"tok_s": level["output_tok_s"], "baseline_tok_s": b.get("output_tok_s"),
+                 "speedup": level.get("speedup")}
+        if level.get("rounds_tok_s"):
+            entry["rounds_tok_s"] = level["rounds_tok_s"]
+        if (iv := intervals.get(int(c))) is not None:
+            entry["speedup_lo"], entry["speedup_hi"] = round(iv[1], 4), round(iv[2], 4)
+        out[str(c)] = entry
+    return out
+
+
+def policy_line(policy: str, decision: Decision, after_run: str) -> str:
+    """What the run does next with the decision, for the notes."""
+    if policy == "measure":
+        return "the run trains a new head all the same (evaluate.existing_policy = measure)"
+    if not decision.deploy:
+        return "the run trains a new head (evaluate.existing_policy = deploy: the existing one did not clear)"
+    hand = ("the handover puts it into production" if after_run.startswith("production-with-draft") else
+            f"server.after_run = {after_run}: the handover puts no head into production")
+    return f"the stages that make a new head are skipped (evaluate.existing_policy = deploy); {hand}"
+
+
+class MeasureExisting(Stage):
+    name = "measure-existing"
+
+    def applies(self, profile) -> bool:
+        ev = profile.evaluate
+        return profile.train.first_node and bool(ev.existing_head) and ev.existing_policy != "off"
+
+    def outputs(self, ctx: StageContext) -> list[Path]:
+        # the head as served, where it was published or converted into the run: the handover deploys it
+        head = ctx.run.existing_head_dir
+        return [ctx.run.existing_result, *([head] if (head / "config.json").is_file() else [])]
+
+    def fresh_paths(self, ctx: StageContext) -> list[Path]:
+        return [ctx.run.existing_result, ctx.run.existing_head_dir]
+
+    def server_argv(self, ctx: StageContext) -> list[str] | None:
+        return argv_for(ctx, "baseline")  # its matrix starts with the baseline on the serving port
+
+    def run(self, ctx: StageContext) -> MeasureExistingResult:
+        ev = ctx.profile.evaluate
+        source, head = resolve_head(ctx)
+        check_shape(ctx, head)
+        ctx.gather_sources()
+        ids, prompts = heldout_prompt_ids(ctx)  # the ones prepare will hold out: the new head's, later
+        if not prompts:
+            raise StageError("no held-out prompts to measure the existing head on (data.heldout = 0?)",
+                             resumable=False)
+        k_rows, args = sweep_rows(ctx.profile, ROW, head)
+        args[ROW] = {"draft_dir": head}
+        methods = ["baseline", *(f"baseline-{i}" for i in range(2, ev.baseline_instances + 1)), ROW, *k_rows]
+        sources = heldout_sources(ctx)
+        matrix = measure_all(ctx, methods, prompts, args, sources=sources)
+        if matrix["baseline"].get("error"):
+            raise StageError(f"baseline server failed: {matrix['baseline']['error']}")
+        noise = settled_noise(ctx, matrix, prompts, args)
+        base = pooled_baseline(matrix)
+        weights, how = traffic_of(ctx, sorted(ev.concurrency))
+        weighed = weigh(ctx, matrix, base, schedule.sweep_ks(ctx.profile), weights, ROW)
+        if weighed.get("schedule_row"):
+            srow = schedule_row(ROW)
+            measure_all(ctx, [srow], prompts, {srow: {"draft_dir": head, **weighed["schedule_row"]}}, matrix,
+                        sources=sources)
+            weighed = settle(ctx, matrix, base, weighed, weights, ROW)
+        low = min(ev.concurrency)
+        mismatches, failures = compare_rows(matrix, ids, low, ev.tie_logprob_gap)
+        row = matrix[ROW]
+        failure = head_failure(ctx, matrix, ROW, "the existing head", low, failures, len(prompts),
+                               ctx.run.existing_result)
+        intervals = row_levels(row, base)
+        deployed = weighed.get("deployed")
+        if failure is not None:
+            decision = Decision(False, failure)
+        elif not noise["decides"]:
+            decision = cannot_decide(noise, ev.instance_spread)
+        elif deployed is None:
+            decision = Decision(False, weighed["why"])
+        else:
+            decision = decide(row_levels(matrix[deployed["row"]], base), weights, ev.deploy_speedup,
+                              deployed["what"], traffic_text(weights, how))
+        m = schedule.mix(row_levels(matrix[deployed["row"]], base), weights) if failure is None and deployed else None
+        for r in matrix.values():
+            for level in r.get("levels", {}).values():
+                level.pop("outputs", None)
+        skips = decision.deploy and ev.existing_policy == "deploy"
+        k = (deployed or {}).get("k") or ev.k  # the largest k of a schedule, as deploy-measure records it
+        verdict = {"decision": decision.line, "deploy": decision.deploy, "reason": decision.reason}
+        levels = {} if row.get("error") else level_figures(row, base, intervals)
+        atomicio.atomic_write_json(ctx.run.existing_result, {
+            "at": now_iso(), "existing_head": ev.existing_head, "kind": source.kind, "source": str(source.head),
+            "head": str(head),
+            "k": k, "prompts": len(prompts), "prompt_ids": ids, "max_new_tokens": ev.max_new_tokens,
+            "min_new_tokens": ev.min_new_tokens, "rounds": ev.rounds, "concurrency": sorted(ev.concurrency),
+            "matrix": matrix, "mismatches": mismatches, "mismatches_beyond_ties": failures,
+            "tie_logprob_gap": ev.tie_logprob_gap, "levels": levels,
+            "traffic": {"weights": {str(c): round(w, 4) for c, w in weights.items()}, "from": how},
+            "expected_speedup": m and {"median": round(m.expected, 4), "lo": round(m.lo, 4), "hi": round(m.hi, 4)},
+            "instances": noise, "policy": ev.existing_policy, "skips_training": skips,
+            "sweep": weighed.get("sweep", {}), "schedule": weighed.get("schedule"), "considered": deployed,
+            # what the handover serves when it deploys this head (handover.deployed_spec reads k and schedule)
+            "deployed": deployed if decision.deploy else None,
+            **verdict})
+        ctx.note(f"the existing head ({ev.existing_head}, {source.kind}): {decision.line}; "
+                 f"{policy_line(ev.existing_policy, decision, ctx.profile.server.after_run)}", ctx.log.info)
+        figures: dict = {**verdict, "existing_head": ev.existing_head, "head": str(head), "kind": source.kind,
+                         "k": k, "policy": ev.existing_policy, "skips_training": skips, "prompts": len(prompts),
+                         "instance_spread": noise["spread"],
+                         "traffic": traffic_text(weights, how), "levels": levels,
+                         "baseline_tok_s": matrix["baseline"]["levels"][low]["output_tok_s"]}
+        if m is not None:
+            figures.update(expected_speedup=round(m.expected, 4), expected_speedup_lo=round(m.lo, 4),
+                           expected_speedup_hi=round(m.hi, 4))
+        if not row.get("error"):
+            lv = row["levels"][low]
+            figures.update(existing_tok_s=lv["output_tok_s"], speedup=lv.get("speedup"),
+                           identical_outputs=row.get("identical_outputs"))
+            if lv.get("mean_acceptance_length") is not None:
+                figures.update(mean_acceptance_length=lv["mean_acceptance_length"],
+                               acceptance_per_position=lv["acceptance_per_position"],
+                               tokens_per_step=lv.get("tokens_per_step"))
+        return MeasureExistingResult.of(figures)

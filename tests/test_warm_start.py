@@ -1,0 +1,154 @@
+"""Warm start (issue 44 item 2, train.from_pretrained): the head speculators' --from-pretrained trains on from,
+checked against the target and the profile before anything runs (each contradiction names its key), its own
+d2t/t2d kept as the draft vocabulary, and measured by pick-checkpoint as checkpoint "start" beside the new ones."""
+import json
+import os
+import signal
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from pipeline.compat import speculators_heads
+from pipeline.layout import atomicio, results
+from pipeline.layout.checkpoints import START, Checkpoint, measures_checkpoints, with_start
+from pipeline.layout.rundir import RunDir
+from pipeline.planning.preflight import blocking, warm_start_findings
+from pipeline.planning.steps import warm_start_text
+from pipeline.profile import ProfileError, load_profile
+from tests.helpers import TINY, cli, spawn_cli, wait_for
+from tests.test_speculators_heads import built  # noqa: F401 - the module's fixture: a tiny target and heads
+
+# what the tiny head of tests/test_speculators_heads.py is: 2 layers, 32 of 64 tokens, aux [0, 2], fc_norm
+FITS = {"train.num_layers": 2, "vocab.draft_vocab_size": 32, "extract.layer_ids": [0, 2, 3],
+        "train.norm_before_fc": False, "train.fc_norm": True, "train.norm_output": False}
+
+
+def profile_on(built, head, **over):  # noqa: F811
+    return load_profile(TINY, overrides={"target.source": "path", "target.model_path": str(built.target),
+                                         "train.from_pretrained": str(head), **over})
+
+
+def test_preflight_names_each_key_the_head_contradicts(built):  # noqa: F811
+    found = warm_start_findings(profile_on(built, built.head))
+    said = " | ".join(f.message for f in blocking(found))
+    for key in ("train.num_layers", "vocab.draft_vocab_size", "extract.layer_ids", "train.norm_before_fc"):
+        assert key in said, said
+    assert "the head has 2 decoder layer(s), the profile asks 1" in said
+    fits = warm_start_findings(profile_on(built, built.head, **FITS))
+    assert not blocking(fits) and [f.severity for f in fits] == ["ok"]
+    assert "training goes on from" in fits[0].message and "draft vocab 32 of 64" in fits[0].message
+    dropped = warm_start_findings(profile_on(built, built.head, **FITS, **{"vocab.from_head": False}))
+    assert [f.severity for f in dropped] == ["ok", "warn"] and "vocabulary mapping is dropped" in dropped[1].message
+
+
+def test_a_head_that_is_not_one_and_a_research_head(built, tmp_path):  # noqa: F811
+    (tmp_path / "empty").mkdir()
+    found = warm_start_findings(profile_on(built, tmp_path / "empty"))
+    assert [f.severity for f in found] == ["block"] and "train.from_pretrained" in found[0].message
+    research = warm_start_findings(profile_on(built, built.research, **FITS))
+    assert [f.severity for f in research] == ["info"] and "speculators convert" in research[0].message
+
+
+def test_the_profile_keys(tmp_path):
+    with pytest.raises(ProfileError, match=r"train.from_pretrained.*no head at"):
+        load_profile(TINY, overrides={"train.from_pretrained": "no-such-head"})
+    with pytest.raises(ProfileError, match=r"evaluate.existing_head"):
+        load_profile(TINY, overrides={"train.from_pretrained": "existing"})
+    (tmp_path / "head").mkdir()
+    p = load_profile(TINY, overrides={"train.from_pretrained": str(tmp_path / "head"), "train.epochs": 1})
+    assert measures_checkpoints(p) and not measures_checkpoints(load_profile(TINY))
+    text = warm_start_text(p)
+    assert "1 epoch(s) on from" in text and "checkpoint 'start' beside the last epoch" in text
+    assert warm_start_text(load_profile(TINY)) == ""
+
+
+def test_the_command_loads_the_head_and_leaves_the_shaping_to_it(tmp_path):
+    from pipeline.stages import train
+
+    (tmp_path / "head").mkdir()
+    p = load_profile(TINY, overrides={"train.from_pretrained": str(tmp_path / "head")})
+    ctx = SimpleNamespace(profile=p, run=RunDir(tmp_path / "run"), target_dir=lambda: Path(TINY).parent,
+                          extract_mode=lambda: "offline")
+    # the target's config for the layer ids: the tiny demo target's, written here
+    (tmp_path / "t").mkdir()
+    config = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 64,
+              "num_hidden_layers": 4, "vocab_size": 512, "num_attention_heads": 4}
+    (tmp_path / "t" / "config.json").write_text(json.dumps(config))
+    ctx.target_dir = lambda: tmp_path / "t"
+    argv = train.build_command(ctx, python="PY", start=tmp_path / "head")
+    assert argv[argv.index("--from-pretrained") + 1] == str(tmp_path / "head") and "--num-layers" not in argv
+    cold = train.build_command(ctx, python="PY")
+    assert "--from-pretrained" not in cold and cold[cold.index("--num-layers") + 1] == "1"
+
+
+def test_a_warm_started_head_trains_in_float32_as_a_cold_one(monkeypatch):
+    """speculators 0.9.0 loads the head in its saved bf16 and would train bf16 weights (compat/speculators_compat)."""
+    import torch
+    from speculators.train import cli as spec_cli
+
+    from pipeline.compat import speculators_compat
+
+    def saved(args, *rest):  # a head as speculators loads one: bf16 weights, a boolean t2d
+        head = torch.nn.Linear(4, 4).to(torch.bfloat16)
+        head.register_buffer("t2d", torch.ones(4, dtype=torch.bool))
+        return head
+
+    monkeypatch.setattr(spec_cli, "build_draft_model", saved)
+    speculators_compat.warm_start_in_float32()
+    warm = spec_cli.build_draft_model(SimpleNamespace(from_pretrained="/head"), None, None, 32)
+    assert warm.weight.dtype == torch.float32 and warm.t2d.dtype == torch.bool
+    cold = spec_cli.build_draft_model(SimpleNamespace(from_pretrained=None), None, None, 32)
+    assert cold.weight.dtype == torch.bfloat16  # anything else is left as speculators built it
+
+
+def test_the_start_is_measured_first_beside_the_last_or_every_checkpoint(tmp_path):
+    found = [Checkpoint(str(i), i, 0, tmp_path / str(i)) for i in range(3)]
+    assert [c.label for c in with_start(found, tmp_path / "h", every=False)] == [START, "2"]
+    assert [c.label for c in with_start(found, tmp_path / "h", every=True)] == [START, "0", "1", "2"]
+    assert with_start(found, None, every=True) == found and with_start(found, None, every=False) == found[-1:]
+
+
+@pytest.mark.integration  # a training through speculators and the offline evaluator
+def test_a_warm_start_trains_on_from_the_head_keeps_its_vocabulary_and_measures_it(finished_run, tmp_path):
+    """A copy of the shared finished run from vocab on, training two epochs on from its last epoch's head,
+    SIGKILLed once the first is saved and resumed: the trainer is given --from-pretrained and the head's own
+    d2t/t2d both times, starts where the head left off (its first loss below the cold start's), resumes from
+    its epoch 0, and pick-checkpoint measures the starting head as "start" beside the last epoch."""
+    source = RunDir.open(finished_run)
+    head = Path(source.result(results.TrainResult).checkpoint or "")
+    run_dir = tmp_path / "warm"
+    proc = spawn_cli("run", "--copy-of", finished_run, "--from", "vocab", "--no-tui", "--run-dir", run_dir,
+                     "--set", f'train.from_pretrained="{head}"', "--set", "train.epochs=2", new_session=True)
+    wait_for(lambda: (run_dir / "checkpoints" / "0" / "training_state.json").is_file(), 600,
+             "the warm start's first epoch saved", poll=0.05, alive=proc)
+    os.killpg(proc.pid, signal.SIGKILL)  # the runner; its trainer runs on in a group of its own
+    proc.wait()
+    done = cli("run", "--resume", run_dir, "--no-tui", timeout=900)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    # from epoch 0, or 1 where the trainer (a group of its own, stopped by the resume) saved it before
+    assert RunDir.open(run_dir).stage_state("train")["figures"]["resumed_from_epoch"] in (0, 1)
+    run = RunDir.open(run_dir)
+    draft = run.profile().vocab.draft_vocab_size
+    d2t, t2d = speculators_heads.vocab_mapping(head)
+    mine = run.vocab_mappings(draft)
+    assert np.array_equal(np.load(mine[0]), d2t.numpy()) and np.array_equal(np.load(mine[1]), t2d.numpy())
+    start = run.start_head_dir  # the head published into the run, its verifier this run's target
+    assert run.stage_state("vocab")["figures"]["from_head"] == str(start)
+    commands = [e["argv"] for e in run.events() if e["stage"] == "train" and e["kind"] == "command"]
+    assert len(commands) == 2  # the killed attempt's and the resumed one's: the head both times
+    for command in commands:
+        assert command[command.index("--from-pretrained") + 1] == str(start) and "--num-layers" not in command
+    assert (start / "model.safetensors").read_bytes() == (head / "model.safetensors").read_bytes()
+
+    def first_loss(r: RunDir) -> float:
+        return next(e["train/loss"] for e in r.events() if e["stage"] == "train" and "train/loss" in e)
+    assert first_loss(run) < first_loss(source), (first_loss(run), first_loss(source))
+    picked = atomicio.read_json(run.checkpoints_result)
+    assert [e["label"] for e in picked["checkpoints"]] == [START, "1"]
+    assert all(e["tau"] >= 1.0 for e in picked["checkpoints"])
+    assert picked["checkpoints"][0]["path"] == str(start)
+    chosen = next(e for e in picked["checkpoints"] if e["label"] == picked["chosen"]["label"])
+    assert chosen["tau"] == max(e["tau"] for e in picked["checkpoints"])
+    assert run.result(results.PickCheckpointResult).checkpoint == chosen["path"]
