@@ -103,3 +103,29 @@ def test_bad_model_path_reports_the_servers_reason(tmp_path):
     assert "exited with" in msg and "before becoming healthy" in msg and "\n" not in msg
     assert "no_such_architecture" in msg  # vLLM's own reason, from its log
     assert ctl.record() is None
+
+
+def test_a_server_whose_threads_are_still_exiting_is_reported_with_its_own_exit_status(tmp_path):
+    """A killed vLLM's main thread ends first and shows as a zombie while its other threads still exit;
+    the kernel gives its status only after the last one (seconds on a loaded machine). The report waits for
+    that status instead of calling the server "not started by this process" (CI saw exactly that)."""
+    import subprocess
+    import sys
+
+    from pipeline.serving import server as srv
+    code = ("import ctypes, os, threading, time\n"
+            "threading.Thread(target=lambda: (time.sleep(2.0), os._exit(7))).start()\n"
+            "time.sleep(0.2)\nctypes.CDLL(None).pthread_exit(None)\n")  # the main thread ends, one goes on
+    proc = subprocess.Popen([sys.executable, "-c", code], start_new_session=True)
+    srv._CHILDREN[proc.pid] = proc
+    try:
+        rec = srv.ServerRecord(pid=proc.pid, pgid=proc.pid, host="127.0.0.1", port=free_port(), mode="speculative",
+                               argv=[], log=str(tmp_path / "server.log"), started=time.time())
+        (tmp_path / "server.log").write_text("INFO nothing wrong\n")
+        time.sleep(0.8)
+        assert proc.poll() is None  # the leader is a zombie, its status not given yet
+        said = srv.death(rec, wait=5)
+        assert said == "exited with 7; no error in its log", said
+    finally:
+        srv._CHILDREN.pop(proc.pid, None)
+        proc.wait()

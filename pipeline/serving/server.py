@@ -100,11 +100,19 @@ def is_live(rec: ServerRecord) -> bool:
     return bool(group) and _started_with(rec, group)
 
 
-def exit_status(pid: int) -> str | None:
+def exit_status(pid: int, wait: float = 0.0) -> str | None:
     """How a server this process started ended ("killed by SIGKILL", "exited with 1"); None while it
-    runs or when another process started it (its status is not ours to read)."""
+    runs or when another process started it (its status is not ours to read). `wait`: seconds to wait for
+    the status of one that is seen dying — a process whose main thread has ended shows as a zombie while
+    its other threads still exit (vLLM has dozens; seconds on a loaded machine), and the kernel gives its
+    status only once the last one has."""
     proc = _CHILDREN.get(pid)
     code = proc.poll() if proc is not None else None
+    if code is None and proc is not None and wait > 0:
+        try:
+            code = proc.wait(timeout=wait)
+        except subprocess.TimeoutExpired:
+            return None
     if code is None:
         return None
     if code < 0:
@@ -114,6 +122,8 @@ def exit_status(pid: int) -> str | None:
             return f"killed by signal {-code}"
     return f"exited with {code}"
 
+
+STATUS_WAIT_S = 15.0  # a dying server's threads all exited (see exit_status) on a loaded 2-core machine
 
 STOPPED_BY_KEPT_S = 7 * 86400  # a stop is told to the run it hit; older ones are cleared by their writer
 
@@ -181,9 +191,10 @@ def death(rec: ServerRecord, wait: float = 5.0) -> str | None:
         return f"was stopped by {by}"
     text = procs.read_log(Path(rec.log), rec.log_offset) if rec.log else None
     said = procs.error_line(text) if text else None
-    how = exit_status(rec.pid)
+    how = exit_status(rec.pid, wait=STATUS_WAIT_S)
     how = (f"was {how}" if how.startswith("killed") else how) if how else \
-        "is gone (not started by this process: its exit status is unknown)"
+        (f"is gone (its exit status not given within {STATUS_WAIT_S:.0f} s)" if rec.pid in _CHILDREN else
+         "is gone (not started by this process: its exit status is unknown)")
     return how + (f"; its last error: {said}" if said else "; no error in its log")
 
 
