@@ -38,12 +38,11 @@ lint: ruff
 
 # The tests are in two lanes, marked by what they start (tests/conftest.py, pyproject.toml's markers):
 # integration (alias slow) starts real vLLM servers or probes, trainings, pipeline stages, Mooncake, torchrun.
-# test: CI (.ci/run) and before a push: lint, then every test of both lanes (~25-40 min on 2 cores).
-# The suite runs in one process on CI. TEST_WORKERS=2 splits it over two pytest-xdist workers (a lone worker keeps
-# 2 cores ~56 % busy; the session fixtures are built once for both, tests/conftest.py once_per_suite), but it is
-# not CI's yet: tried 2026-12-05, tests that take the shared finished run's serving port met on the two workers,
-# and the console snapshot and the two-node kill failed under the doubled load (NOTES "Test suite").
-TEST_WORKERS ?= 0
+# test: CI (.ci/run) and before a push: lint, then every test of both lanes, over two pytest-xdist workers
+# (one worker kept 2 cores ~56 % busy: half the lane is waiting on servers and children; the session fixtures
+# are built once for both, tests/conftest.py once_per_suite; each test's runs on ports of their own).
+# TEST_WORKERS=0 runs it in one process (NOTES "Test suite").
+TEST_WORKERS ?= 2
 test: lint
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadscope --durations=15
 

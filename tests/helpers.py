@@ -32,6 +32,23 @@ def free_port_pair() -> int:
     raise RuntimeError("no two consecutive free ports")
 
 
+def copy_run_dir(src: Path, dst: Path, **sections) -> Path:
+    """A copy of a finished run (shutil.copytree) on a serving port of its own, its profile's sections updated
+    (`train={"epochs": 1}`): a run holds its port's lock while its stages run, so two copies of a shared run
+    on one port, run at once (two test workers), would refuse each other."""
+    import shutil
+    import tomllib
+
+    from pipeline.profile import dump_toml
+    shutil.copytree(src, dst, symlinks=True)
+    resolved = tomllib.loads((dst / "profile.toml").read_text())
+    resolved["server"]["port"] = free_port()
+    for name, values in sections.items():
+        resolved.setdefault(name, {}).update(values)
+    (dst / "profile.toml").write_text(dump_toml(resolved))
+    return dst
+
+
 def wait_for(predicate, timeout: float = 30.0, what: str = "condition", *, poll: float = 0.02,
              alive: subprocess.Popen | None = None):
     """Call `predicate` every `poll` seconds until it returns something true, and return that. Fails (an

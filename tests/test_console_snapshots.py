@@ -45,6 +45,18 @@ def fake_sampler():
     return sample
 
 
+async def first_frame(pilot, seconds: float = 15.0):
+    """Until the first full frame is drawn (its footer's line not empty): a fixed pause showed a frame without
+    its footer on a loaded machine (two test workers on 2 cores)."""
+    import time
+
+    from tests.test_console import screen_text
+    await pilot.pause(0.8)
+    deadline = time.monotonic() + seconds
+    while not screen_text(pilot.app).rstrip("\n").splitlines()[-1].strip() and time.monotonic() < deadline:
+        await pilot.pause(0.1)
+
+
 @pytest.fixture(autouse=True)
 def restore_nvml():
     yield
@@ -58,7 +70,7 @@ def test_console_snapshot(snap_compare, frozen_run, size, tab):
     app = ConsoleApp(frozen_run.root, interval=3600, sampler=fake_sampler(), clock=lambda: T0 + 60)
 
     async def settle(pilot):
-        await pilot.pause(0.8)
+        await first_frame(pilot)
         await pilot.press(tab)
         await pilot.pause(0.5)
 
@@ -87,7 +99,7 @@ def test_finished_run_snapshot_at_80x24(snap_compare, finished_here, keys):
     app = ConsoleApp(finished_here.root, readonly=True, interval=3600, sampler=fake_sampler())
 
     async def settle(pilot):
-        await pilot.pause(0.8)
+        await first_frame(pilot)
         await pilot.press(*keys)
         await pilot.pause(0.5)
 

@@ -9,6 +9,7 @@ from pipeline.data import conversations, target
 from pipeline.evaluation import offline_decoding
 from pipeline.layout.rundir import RunDir
 from pipeline.run.runner import run_stages
+from tests.helpers import copy_run_dir
 
 
 def load(finished_run):
@@ -70,9 +71,7 @@ def test_draft_step0_matches_speculators_forward(finished_run):
 
 
 def test_stage_fails_when_output_differs_from_greedy(finished_run, tmp_path, monkeypatch):
-    import shutil
-    run_dir = tmp_path / "copy"
-    shutil.copytree(finished_run, run_dir, symlinks=True)
+    run_dir = copy_run_dir(finished_run, tmp_path / "copy")
     run = RunDir.open(run_dir)
     real = offline_decoding.greedy_reference_batch
     monkeypatch.setattr(offline_decoding, "greedy_reference_batch",

@@ -11,7 +11,7 @@ from pipeline.host.httpio import get as http_get
 from pipeline.profile import load_profile
 from pipeline.serving import vllm_modes
 from pipeline.serving.server import ServerController, ServerError
-from tests.helpers import TINY, free_port
+from tests.helpers import ROOT, TINY, free_port, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -129,3 +129,63 @@ def test_a_server_whose_threads_are_still_exiting_is_reported_with_its_own_exit_
     finally:
         srv._CHILDREN.pop(proc.pid, None)
         proc.wait()
+
+
+def test_a_gated_child_runs_only_when_let_and_never_once_its_parent_died_first(tmp_path):
+    """A server is started held at a gate until its record is written: its parent SIGKILLed in between (a run
+    killed right after asking for a server), it exits having run nothing, instead of a vLLM no record names."""
+    import subprocess
+    import sys
+
+    ran = tmp_path / "ran"
+    touch = [sys.executable, "-c", f"import pathlib, sys; pathlib.Path({str(ran)!r}).write_text(sys.stdin.read())"]
+    gated = procs.spawn_gated(touch)
+    assert procs.start_mark(gated.proc.pid)  # started, not yet run
+    time.sleep(0.3)
+    assert not ran.exists() and gated.proc.poll() is None
+    gated.go()
+    assert gated.proc.wait(timeout=30) == 0 and ran.read_text() == ""  # its stdin: /dev/null
+
+    dropped = procs.spawn_gated(touch)
+    dropped.drop()
+    assert dropped.proc.wait(timeout=30) == 0
+    ran.unlink()
+    # the parent killed between starting it and saying go
+    parent = subprocess.Popen([sys.executable, "-c", (
+        "import os, signal, sys\nfrom pipeline.host import procs\n"
+        f"g = procs.spawn_gated({touch!r})\nprint(g.proc.pid, flush=True)\nos.kill(os.getpid(), signal.SIGKILL)\n")],
+        stdout=subprocess.PIPE, text=True, cwd=str(ROOT))
+    child = int(parent.stdout.readline())
+    assert parent.wait(timeout=30) == -signal.SIGKILL
+    wait_for(lambda: not procs.group_members(child), 30, "the orphaned gate gone")
+    assert not ran.exists()
+
+
+def test_two_servers_on_one_port_are_an_error_not_a_wait(tmp_path):
+    """vLLM binds with SO_REUSEPORT: a server started on a port where another was still starting binds beside
+    it and both answer. The start says so and stops its own, instead of waiting for a health it has
+    (the resume of a killed checkpoint measurement waited past 600 s that way). A stand-in HTTP server: what is
+    tested is the controller's reading of the listeners."""
+    import subprocess
+    import sys
+
+    port = free_port()
+    fake = ("import http.server, socket, sys, time\ntime.sleep(float(sys.argv[2]))\n"
+            "class H(http.server.BaseHTTPRequestHandler):\n"
+            "    def do_GET(self):\n        self.send_response(200); self.end_headers(); self.wfile.write(b'{}')\n"
+            "    def log_message(self, *a): pass\n"
+            "class S(http.server.HTTPServer):\n"
+            "    def server_bind(self):\n"
+            "        self.socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)\n"
+            "        super().server_bind()\n"
+            "S(('127.0.0.1', int(sys.argv[1])), H).serve_forever()\n")
+    other = subprocess.Popen([sys.executable, "-c", fake, str(port), "1.0"], start_new_session=True)
+    try:
+        ctl = ServerController(tmp_path / "server.json")
+        with pytest.raises(ServerError, match=rf"port {port} is served by two servers at once.*pid {other.pid}"):
+            ctl.start([sys.executable, "-c", fake, str(port), "2.5"], host="127.0.0.1", port=port, mode="speculative",
+                      log=tmp_path / "server.log", health_timeout=60)
+        assert ctl.record() is None and other.poll() is None  # its own stopped, the other left alone
+    finally:
+        os.killpg(other.pid, signal.SIGKILL)
+        other.wait()

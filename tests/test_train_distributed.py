@@ -3,20 +3,16 @@ steps per epoch, both ranks join one process group, and the checkpoint is writte
 import json
 import re
 import shutil
-import tomllib
 
 from pipeline.layout.rundir import RunDir
-from pipeline.profile import dump_toml
 from pipeline.run.runner import run_stages
+from tests.helpers import copy_run_dir
 
 
 def test_two_process_ddp_train_on_cpu(finished_run, tmp_path):
     run_dir = tmp_path / "ddp"
-    shutil.copytree(finished_run, run_dir, symlinks=True)
+    copy_run_dir(finished_run, run_dir, train={"nproc_per_node": 2, "epochs": 1})
     shutil.rmtree(run_dir / "checkpoints")
-    profile = tomllib.loads((run_dir / "profile.toml").read_text())
-    profile["train"].update(nproc_per_node=2, epochs=1)
-    (run_dir / "profile.toml").write_text(dump_toml(profile))
     run = RunDir.open(run_dir)
     single = RunDir.open(finished_run).stage_state("train")["figures"]
     run_stages(run, start="train", until="train")

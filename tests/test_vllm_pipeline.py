@@ -10,6 +10,7 @@ from datasets import load_from_disk
 
 from pipeline.data import target
 from tests.conftest import ROOT, cli
+from tests.helpers import copy_run_dir
 
 pytestmark = pytest.mark.slow
 
@@ -133,16 +134,11 @@ def test_production_gets_the_head_only_on_a_deploy_decision(figures, deploys):
 def test_handover_to_production_follows_the_runs_decision(vllm_run, tmp_path):
     """after_run = "production-with-draft" on a finished run: production restarts, with the new head only
     if this run's own benchmark said deploy, and the record says why; then the server is stopped."""
-    import shutil
+    # production is keyed; the key must leak nowhere
+    copy = copy_run_dir(vllm_run.root, tmp_path / "run",
+                        server={"after_run": "production-with-draft", "api_key_env": "E3_PLANTED_KEY"})
     import tomllib
-
-    from pipeline.profile import dump_toml
-    copy = tmp_path / "run"
-    shutil.copytree(vllm_run.root, copy, symlinks=True)
     resolved = tomllib.loads((copy / "profile.toml").read_text())
-    resolved["server"]["after_run"] = "production-with-draft"
-    resolved["server"]["api_key_env"] = "E3_PLANTED_KEY"  # production is keyed; the key must leak nowhere
-    (copy / "profile.toml").write_text(dump_toml(resolved))
     (copy / "server-handover.json").unlink()  # handover's output: without it the stage is not done
     measured = vllm_run.stage_state("deploy-measure")["figures"]
     decision, deployed = measured["decision"], measured["deploy"]

@@ -17,7 +17,7 @@ from pipeline.layout.rundir import RunDir
 from pipeline.planning.preflight import blocking, warm_start_findings
 from pipeline.planning.steps import warm_start_text
 from pipeline.profile import ProfileError, load_profile
-from tests.helpers import TINY, cli, spawn_cli, wait_for
+from tests.helpers import TINY, cli, free_port, spawn_cli, wait_for
 from tests.test_speculators_heads import built  # noqa: F401 - the module's fixture: a tiny target and heads
 
 # what the tiny head of tests/test_speculators_heads.py is: 2 layers, 32 of 64 tokens, aux [0, 2], fc_norm
@@ -120,7 +120,8 @@ def test_a_warm_start_trains_on_from_the_head_keeps_its_vocabulary_and_measures_
     head = Path(source.result(results.TrainResult).checkpoint or "")
     run_dir = tmp_path / "warm"
     proc = spawn_cli("run", "--copy-of", finished_run, "--from", "vocab", "--no-tui", "--run-dir", run_dir,
-                     "--set", f'train.from_pretrained="{head}"', "--set", "train.epochs=2", new_session=True)
+                     "--set", f'train.from_pretrained="{head}"', "--set", "train.epochs=2",
+                     "--set", f"server.port={free_port()}", new_session=True)
     wait_for(lambda: (run_dir / "checkpoints" / "0" / "training_state.json").is_file(), 600,
              "the warm start's first epoch saved", poll=0.05, alive=proc)
     os.killpg(proc.pid, signal.SIGKILL)  # the runner; its trainer runs on in a group of its own

@@ -110,6 +110,62 @@ def stop_signals_deferred():
         signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
 
+# The gate a child is started through (spawn_gated): it waits on a pipe for one byte, then becomes the command
+# (exec: same pid, same start mark, the command's own argv from then on); end of file instead of the byte (the
+# parent died before it said go) and it exits without running anything. Its stdin then is /dev/null.
+_GATE = ("import os, sys\n"
+         "go = os.read(0, 1)\n"
+         "null = os.open(os.devnull, os.O_RDONLY)\n"
+         "os.dup2(null, 0)\n"
+         "os.close(null)\n"
+         "if go != b'g':\n"
+         "    os._exit(0)\n"
+         "os.execvp(sys.argv[1], sys.argv[1:])\n")
+
+
+class Gated:
+    """A child held at its gate (spawn_gated): `go()` lets it run, `drop()` lets it exit unrun."""
+
+    def __init__(self, proc, write_fd: int):
+        self.proc, self._fd = proc, write_fd
+
+    def _say(self, what: bytes) -> None:
+        if self._fd < 0:
+            return
+        try:
+            if what:
+                os.write(self._fd, what)
+        finally:
+            os.close(self._fd)
+            self._fd = -1
+
+    def go(self) -> None:
+        self._say(b"g")
+
+    def drop(self) -> None:
+        self._say(b"")
+
+
+def spawn_gated(cmd: list[str], **popen_kw) -> Gated:
+    """`cmd` started in a session of its own but held before it runs, so that its record can be written first:
+    SIGKILL cannot be deferred, and a run killed between starting a server and recording it left a vLLM that
+    no record named — the resume then started a second one on the same port (vLLM binds with SO_REUSEPORT:
+    both served it) and waited for it forever. Killed before `go()`, this process leaves a child that exits
+    at once having run nothing (its gate reads end of file)."""
+    import subprocess
+    import sys
+
+    r, w = os.pipe()  # both not inheritable: only the gate's stdin (a dup of r) reaches the child
+    try:
+        proc = subprocess.Popen([sys.executable, "-c", _GATE, *cmd], stdin=r, start_new_session=True, **popen_kw)
+    except BaseException:
+        os.close(w)
+        raise
+    finally:
+        os.close(r)
+    return Gated(proc, w)
+
+
 def run_logged(cmd: list[str], log_path, *, env: dict, cwd=None, on_line=lambda line: None,
                on_start=lambda proc: None) -> int:
     """Run `cmd` in its own session, appending its output to `log_path` and handing each line to
@@ -119,15 +175,17 @@ def run_logged(cmd: list[str], log_path, *, env: dict, cwd=None, on_line=lambda 
 
     with open(log_path, "a", buffering=1) as log_fh:
         with stop_signals_deferred():
-            proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                    text=True, env=env, cwd=cwd, start_new_session=True)
+            gated = spawn_gated(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=cwd)
+            proc = gated.proc
             try:
                 on_start(proc)
             except BaseException:
+                gated.drop()
                 stop_group(proc.pid)
                 raise
+            gated.go()
         try:
-            for line in proc.stdout:  # type: ignore[union-attr]
+            for line in proc.stdout:
                 log_fh.write(line)
                 on_line(line)
             return proc.wait()

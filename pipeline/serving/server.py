@@ -4,6 +4,7 @@ server this tool did not start. vLLM's EngineCore does not notice its API server
 (docs/reference.md §2.3), so stopping is always by group, never by pid."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -209,26 +210,41 @@ def explain_failure(rec: ServerRecord, client: str) -> str:
     return f"{client}; vLLM ({rec.mode}) logged: {said}{where}" if said else client
 
 
-def port_owner(host: str, port: int) -> psutil.Process | None:
+def port_listeners(host: str, port: int) -> list[psutil.Process]:
+    """Every process listening on the port that this user can see. More than one is possible: vLLM binds with
+    SO_REUSEPORT, so a second vLLM started on a port that a first one is still starting on binds too."""
+    found = []
     for conn in psutil.net_connections(kind="tcp"):
         if conn.status == psutil.CONN_LISTEN and conn.laddr and conn.laddr.port == port and conn.pid:
-            try:
-                return psutil.Process(conn.pid)
-            except psutil.Error:
-                return None
-    return None
+            with contextlib.suppress(psutil.Error):
+                found.append(psutil.Process(conn.pid))
+    return found
+
+
+def port_owner(host: str, port: int) -> psutil.Process | None:
+    listeners = port_listeners(host, port)
+    return listeners[0] if listeners else None
 
 
 def answered_by_another(rec: ServerRecord) -> psutil.Process | None:
-    """The process listening on the server's port when it is not of the server's own process group, else
-    None (its own, or a listener this user cannot see)."""
-    owner = port_owner(rec.host, rec.port)
-    if owner is None:
-        return None
-    try:
-        return None if os.getpgid(owner.pid) == rec.pgid else owner
-    except OSError:
-        return None
+    """A process listening on the server's port that is not of the server's own process group, else None
+    (only its own, or listeners this user cannot see)."""
+    for proc in port_listeners(rec.host, rec.port):
+        try:
+            if os.getpgid(proc.pid) != rec.pgid:
+                return proc
+        except OSError:
+            continue
+    return None
+
+
+def listens_itself(rec: ServerRecord) -> bool:
+    """Whether a process of the server's own group listens on its port."""
+    for proc in port_listeners(rec.host, rec.port):
+        with contextlib.suppress(OSError):
+            if os.getpgid(proc.pid) == rec.pgid:
+                return True
+    return False
 
 
 def port_in_use(host: str, port: int) -> bool:
@@ -288,14 +304,20 @@ class ServerController:
             offset = fh.tell()
             fh.write(f"\n=== eagle3-console: starting {mode} server: {' '.join(procs.redact_argv(argv))}\n".encode())
             fh.flush()
-            proc = subprocess.Popen(argv, stdout=fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                    start_new_session=True, env={**os.environ, **(env or {})})
+            # held at its gate until its record is written: killed in between, this process leaves no server
+            gated = procs.spawn_gated(argv, stdout=fh, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
+            proc = gated.proc
             _CHILDREN[proc.pid] = proc
-            rec = ServerRecord(pid=proc.pid, pgid=proc.pid, host=host, port=port, mode=mode,
-                               argv=procs.redact_argv(argv), log=str(log), started=time.time(), log_offset=offset,
-                               run=run, owner_pid=me["pid"], owner_since=me["since"], owner_start=me["start"],
-                               start=procs.start_mark(proc.pid))
-            self._save(rec)
+            try:
+                rec = ServerRecord(pid=proc.pid, pgid=proc.pid, host=host, port=port, mode=mode,
+                                   argv=procs.redact_argv(argv), log=str(log), started=time.time(),
+                                   log_offset=offset, run=run, owner_pid=me["pid"], owner_since=me["since"],
+                                   owner_start=me["start"], start=procs.start_mark(proc.pid))
+                self._save(rec)
+            except BaseException:
+                gated.drop()
+                raise
+            gated.go()
         try:
             self.wait_healthy(rec, proc, health_timeout, on_wait)
         except BaseException:
@@ -316,6 +338,11 @@ class ServerController:
                 if (other := answered_by_another(rec)) is None:
                     return
             exited = proc.poll() if proc is not None else (None if procs.group_members(rec.pgid) else -1)
+            if exited is None and other is not None and listens_itself(rec):
+                raise ServerError(f"vLLM ({rec.mode}): port {rec.port} is served by two servers at once, this one "
+                                  f"(pid {rec.pid}) and pid {other.pid} ({procs.shown_cmdline(other, 200)}), which "
+                                  f"started on it while this one did (vLLM binds with SO_REUSEPORT); stop that one "
+                                  f"(log: {rec.log})", rec.tail())
             if exited is not None and other is not None:
                 raise ServerError(f"vLLM ({rec.mode}) exited: port {rec.port} is held by pid {other.pid} "
                                   f"({procs.shown_cmdline(other, 200)}), which answered in its place "
