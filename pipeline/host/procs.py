@@ -113,14 +113,10 @@ def stop_signals_deferred():
 # The gate a child is started through (spawn_gated): it waits on a pipe for one byte, then becomes the command
 # (exec: same pid, same start mark, the command's own argv from then on); end of file instead of the byte (the
 # parent died before it said go) and it exits without running anything. Its stdin then is /dev/null.
-_GATE = ("import os, sys\n"
-         "go = os.read(0, 1)\n"
-         "null = os.open(os.devnull, os.O_RDONLY)\n"
-         "os.dup2(null, 0)\n"
-         "os.close(null)\n"
-         "if go != b'g':\n"
-         "    os._exit(0)\n"
-         "os.execvp(sys.argv[1], sys.argv[1:])\n")
+# The gate is the system shell, not this interpreter: a server may be started by another user (the
+# host-wide registry lets two operators share a box) who cannot reach a venv under /root. Its only
+# script is this fixed text; the server's argv reaches it as positional arguments, never as shell text.
+_GATE = ["/bin/sh", "-c", 'IFS= read -r go; exec </dev/null; if [ "$go" = g ]; then exec "$@"; fi', "e3-gate"]
 
 
 class Gated:
@@ -153,11 +149,10 @@ def spawn_gated(cmd: list[str], **popen_kw) -> Gated:
     both served it) and waited for it forever. Killed before `go()`, this process leaves a child that exits
     at once having run nothing (its gate reads end of file)."""
     import subprocess
-    import sys
 
     r, w = os.pipe()  # both not inheritable: only the gate's stdin (a dup of r) reaches the child
     try:
-        proc = subprocess.Popen([sys.executable, "-c", _GATE, *cmd], stdin=r, start_new_session=True, **popen_kw)
+        proc = subprocess.Popen([*_GATE, *cmd], stdin=r, start_new_session=True, **popen_kw)
     except BaseException:
         os.close(w)
         raise
