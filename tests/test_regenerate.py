@@ -43,7 +43,8 @@ def test_regenerate_through_vllm_resumes_after_sigkill_and_equals_the_targets_gr
     sets = [f'run.cache_dir="{cache_dir}"', f"server.port={port}", "data.regenerate_concurrency=2",
             f'data.conversations=[{{source = "{long}"}}, {{source = "demo"}}]', "data.regenerate_failure_budget=0.05",
             "data.regenerate_max_retries=1", 'evaluate.offline="off"', "evaluate.start_together=2",
-            'evaluate.schedule="off"']  # one head server: the k sweep and the schedule are the vllm_run fixture's
+            'evaluate.schedule="off"',  # one head server: the k sweep and the schedule are the vllm_run fixture's
+            'evaluate.methods=["baseline", "eagle3"]']  # n-gram: the vllm_run fixture's too
     args = [a for kv in sets for a in ("--set", kv)]
     run_dir = tmp_path / "run"
     proc = spawn_cli("run", TINY_KIMI, "--no-tui", "--until", "regenerate", "--run-dir", run_dir, *args,
