@@ -113,7 +113,7 @@ def level(profile_arg: str, work: Path, c: int, sets: list[str], again_pass: boo
             again = asyncio.run(bare(rec.base_url, str(target), convs, c, d.seq_length, sampling))
             print(f"c={c}: bare client again {again}", flush=True)
     finally:
-        ports.free_port(profile, print)
+        ports.stop_server_on_port(profile, print)
     stage_tok = figures.get("generated_tok_s") or 0.0
     return {"concurrency": c, "conversations": len(convs), "server_start_s": round(start_s, 1), "bare": first,
             "bare_again": again, "stage": {k: figures.get(k) for k in (

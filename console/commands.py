@@ -23,7 +23,8 @@ def serve(profile: Profile, rundir: RunDir, what: str, mode: str | None, force: 
     server; `expect`: the pid the operator's question named — only that process is stopped (a vLLM no
     record names included), another one there now is refused."""
     if what == "stop":
-        return f"stopped: {ports.free_port(profile, lambda m: None, force=force, expect=expect, by=BY['stop'])}"
+        stopped = ports.stop_server_on_port(profile, lambda m: None, force=force, expect=expect, by=BY['stop'])
+        return f"stopped: {stopped}"
     if mode is None:  # the start commands all name a mode
         raise ValueError("no server mode chosen")
     rec = ports.start_server(profile, rundir, mode, say=lambda m: None, force=force, expect=expect,

@@ -1,17 +1,13 @@
 """Plain text for the panels: sizes, clocks, estimates, counts, bars and sparklines."""
 from __future__ import annotations
 
+from pipeline import units
+
 BLOCKS = "▁▂▃▄▅▆▇█"
 
 
 def human_bytes(n: float | None) -> str:
-    if n is None:
-        return "N/A"
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f}{unit}" if unit == "B" else f"{n:.1f}{unit}"
-        n /= 1024
-    return str(n)
+    return "N/A" if n is None else units.human(n, sep="")
 
 
 def na(value, fmt="{}") -> str:

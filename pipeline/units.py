@@ -1,4 +1,4 @@
-"""Sizes and counts as people read them: GIB, bytes in decimal units, parameter counts. The planner,
+"""Sizes and counts as people read them: GIB, bytes in binary units, parameter counts. The planner,
 preflight, the run's messages and the offline evaluator's fit check write them the same way."""
 from __future__ import annotations
 
@@ -13,11 +13,14 @@ def count(n: float) -> str:
     return f"{n:.0f}"
 
 
-def human(n: float | None) -> str:
+def human(n: float | None, sep: str = " ") -> str:
+    """Bytes in binary units (KiB, MiB, GiB, …): the profile's sizes are GiB keys (`hardware.min_free_disk_gib`,
+    `extract.cache_gib`), so a sentence that names a key and a size never mixes GB and GiB. The console's
+    tables write it without the space (`sep=""`)."""
     if n is None:
         return "?"
-    for unit in ("B", "KB", "MB", "GB", "TB", "PB"):
-        if abs(n) < 1000 or unit == "PB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1000
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB", "PiB"):
+        if abs(n) < 1024 or unit == "PiB":
+            return f"{n:.0f}{sep}{unit}" if unit == "B" else f"{n:.1f}{sep}{unit}"
+        n /= 1024
     return str(n)

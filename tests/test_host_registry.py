@@ -223,9 +223,10 @@ def test_a_vllm_no_record_names_is_shown_and_stopped_only_when_named(tmp_path):
         assert f"pid {server.pid}" in line and "no record names" in line and "api_server" in line
         assert server.poll() is None
         with pytest.raises(ports.Unrecorded, match=f"pid {server.pid} .*not stopped"):
-            ports.free_port(folder_profile(tmp_path, "A", port), print, expect=1)  # the consent named another pid
+            # the consent named another pid
+            ports.stop_server_on_port(folder_profile(tmp_path, "A", port), print, expect=1)
         assert server.poll() is None
-        stopped = ports.free_port(folder_profile(tmp_path, "A", port), lambda m: None, expect=server.pid)
+        stopped = ports.stop_server_on_port(folder_profile(tmp_path, "A", port), lambda m: None, expect=server.pid)
         assert stopped["stopped"] and server.wait(10) is not None
     finally:
         kill(server)
@@ -347,7 +348,8 @@ def test_two_users_see_each_others_port_and_cannot_change_or_stop_it(tmp_path, m
 
 def test_a_server_writing_into_a_runs_logs_is_that_runs_own(tmp_path):
     """A run's server whose record was lost (a kill between two of its steps) is still known as the run's: its
-    output goes into the run's logs/ (ports.free_port stops it for that run instead of calling it a stranger)."""
+    output goes into the run's logs/ (ports.stop_server_on_port stops it for that run instead of calling it a
+    stranger)."""
     import subprocess
     import sys
 

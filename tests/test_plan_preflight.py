@@ -201,7 +201,7 @@ NO_NVML = gpu.GpuSnapshot(t=0.0, unavailable="NVMLError_LibraryNotFound: NVML Sh
     (TINY, gpu.GpuSnapshot(t=0.0, gpus=_gpus(2, lost={1})),
      [("warn", "GPU 1 is lost: lost"), ("ok", "1 × NVIDIA H200 (141 GiB each); the profile needs 0")]),
     (TINY, gpu.GpuSnapshot(t=0.0, gpus=_gpus(2, procs=[(1, 4242)])),
-     [("ok", "2 × NVIDIA H200"), ("warn", "GPUs already hold memory: GPU 1 pid 4242 python 3.2 GB")]),
+     [("ok", "2 × NVIDIA H200"), ("warn", "GPUs already hold memory: GPU 1 pid 4242 python 3.0 GiB")]),
 ], ids=["cpu-profile-no-nvml", "gpu-profile-no-nvml", "cpu-profile-on-a-gpu", "enough-gpus", "too-few-gpus",
         "smaller-gpus-than-sized-for", "one-lost-of-nine", "lost-gpu-cpu-profile", "busy-gpu"])
 def test_gpu_findings_for_each_hardware(profile_name, snapshot, expected):
@@ -301,7 +301,7 @@ def test_the_kimi_plans_count_regeneration_evaluation_and_every_server_start():
         assert p.guesses["regeneration"].source.startswith("estimate: hardware.decode_tokens_per_s")
         assert f"concurrency {concurrency}" in p.regenerate.why
         assert p.regenerate.seconds == p.regenerate.tokens / p.regenerate.rate.tokens_per_s
-        assert not p.evaluate_offline.runs and "do not fit" in p.evaluate_offline.why  # 2.1 TB dense
+        assert not p.evaluate_offline.runs and "do not fit" in p.evaluate_offline.why  # 1.9 TiB dense
         # the matrix serves the methods, the head at k = 1 and 4 beside k = 3 (the rest predicted) and at most
         # its schedule: regen, extract, those 6, handover
         rows = schedule.matrix_rows(load_profile(KIMI[0] if p is low else KIMI[1], check_inputs=False))

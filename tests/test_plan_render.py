@@ -19,7 +19,7 @@ PROFILES = sorted(f.stem for f in (Path(__file__).resolve().parents[1] / "profil
                   if f.stem != "base")  # base.toml is what the others extend, not a runnable profile
 KIMI = ("kimi-k2.5-b300x8-full", "kimi-k2.5-rtx6000x8-lowered")
 LABELS = [label for group in plan.ROWS for label, _ in group]
-UNITS = {"B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12, "PB": 1e15, "s": 1, "min": 60, "h": 3600}
+UNITS = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40, "PiB": 2**50, "s": 1, "min": 60, "h": 3600}
 
 
 def make(name: str, **sets) -> plan.Plan:
@@ -29,13 +29,13 @@ def make(name: str, **sets) -> plan.Plan:
 
 
 def amount(text: str) -> float:
-    """The first figure with its unit in a rendered value: "22.1 TB (online)" -> 22.1e12, "51 min" -> 3060."""
+    """The first figure with its unit in a rendered value: "22.1 TiB (online)" -> 22.1 × 2**40, "51 min" -> 3060."""
     return sum(bounds(text)) / 2
 
 
 def bounds(text: str) -> tuple[float, float]:
-    """The range a rendered figure was rounded from: "2.3 TB" -> 2.25e12 to 2.35e12."""
-    m = re.search(r"([\d,]+)(\.\d+)? (PB|TB|GB|MB|KB|B|h|min|s)\b", text)
+    """The range a rendered figure was rounded from: "2.3 TiB" -> 2.25 to 2.35 × 2**40."""
+    m = re.search(r"([\d,]+)(\.\d+)? (PiB|TiB|GiB|MiB|KiB|B|h|min|s)\b", text)
     assert m, f"no figure in {text!r}"
     value = float(m.group(1).replace(",", "") + (m.group(2) or ""))
     half = 0.5 * 10 ** -len((m.group(2) or ".")[1:])

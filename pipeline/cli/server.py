@@ -64,8 +64,8 @@ class Server(Command):
             return 0
         ports.guard(profile, args.force)  # before anything else: the port may be another run's
         if args.server_cmd == "stop":
-            print("stopped" if ports.free_port(profile, print, force=args.force, by="eagle3-console server stop")
-                  else f"no vLLM server on port {profile.server.port}")
+            stopped = ports.stop_server_on_port(profile, print, force=args.force, by="eagle3-console server stop")
+            print("stopped" if stopped else f"no vLLM server on port {profile.server.port}")
         elif args.server_cmd == "adopt":
             rec = ports.adopt(profile, force=args.force)
             print(f"adopted vLLM pid {rec.pid} (process group {rec.pgid}) on port {rec.port}: {' '.join(rec.argv)}")

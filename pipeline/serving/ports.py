@@ -217,7 +217,7 @@ def writes_into(pid: int | None, run_root: str) -> bool:
     return out.is_relative_to(Path(run_root) / "logs")
 
 
-def free_port(profile: Profile, say: Say, force: bool = False, *, expect: int | None = None,
+def stop_server_on_port(profile: Profile, say: Say, force: bool = False, *, expect: int | None = None,
               by: str = "", own_run: str = "") -> dict | None:
     """Stop whatever vLLM serves the profile's port. Returns what was stopped. A vLLM that no record names
     is stopped only with `force` or when `expect` names its pid (the operator was asked, naming it); a
@@ -252,13 +252,13 @@ def free_port(profile: Profile, say: Say, force: bool = False, *, expect: int | 
     return ctl.stop(grace=profile.server.shutdown_grace, by=by)
 
 
-def free_ports(profiles: list[Profile], say: Say, own_run: str = "") -> None:
-    """free_port on each; one that cannot be stopped does not keep the others running (the first error
+def stop_servers_on_ports(profiles: list[Profile], say: Say, own_run: str = "") -> None:
+    """stop_server_on_port on each; one that cannot be stopped does not keep the others running (the first error
     is raised once all were tried)."""
     errors = []
     for p in profiles:
         try:
-            free_port(p, say, own_run=own_run)
+            stop_server_on_port(p, say, own_run=own_run)
         except ServerError as exc:
             errors.append(exc)
     if errors:
@@ -269,7 +269,7 @@ def start_mode(profile: Profile, mode: str, target_dir: Path, *, log_path: Path,
                on_wait=lambda s: None, force: bool = False, owner: str = "", expect: int | None = None,
                by: str = "", restart: bool = False, **mode_args) -> ServerRecord:
     """Serve `mode` on the port: reuse the running server if it is exactly this command and healthy
-    (unless `restart`), else stop what is there (free_port: `expect`, `by`) and start it. `owner`: the
+    (unless `restart`), else stop what is there (stop_server_on_port: `expect`, `by`) and start it. `owner`: the
     run whose stages own it ("" = the operator)."""
     guard(profile, force)
     argv = vllm_modes.server_argv(profile, mode, target_dir, **mode_args)
@@ -280,7 +280,7 @@ def start_mode(profile: Profile, mode: str, target_dir: Path, *, log_path: Path,
             and (ctl.source is None or ctl.source.stat().st_uid == os.getuid() or os.getuid() == 0)):
         say(f"reusing the running {mode} server pid {rec.pid}")
         return ctl.claim(owner) if owner else rec  # this process owns it now (an orphan's owner was dead)
-    free_port(profile, say, force, expect=expect, by=by, own_run=owner)
+    stop_server_on_port(profile, say, force, expect=expect, by=by, own_run=owner)
     say(f"starting {mode} server: {' '.join(procs.redact_argv(argv))}")
     return ctl.start(argv, host=vllm_modes.bind_host(profile, mode), port=profile.server.port, mode=mode,
                      log=log_path, env=vllm_modes.server_env(profile, cache_root, mode),

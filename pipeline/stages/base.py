@@ -63,7 +63,7 @@ class Lease:
                 "mode": self.rec.mode, "pid": self.rec.pid, "port": self.rec.port, "to": self.handed_on_to})
             return
         try:
-            ports.free_port(self.profile, self.ctx.log.info, own_run=str(self.ctx.run.root))
+            ports.stop_server_on_port(self.profile, self.ctx.log.info, own_run=str(self.ctx.run.root))
         except ServerError as exc:
             if not failed:
                 raise StageError(f"stopping {self.rec.describe()}: {exc}") from None

@@ -37,7 +37,7 @@ def start_method(ctx: StageContext, profile, method: str, **mode_args):
     try:
         return ctx.lease(mode_of(method), profile=profile, name=method, **mode_args), None
     except ServerError as exc:
-        ports.free_port(profile, ctx.log.info, own_run=str(ctx.run.root))
+        ports.stop_server_on_port(profile, ctx.log.info, own_run=str(ctx.run.root))
         return None, str(exc)
 
 
@@ -65,7 +65,7 @@ def side_by_side_ports(ctx: StageContext, count: int, stack: ExitStack) -> list:
                 return _one_at_a_time(ctx, f"port {variant.server.port} is in use by pid {owner.pid} "
                                            f"({procs.shown_cmdline(owner, 80)})")
             ctx.note(f"port {variant.server.port}: {ports.orphan_text(rec)}: stopped")
-            ports.free_port(variant, ctx.log.info, own_run=str(ctx.run.root))
+            ports.stop_server_on_port(variant, ctx.log.info, own_run=str(ctx.run.root))
         elif port_in_use(variant.server.host, variant.server.port):  # a listener this user cannot see
             return _one_at_a_time(ctx, f"port {variant.server.port} is in use by a process this user cannot see")
         profiles.append(variant)
@@ -105,7 +105,7 @@ def measure_all(ctx: StageContext, methods: list[str], prompts: list[list[int]],
                                       else measure_served(ctx, method, lease.rec, lease.start_s, prompts, reference,
                                                           sources=sources))
             finally:
-                ports.free_ports([p for _, p in group], ctx.log.info, own_run=str(ctx.run.root))
+                ports.stop_servers_on_ports([p for _, p in group], ctx.log.info, own_run=str(ctx.run.root))
     return matrix
 
 

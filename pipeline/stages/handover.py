@@ -38,7 +38,7 @@ class Handover(Stage):
     def run(self, ctx: StageContext) -> HandoverResult:
         after = ctx.profile.server.after_run
         if after == "stop":
-            stopped = ports.free_port(ctx.profile, ctx.log.info, own_run=str(ctx.run.root))
+            stopped = ports.stop_server_on_port(ctx.profile, ctx.log.info, own_run=str(ctx.run.root))
             figures: dict = {"after_run": after, "server": "stopped" if stopped else "none running"}
         else:
             draft, why, spec = None, "", {}

@@ -341,7 +341,7 @@ def cmd_stop(a) -> int:
             continue
         profile = RunDir.open(Path(r)).profile()
         try:
-            stopped = ports.free_port(profile, lambda m: print(f"  {m}"), force=True)
+            stopped = ports.stop_server_on_port(profile, lambda m: print(f"  {m}"), force=True)
         except Exception as exc:  # noqa: BLE001 - report and go on to the next port
             print(f"  port {profile.server.port}: {type(exc).__name__}: {exc}")
             continue
