@@ -44,7 +44,7 @@ lint: ruff
 # TEST_WORKERS=0 runs it in one process (NOTES "Test suite").
 TEST_WORKERS ?= 2
 test: lint
-	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadscope --durations=15
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadscope --durations=30
 
 # test-fast: on every change: ruff, then the tests that start nothing heavy (-m "not integration"), <= 3 min on 2 cores.
 test-fast: ruff
