@@ -12,7 +12,7 @@ Prints, side by side: the old head's τ on the old and the new target (what the 
 of the cold and the warm start, and the training time each needed to reach the cold start's final τ.
 
     .venv/bin/python bench/next_release.py [--work DIR] [--steps 200] [--warm-epochs N] [--warm-lr LR]
-                                           [--set KEY=VALUE ...]
+                                           [--set KEY=VALUE ...] [--warm-set KEY=VALUE ... --warm-tag TAG]
 
 A warm start with its own epochs or learning rate is its own run (warm-e3, warm-e3-lr0.001): a second call
 in the same --work measures another warm start against the same old and cold runs.
@@ -83,6 +83,9 @@ def main() -> int:
                     help="train.epochs of the warm start (default: the cold's)")
     ap.add_argument("--warm-lr", type=float, default=None, help="train.lr of the warm start (default: the cold's)")
     ap.add_argument("--set", action="append", default=[], help="KEY=VALUE for every run (the demo profile's keys)")
+    ap.add_argument("--warm-set", action="append", default=[],
+                    help="KEY=VALUE for the warm start only, e.g. train.extra_args=[\"--scheduler-type\",\"none\"]")
+    ap.add_argument("--warm-tag", default="", help="the warm run's name suffix for its --warm-set (default: a hash)")
     args = ap.parse_args()
     work = args.work or Path(tempfile.mkdtemp(prefix="next-release-"))
     work.mkdir(parents=True, exist_ok=True)
@@ -98,6 +101,11 @@ def main() -> int:
     if args.warm_lr:
         warm_sets.append(f"train.lr={args.warm_lr}")
         name += f"-lr{args.warm_lr:g}"
+    if args.warm_set:
+        import hashlib
+
+        warm_sets += args.warm_set
+        name += "-" + (args.warm_tag or hashlib.sha1("\n".join(args.warm_set).encode()).hexdigest()[:6])
     warm = epochs(run(work, name, warm_sets))
 
     final = cold["taus"][str(max(int(k) for k in cold["taus"] if k.isdigit()))]
