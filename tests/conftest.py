@@ -49,26 +49,12 @@ HEAVY_FIXTURES = frozenset({
 LANE_MARKS = ("integration", "slow")
 
 
-# The modules whose tests take longest, longest first (fresh-clone CI of 2026-12-06, two workers): `make test`
-# hands whole modules to its two workers in collection order (--dist loadscope), so an alphabetical order
-# could leave the regeneration's 6 minutes to start last while the other worker idles. The first four are
-# placed for the shared fixtures too: each worker starts with two modules, and the first to need
-# `finished_run` (lifetimes) or `vllm_run` (vllm_pipeline) builds it while the other worker runs modules that
-# need neither (regenerate, two_nodes), instead of both waiting on one build. The rest keep their order.
-LONGEST_FIRST = ("test_regenerate.py", "test_lifetimes.py", "test_vllm_pipeline.py", "test_two_nodes.py",
-                 "test_checkpoints.py", "test_resume.py", "test_production.py", "test_demo.py",
-                 "test_measure_existing.py", "test_mooncake.py", "test_mla.py", "test_console_sighup.py",
-                 "test_warm_start.py", "test_hostile.py")
-
-
 def pytest_collection_modifyitems(config, items):
     for item in items:
         if HEAVY_FIXTURES.intersection(item.fixturenames) or any(item.get_closest_marker(m) for m in LANE_MARKS):
             for mark in LANE_MARKS:
                 if not item.get_closest_marker(mark):
                     item.add_marker(mark)
-    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: a module's tests stay in order
 
 
 def once_per_suite(tmp_path_factory, name: str, build: Callable[[Path], Path]) -> Path:
