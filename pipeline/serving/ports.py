@@ -218,7 +218,7 @@ def writes_into(pid: int | None, run_root: str) -> bool:
 
 
 def stop_server_on_port(profile: Profile, say: Say, force: bool = False, *, expect: int | None = None,
-              by: str = "", own_run: str = "") -> dict | None:
+                        by: str = "", own_run: str = "") -> dict | None:
     """Stop whatever vLLM serves the profile's port. Returns what was stopped. A vLLM that no record names
     is stopped only with `force` or when `expect` names its pid (the operator was asked, naming it); a
     non-vLLM process on the port is an error: it is not ours to stop. `expect`: the pid the operator was
