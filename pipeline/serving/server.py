@@ -226,25 +226,29 @@ def port_owner(host: str, port: int) -> psutil.Process | None:
     return listeners[0] if listeners else None
 
 
+def _listeners_by_group(rec: ServerRecord) -> tuple[bool, psutil.Process | None]:
+    """Whether a process of the server's own group listens on its port, and the first listener of another
+    group (None: only its own, or listeners this user cannot see)."""
+    own, other = False, None
+    for proc in port_listeners(rec.host, rec.port):
+        try:
+            mine = os.getpgid(proc.pid) == rec.pgid
+        except OSError:
+            continue
+        own = own or mine
+        other = other or (None if mine else proc)
+    return own, other
+
+
 def answered_by_another(rec: ServerRecord) -> psutil.Process | None:
     """A process listening on the server's port that is not of the server's own process group, else None
     (only its own, or listeners this user cannot see)."""
-    for proc in port_listeners(rec.host, rec.port):
-        try:
-            if os.getpgid(proc.pid) != rec.pgid:
-                return proc
-        except OSError:
-            continue
-    return None
+    return _listeners_by_group(rec)[1]
 
 
 def listens_itself(rec: ServerRecord) -> bool:
     """Whether a process of the server's own group listens on its port."""
-    for proc in port_listeners(rec.host, rec.port):
-        with contextlib.suppress(OSError):
-            if os.getpgid(proc.pid) == rec.pgid:
-                return True
-    return False
+    return _listeners_by_group(rec)[0]
 
 
 def port_in_use(host: str, port: int) -> bool:
