@@ -237,3 +237,23 @@ def test_the_existing_head_is_weighed_over_k_like_the_new_one_and_apart_from_it(
     weighed = weigh(ctx, matrix, pooled_baseline(matrix), [1, 2, 3, 4], {1: 0.2, 8: 0.5, 32: 0.3}, "existing")
     assert weighed["schedule_row"]["schedule"][0] == [1, 2, 4] and schedule_row("existing") == "existing-schedule"
     assert any("for existing" in n for n in ctx.notes)
+
+
+def test_when_no_single_k_gains_the_line_says_what_the_nearest_miss_would_give():
+    """The H100 run of 2026-12-06: the head gained at c = 1 and lost at c = 32, vLLM could not serve a schedule,
+    and "no single k gains" alone did not say by how much; the line names the best k's mix and its interval."""
+    from pipeline.profile import load_profile
+    from pipeline.stages.benchmark import fallback
+    base, served = model_matrix({1: 100.0, 8: 600.0, 32: 1500.0}, {1: 0.35, 8: 0.6, 32: 0.6},
+                                {1: 0.0, 8: 0.3, 32: 0.9})
+    points = schedule.sweep(served, base, [1, 4])
+    assert points[1][4].lo > 1 and points[32][4].hi < 1  # gains alone, loses at the batch
+    weights = {1: 0.3, 8: 0.4, 32: 0.3}
+    mixes = schedule.single_k_mixes(points, weights, {1, 4})
+    assert set(mixes) == {1, 4} and all(m.lo <= 1 for m in mixes.values())
+    ctx = Ctx(load_profile("tests/profiles/tiny.toml"))
+    out = fallback(ctx, points, weights, {1: "eagle3-k1", 4: "eagle3"}, "no schedule here")
+    best = max(mixes, key=lambda k: mixes[k].lo)
+    assert "deployed" not in out
+    assert out["why"] == f"no single k gains under the traffic: the best, k={best}, {mixes[best].text()} " \
+                         "(no schedule here)"

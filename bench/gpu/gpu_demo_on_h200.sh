@@ -61,8 +61,11 @@ else
 fi
 
 run_until() {  # the run's stages up to $1: created on the first call, resumed after
-  if [ -f "$R/profile.toml" ]; then timeout 570 $PY -m pipeline run --resume "$R" --no-tui --until "$1"
-  else timeout 570 $PY -m pipeline run profiles/gpu-demo.toml --no-tui --run-dir "$R" --until "$1" "${SETS[@]}"; fi
+  # a phase of its own device call stops before the call's limit; in the launched job (GPU_DEMO_STAGE_S
+  # 1500) none: a serve phase of 586 s lost its handover to 570 (H100, 2026-12-06)
+  local lim=${GPU_DEMO_STAGE_S:-570}
+  if [ -f "$R/profile.toml" ]; then timeout "$lim" $PY -m pipeline run --resume "$R" --no-tui --until "$1"
+  else timeout "$lim" $PY -m pipeline run profiles/gpu-demo.toml --no-tui --run-dir "$R" --until "$1" "${SETS[@]}"; fi
   local rc=$?; echo "$(el) run --until $1: exit $rc"; return $rc
 }
 quiet() { grep -vE '^\[[a-z-]+\] [0-9]+/[0-9]+ ' ; }  # progress lines off the output's tail
@@ -81,13 +84,14 @@ case "$PHASE" in
     # bash's `setsid … &` the device call did not return until its limit (2026-12-05, an H100): the job kept
     # a descriptor the device's runner reads to its end (the job itself ran on, as meant)
     python3 - "$W" <<'PYJOB' || exit 1
-import subprocess, sys
+import os, subprocess, sys
 w = sys.argv[1]
+env = dict(os.environ, GPU_DEMO_STAGE_S=os.environ.get("GPU_DEMO_STAGE_S", "1500"))
 script = ('for ph in target first train serve; do OUT="$1/out" bash bench/gpu/gpu_demo_on_h200.sh "$ph"; '
           'echo "=== $ph exit $?"; done; touch "$1/all.done"')
 with open(f"{w}/all.log", "ab") as log:
     job = subprocess.Popen(["bash", "-c", script, "_", w], cwd=f"{w}/repo", stdin=subprocess.DEVNULL, stdout=log,
-                           stderr=subprocess.STDOUT, start_new_session=True, close_fds=True)
+                           stderr=subprocess.STDOUT, start_new_session=True, close_fds=True, env=env)
 open(f"{w}/all.pid", "w").write(str(job.pid))
 PYJOB
     echo "$(el) started: pid $(cat "$W/all.pid"), log $W/all.log" ;;

@@ -245,11 +245,19 @@ def choose_schedule(points: dict[int, dict[int, Point]], max_batch: int, floor: 
 def best_single_k(points: dict[int, dict[int, Point]], weights: dict[int, float], served: set[int]) -> int:
     """Where vLLM cannot serve a schedule: the one served k whose traffic-weighted speedup's lower bound is
     highest (0 when none gains)."""
-    def lower(k: int) -> float:
-        return sum(w * points[c][k].lo for c, w in weights.items() if k in points.get(c, {}))
-    candidates = [k for k in served if k > 0 and all(k in points[c] for c in weights if c in points)]
-    best = max(candidates, key=lower, default=0)
-    return best if best and lower(best) > sum(weights.values()) else 0
+    mixes = single_k_mixes(points, weights, served)
+    best = max(mixes, key=lambda k: mixes[k].lo, default=0)
+    return best if best and mixes[best].lo > 1 else 0
+
+
+def single_k_mixes(points: dict[int, dict[int, Point]], weights: dict[int, float], served: set[int]) -> dict[int, "Mix"]:
+    """Each served k > 0 at every load, under the traffic: {k: Mix} (a k missing at a weighed level left out)."""
+    out = {}
+    for k in sorted(served):
+        m = mix({c: (pts[k].speedup, pts[k].lo, pts[k].hi) for c, pts in points.items() if k in pts}, weights)
+        if k > 0 and m is not None:
+            out[k] = m
+    return out
 
 
 def traffic_weights(samples: list[float], levels: list[int]) -> dict[int, float]:

@@ -332,8 +332,11 @@ def fallback(ctx: StageContext, points, weights: dict[int, float], row_of: dict[
     k = schedule.best_single_k(points, weights, set(row_of))
     ctx.note(f"no k per batch size ({why}): one k for every load, the best for the traffic: "
              + (f"k={k}" if k else "none gains"), ctx.log.warning)
-    if not k:
-        return {"why": f"no single k gains under the traffic ({why})"}
+    if not k:  # what the nearest miss would have given, so the line says by how much nothing gains
+        mixes = schedule.single_k_mixes(points, weights, set(row_of))
+        near = max(mixes, key=lambda j: mixes[j].lo, default=None)
+        told = f": the best, k={near}, {mixes[near].text()}" if near else ""
+        return {"why": f"no single k gains under the traffic{told} ({why})"}
     return {"deployed": {"row": row_of[k], "k": k, "what": f"k={k} at every batch size (no schedule: {why})"}}
 
 
