@@ -32,8 +32,9 @@ from console.tabs import EvalTab, GpusTab, NotesTab, RunTab, ServerTab
 from console.widgets import Line
 from pipeline.host import gpu
 from pipeline.layout.rundir import RunDir
+from pipeline.layout.tail import LogTailer
 from pipeline.run import jobs
-from pipeline.run.runview import LogTailer, RunWatcher
+from pipeline.run.runview import RunWatcher
 from pipeline.stages import stage_names
 
 __all__ = ["ConfirmScreen", "ConsoleApp", "HelpScreen", "ModeScreen", "main"]

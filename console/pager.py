@@ -18,7 +18,7 @@ from textual.widgets import Footer, Input, Log
 from console.formatting import human_bytes
 from console.widgets import Line
 from pipeline.layout.rundir import RunDir
-from pipeline.run.runview import LogTailer
+from pipeline.layout.tail import LogTailer
 
 PAGER_BYTES = 8 << 20  # a longer log is shown from its last 8 MiB (the header says so)
 PAGER_LINES = 100_000

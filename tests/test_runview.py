@@ -5,8 +5,9 @@ import os
 import pytest
 
 from pipeline.layout.rundir import RunDir
+from pipeline.layout.tail import LogTailer
 from pipeline.profile import load_profile
-from pipeline.run.runview import LogTailer, RunWatcher
+from pipeline.run.runview import RunWatcher
 from pipeline.stages import stage_names
 from tests.conftest import TINY
 

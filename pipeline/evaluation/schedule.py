@@ -250,7 +250,7 @@ def best_single_k(points: dict[int, dict[int, Point]], weights: dict[int, float]
     return best if best and mixes[best].lo > 1 else 0
 
 
-def single_k_mixes(points: dict[int, dict[int, Point]], weights: dict[int, float], served: set[int]) -> dict[int, "Mix"]:
+def single_k_mixes(points: dict[int, dict[int, Point]], weights: dict[int, float], served: set[int]) -> dict[int, Mix]:
     """Each served k > 0 at every load, under the traffic: {k: Mix} (a k missing at a weighed level left out)."""
     out = {}
     for k in sorted(served):

@@ -8,8 +8,11 @@ from __future__ import annotations
 import json
 import os
 import tempfile
+from contextlib import suppress
 from pathlib import Path
 from typing import Any
+
+from pipeline.layout import tail
 
 
 def fsync_dir(path: Path) -> None:
@@ -92,20 +95,10 @@ def read_jsonl_from(path: Path, offset: int) -> tuple[list, int]:
     """The records appended since byte `offset`, and where the next read starts: complete lines only (a
     torn tail waits for the next poll), unreadable ones skipped; nothing while the file is missing."""
     records: list = []
-    try:
-        fh = open(path, "rb")
-    except FileNotFoundError:
-        return records, offset
-    with fh:  # line by line: a large rows file is never held whole beside its records
-        fh.seek(offset)
-        for raw in fh:
-            if not raw.endswith(b"\n"):
-                break
-            offset += len(raw)
-            try:
-                records.append(json.loads(raw))
-            except json.JSONDecodeError:
-                continue
+    for raw in tail.lines_from(path, offset):
+        offset += len(raw)
+        with suppress(json.JSONDecodeError):
+            records.append(json.loads(raw))
     return records, offset
 
 

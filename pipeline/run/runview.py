@@ -1,10 +1,8 @@
 """A read-only, incremental view of a run's files for whoever displays it (the console): stage
-statuses with progress and ETA, key figures as they arrive, notes, the tail of a log. Reads only."""
+statuses with progress and ETA, key figures as they arrive, notes (a log's tail: `layout/tail.py`). Reads only."""
 from __future__ import annotations
 
 import json
-import os
-import re
 import time
 from contextlib import suppress
 from dataclasses import dataclass
@@ -13,7 +11,6 @@ from pathlib import Path
 from pipeline.layout import atomicio
 from pipeline.layout.rundir import RunDir
 
-_ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]|\r")
 KEY_FIGURES = ("loss", "train/loss", "val/loss_epoch", "tau", "mean_acceptance_length", "samples_per_s",
                "tokens_per_s", "profile/tokens_per_s", "generate_tok_s", "tok_s", "generated_tok_s", "speedup",
                "step")
@@ -122,34 +119,3 @@ class RunWatcher:
         return self._json[path][1] if path in self._json else None
 
 
-class LogTailer:
-    """New lines of a growing log file since the last call, ANSI codes stripped."""
-
-    def __init__(self, path: Path):
-        self.path = Path(path)
-        self._offset = 0
-        self._inode: int | None = None
-
-    def new_lines(self, limit_bytes: int = 1 << 20) -> list[str]:
-        try:
-            st = os.stat(self.path)
-        except FileNotFoundError:
-            return []
-        fresh = st.st_ino != self._inode or st.st_size < self._offset  # new, replaced or truncated: start over
-        if fresh:
-            self._inode, self._offset = st.st_ino, max(0, st.st_size - limit_bytes)
-        with open(self.path, "rb") as fh:
-            mid_line = False
-            if fresh and self._offset > 0:  # started inside the log: is it at a line's start?
-                fh.seek(self._offset - 1)
-                mid_line = fh.read(1) != b"\n"
-            fh.seek(self._offset)
-            data = fh.read(limit_bytes)
-        if mid_line:  # skip the fragment to the first whole line
-            skip = data.find(b"\n") + 1
-            self._offset, data = self._offset + skip, data[skip:]
-        end = data.rfind(b"\n") + 1
-        if end == 0 and len(data) >= limit_bytes:  # one line longer than the limit: show its start, move on
-            end = len(data)
-        self._offset += end
-        return [_ANSI.sub("", line) for line in data[:end].decode(errors="replace").splitlines()]
