@@ -46,15 +46,22 @@ def fake_sampler():
 
 
 async def first_frame(pilot, seconds: float = 15.0):
-    """Until the first full frame is drawn (its footer's line not empty): a fixed pause showed a frame without
-    its footer on a loaded machine (two test workers on 2 cores)."""
+    """Until the first full frame is drawn (its footer's line not empty) and the first poll of the run and of
+    the GPUs has been shown: a fixed pause showed a frame without its footer on a loaded machine (two test
+    workers on 2 cores), and once the stage table's cursor still on its first row, the poll not yet in."""
     import time
 
     from tests.test_console import screen_text
+
+    def drawn() -> bool:
+        app = pilot.app
+        polled = getattr(app, "polled", True) is not None and getattr(app, "snapshot", True) is not None
+        return polled and bool(screen_text(app).rstrip("\n").splitlines()[-1].strip())
     await pilot.pause(0.8)
     deadline = time.monotonic() + seconds
-    while not screen_text(pilot.app).rstrip("\n").splitlines()[-1].strip() and time.monotonic() < deadline:
+    while not drawn() and time.monotonic() < deadline:
         await pilot.pause(0.1)
+    await pilot.pause(0.2)  # the refresh after the last message
 
 
 @pytest.fixture(autouse=True)
