@@ -5,6 +5,7 @@ from pipeline.layout.rundir import RunDir
 from pipeline.profile import load_profile
 from pipeline.report import notes
 from tests.conftest import TINY, cli
+from tests.helpers import ROOT
 
 
 def new_run(tmp_path):
@@ -66,3 +67,16 @@ def test_append_jsonl_fsyncs_each_record(tmp_path, monkeypatch):
     atomicio.append_jsonl(tmp_path / "x.jsonl", {"a": 1})
     atomicio.append_jsonl(tmp_path / "x.jsonl", {"a": 2})
     assert len(synced) == 2
+
+
+def test_the_instance_lines_say_what_was_compared():
+    """One baseline instance has no spread of its own: the line says production against it and the bound, not
+    "0% apart" (the H100 run of 2026-12-06 read "(0% apart; production +5%)"); two instances say both."""
+    res = json.loads((ROOT / "bench/results/h100/gpu-demo/2026-12-06/online.json").read_text())
+    lines = [line for line in notes.sweep_lines(res) if line.startswith("the target alone")]
+    assert lines[0] == ("the target alone at c=1: baseline 426.6, production before the run 445.8 tok/s "
+                        "(production +5% of the baseline; bound 10%)")
+    level = res["instances"]["levels"]["8"]
+    level["baseline_instances"]["baseline-2"], level["spread"] = 2400.0, 0.105
+    two = [line for line in notes.sweep_lines(res) if line.startswith("the target alone at c=8")][0]
+    assert two.endswith("(baseline instances 10% apart; production +7% of the baseline; bound 10%)"), two

@@ -103,9 +103,12 @@ def sweep_lines(res: dict) -> list[str]:
         parts = [f"{m} {v:.1f}" for m, v in e.get("baseline_instances", {}).items()]
         if "production_before" in e:
             parts.append(f"production before the run {e['production_before']:.1f}")
-        lines.append(f"the target alone at c={c}: " + ", ".join(parts) + f" tok/s ({e.get('spread', 0):.0%} apart"
-                     + (f"; production {e['production_vs_baseline']:+.0%}" if "production_vs_baseline" in e else "")
-                     + ")")
+        said = ([f"baseline instances {e.get('spread', 0):.0%} apart"] if len(e.get("baseline_instances", {})) > 1
+                else []) + ([f"production {e['production_vs_baseline']:+.0%} of the baseline"]
+                            if "production_vs_baseline" in e else [])
+        bound = f"; bound {inst['bound']:.0%}" if said and inst.get("bound") is not None else ""
+        lines.append(f"the target alone at c={c}: " + ", ".join(parts) + " tok/s"
+                     + (f" ({'; '.join(said)}{bound})" if said else ""))
     return lines + [""]
 
 
