@@ -73,6 +73,7 @@ def test_the_instance_lines_say_what_was_compared():
     """One baseline instance has no spread of its own: the line says production against it and the bound, not
     "0% apart" (the H100 run of 2026-12-06 read "(0% apart; production +5%)"); two instances say both."""
     res = json.loads((ROOT / "bench/results/h100/gpu-demo/2026-12-06/online.json").read_text())
+    assert any(line.startswith("check: a served k predicted") for line in notes.sweep_lines(res))  # k=1's +18%
     lines = [line for line in notes.sweep_lines(res) if line.startswith("the target alone")]
     assert lines[0] == ("the target alone at c=1: baseline 426.6, production before the run 445.8 tok/s "
                         "(production +5% of the baseline; bound 10%)")

@@ -88,6 +88,10 @@ def sweep_lines(res: dict) -> list[str]:
             err = f", check {p['error']:+.0%}" if p.get("error") is not None else ""
             cells.append(f"x{p['speedup']:.3f} (x{p['lo']:.2f}–x{p['hi']:.2f}){how}{err}")
         lines.append(f"| {c} | " + " | ".join(cells) + f" | {chosen.get(str(c), '–')} |")
+    if any(p.get("error") is not None for pts in sweep.values() for p in pts.values()):
+        lines += ["", "check: a served k predicted from the served k around it, against what it measured; from k=0 "
+                  "(the target alone) it includes the cost every draft step pays whatever its k, so it overstates "
+                  "the error of a k predicted between two served heads"]
     sched = res.get("schedule") or {}
     if sched.get("text"):
         lines += ["", f"k per batch size (vLLM's num_speculative_tokens_per_batch_size): {sched['text']}"]
