@@ -253,9 +253,9 @@ def best_single_k(points: dict[int, dict[int, Point]], weights: dict[int, float]
 def single_k_mixes(points: dict[int, dict[int, Point]], weights: dict[int, float], served: set[int]) -> dict[int, Mix]:
     """Each served k > 0 at every load, under the traffic: {k: Mix} (a k missing at a weighed level left out)."""
     out = {}
-    for k in sorted(served):
-        m = mix({c: (pts[k].speedup, pts[k].lo, pts[k].hi) for c, pts in points.items() if k in pts}, weights)
-        if k > 0 and m is not None:
+    for k in sorted(k for k in served if k > 0):
+        if (m := mix({c: (pts[k].speedup, pts[k].lo, pts[k].hi) for c, pts in points.items() if k in pts},
+                     weights)) is not None:
             out[k] = m
     return out
 

@@ -1,6 +1,7 @@
 """The one reader of growing files: the complete lines appended since a byte offset (a torn last line waits
 for the next read), and the follower of a log that may be replaced or truncated under it (the console's
-pager). The run's event and note files, the regeneration rows and the logs are all read through it."""
+pager). The run's event and note files and speculators' regenerated rows (`atomicio.read_jsonl_from`) and the
+console's logs are read through it; a stopped child's log is read whole (`host/procs.read_log`)."""
 from __future__ import annotations
 
 import os
