@@ -56,7 +56,8 @@ else
     # shellcheck source=/dev/null
     source .vls/install_on_device.sh || exit 1
     cd "$here" || exit 1
-    export PYTHONPATH="$PWD:/tmp/site:/tmp/site2" VLLM_LOGGING_LEVEL=WARNING
+    # INFO: each server's log says where its start went (weights, torch.compile, graph capture, engine init)
+    export PYTHONPATH="$PWD:/tmp/site:/tmp/site2" VLLM_LOGGING_LEVEL=INFO
   fi
 fi
 
@@ -71,6 +72,12 @@ run_until() {  # the run's stages up to $1: created on the first call, resumed a
 quiet() { grep -vE '^\[[a-z-]+\] [0-9]+/[0-9]+ ' ; }  # progress lines off the output's tail
 stage_done() { $PY -c "import json,sys; s=json.load(open(sys.argv[1]))['stages']; \
 sys.exit(0 if s.get(sys.argv[2], {}).get('status') == 'done' else 1)" "$R/state.json" "$1" 2>/dev/null; }
+starts() {  # where each server's start went, from its own log (vLLM's INFO lines)
+  for f in "$R"/logs/server-*.log; do [ -f "$f" ] || continue; echo "# start of $(basename "$f" .log):"
+    grep -aE "Loading weights took|Model loading took|torch.compile take|Graph capturing finished|init engine|\
+Dynamo bytecode transform|Compiling a graph|Directly load|compiled graph|Starting vLLM|startup complete" "$f" \
+      | sed -E 's/^.*(INFO|WARNING) [0-9-]+ [0-9:]+ //' | cut -c1-200 | tail -12; done
+}
 gpu_procs() { nvidia-smi --query-compute-apps=pid,used_memory --format=csv,noheader 2>/dev/null | wc -l; }
 
 case "$PHASE" in
@@ -103,7 +110,7 @@ PYJOB
     if [ -f "$W/all.done" ]; then cp "$W"/out/* "$OUT/" 2>/dev/null; cp "$W/all.log" "$OUT/"; echo "$(el) the job is done"
     else  # what the run holds so far: a budget that runs out in the next call still leaves these figures
       for f in state.json eval/online.json eval/production.json; do cp "$R/$f" "$OUT/" 2>/dev/null; done
-      cp "$W/all.log" "$OUT/" 2>/dev/null; echo "$(el) the job is still running"; fi ;;
+      cp "$W/all.log" "$OUT/" 2>/dev/null; echo "$(el) the job is still running"; starts | tail -30; fi ;;
   cost)  # bench/gpu/step_cost.py alone, GPU_DEMO_REPEAT times (fresh servers each: the spread between instances);
     # the tokenizer: GPU_DEMO_TOKENIZER (a built target's directory) or this run's target
     tok=${GPU_DEMO_TOKENIZER:-$(ls -d "$W"/cache/demo-target-*/ 2>/dev/null | head -1)}
@@ -152,6 +159,7 @@ print(f(Path(sys.argv[1])) or '')" "$R/checkpoints" 2>/dev/null)
       [ -f "$f" ] && { echo "# $(basename "$f"):"; grep -aiE "cuda ?graph|asynchronous scheduling|backend|capturing" \
         "$f" | cut -c1-220 | tail -8; }
     done
+    starts
     $PY -m pipeline notes export "$R" -o "$OUT/report.md" >/dev/null 2>&1
     for f in state.json eval/online.json eval/checkpoints.json eval/production.json report/checkpoints.png \
              report/acceptance.png; do cp "$R/$f" "$OUT/" 2>/dev/null; done
