@@ -45,7 +45,7 @@ CONFIGS: dict[str, tuple[list[str], dict]] = {
     "eager": (["--enforce-eager"], {}),
     "noasync": (["--no-async-scheduling"], {}),
     "pin": ([], {"SC_PIN": "1-6"}),  # API server and engine core on cores 1-6 (taskset): the CPU placement
-    # graphs captured up to 128 tokens a step, as profiles/gpu-demo.toml serves (vLLM's default: up to 512)
+    # graphs captured up to 128 tokens a step (vLLM's default: up to 512; NOTES.md "Twelve instances of one argv")
     "cap128": (["--compilation-config", json.dumps({"max_cudagraph_capture_size": 128})], {}),
 }
 
