@@ -21,9 +21,13 @@ cd "$here" || exit 1
 export PYTHONPATH="$PWD:/tmp/site:/tmp/site2" VLLM_LOGGING_LEVEL=INFO CUDA_VISIBLE_DEVICES=0
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,power.draw,temperature.gpu --format=csv,noheader
 read -ra variants <<< "${VARIANTS:-base base2 k3}"
-timeout "${SC_TIMEOUT:-540}" python3 -u bench/gpu/schedule_cost.py --tokenizer /tmp/tok --size 0.8b \
+# OVERLAP="base k3 base": bench/gpu/overlap_cost.py instead (the next server started while this one is measured)
+[ -n "${OVERLAP:-}" ] && { read -ra servers <<< "$OVERLAP"
+  timeout "${SC_TIMEOUT:-540}" python3 -u bench/gpu/overlap_cost.py --tokenizer /tmp/tok --size 0.8b \
+    --servers "${servers[@]}" --rounds "${ROUNDS:-3}" --work /tmp/oc 2>&1 | grep -v '^\[' | tee -a "$OUT/overlap-cost.txt"; }
+[ -n "${OVERLAP:-}" ] || timeout "${SC_TIMEOUT:-540}" python3 -u bench/gpu/schedule_cost.py --tokenizer /tmp/tok --size 0.8b \
   --variants "${variants[@]}" --rounds "${ROUNDS:-3}" --prompts "${PROMPTS:-32}" --work /tmp/sc 2>&1 | grep -v '^\[' | tee -a "$OUT/schedule-cost.txt"
-for f in /tmp/sc/server-*.log; do [ -f "$f" ] || continue; echo "# start of $(basename "$f" .log):"
+for f in /tmp/sc/server-*.log /tmp/oc/server-*.log; do [ -f "$f" ] || continue; echo "# start of $(basename "$f" .log):"
   grep -aE "Loading weights took|Model loading took|torch.compile take|Graph capturing finished|init engine|\
 Dynamo bytecode transform|Directly load|Starting vLLM|startup complete|Available KV cache" "$f" \
     | sed -E 's/^.*(INFO|WARNING) [0-9-]+ [0-9:]+ //' | cut -c1-200 | tail -14
