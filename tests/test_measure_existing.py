@@ -12,7 +12,7 @@ from pipeline.layout import results
 from pipeline.layout.rundir import RunDir
 from pipeline.profile import ProfileError, load_profile
 from pipeline.report import notes
-from pipeline.stages import STAGES, stage_names
+from pipeline.stages import STAGES, benchmark, stage_names
 from pipeline.stages import measure_existing as me
 from pipeline.stages.base import HEAD_STAGES, StageContext, StageError, existing_clears
 from tests.helpers import TINY, cli, free_port_pair
@@ -91,7 +91,7 @@ def _stand_in(monkeypatch, ctx: StageContext, head: Path, existing_outputs, spee
         return {"baseline": {"method": "baseline", "levels": {lv: _level(100.0, reference) for lv in levels}},
                 "existing": {"method": "existing", "levels": {
                     lv: _level(speed, existing_outputs if lv == levels[0] else reference, drafts=20) for lv in levels}}}
-    monkeypatch.setattr(me, "measure_all", measure_all)
+    monkeypatch.setattr(benchmark, "measure_all", measure_all)
 
 
 def test_a_head_that_clears_is_written_with_its_figures_and_under_deploy_skips_training(tmp_path, monkeypatch):

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import sys
 from contextlib import ExitStack, closing
+from dataclasses import dataclass
 
 from pipeline.compat import vllm_dynamic_k, vllm_errors
 from pipeline.evaluation import schedule
@@ -17,7 +18,7 @@ from pipeline.layout.matrix import level_of
 from pipeline.serving import ports, vllm_modes
 from pipeline.serving.client import in_threads
 from pipeline.serving.server import ServerError, port_in_use, port_owner
-from pipeline.stages.base import StageContext
+from pipeline.stages.base import StageContext, StageError
 from pipeline.stages.served import measure_served
 
 MODE = {"baseline": "baseline", "ngram": "ngram", "suffix": "suffix", "existing": "speculative",
@@ -374,3 +375,100 @@ def head_failure(ctx: StageContext, matrix: dict, head: str, label: str, low: in
         return (f"outputs with and without {which} differ for {len(failures[method])}/{prompts} prompts "
                 f"(first: {failures[method][0]}){beyond}; see {result}")
     return None
+
+
+@dataclass
+class Weighed:
+    """A head's matrix measured and decided (measure_head): what both stages write and report alike."""
+    matrix: dict
+    base: dict
+    noise: dict
+    weights: dict[int, float]
+    how: str
+    weighed: dict
+    low: int
+    mismatches: dict
+    failures: dict
+    failure: str | None
+    decision: Decision
+    baseline_outputs: list
+
+    @property
+    def deployed(self) -> dict | None:
+        return self.weighed.get("deployed")
+
+    def mix(self) -> schedule.Mix | None:
+        """The expected speedup under the traffic of the row the decision weighed (none for a failed head)."""
+        d = self.deployed
+        if d is None or self.failure is not None:
+            return None
+        return schedule.mix(row_levels(self.matrix[d["row"]], self.base), self.weights)
+
+    def written(self, ctx: StageContext, prompts: int) -> dict:
+        """The keys eval/online.json and eval/existing.json share."""
+        ev, m = ctx.profile.evaluate, self.mix()
+        return {
+            "prompts": prompts, "max_new_tokens": ev.max_new_tokens, "min_new_tokens": ev.min_new_tokens,
+            "rounds": ev.rounds, "concurrency": sorted(ev.concurrency), "matrix": self.matrix,
+            "mismatches": self.mismatches, "mismatches_beyond_ties": self.failures,
+            "tie_logprob_gap": ev.tie_logprob_gap, "sweep": self.weighed.get("sweep", {}),
+            "schedule": self.weighed.get("schedule"), "considered": self.deployed,
+            "deployed": self.deployed if self.decision.deploy else None,
+            "traffic": {"weights": {str(c): round(w, 4) for c, w in self.weights.items()}, "from": self.how},
+            "expected_speedup": m and {"median": round(m.expected, 4), "lo": round(m.lo, 4), "hi": round(m.hi, 4)},
+            "instances": self.noise, **self.verdict()}
+
+    def verdict(self) -> dict:
+        return {"decision": self.decision.line, "deploy": self.decision.deploy, "reason": self.decision.reason}
+
+    def figures(self) -> dict:
+        """The figures both stages report: the decision, the instances' spread, the traffic, the mix."""
+        out = {**self.verdict(), "instance_spread": self.noise["spread"],
+               "traffic": traffic_text(self.weights, self.how),
+               "baseline_tok_s": self.matrix["baseline"]["levels"][self.low]["output_tok_s"]}
+        if (m := self.mix()) is not None:
+            out.update(expected_speedup=round(m.expected, 4), expected_speedup_lo=round(m.lo, 4),
+                       expected_speedup_hi=round(m.hi, 4))
+        return out
+
+
+def measure_head(ctx: StageContext, head: str, draft, label: str, methods: list[str], args: dict,
+                 prompts: list[list[int]], ids: list[str], result, sources: list[str],
+                 schedule_sources: list[str] | None = None) -> Weighed:
+    """The matrix of `methods` with the head's row `head` (served from `draft`) at each k of the sweep, the
+    noise settled, the levels weighed by the traffic, the schedule served where one wins, the outputs compared
+    at the lowest level and the decision — deploy-measure's for a new head, measure-existing's for one that
+    exists. `label` names the head for people, `result` is the file its figures go to."""
+    ev = ctx.profile.evaluate
+    matrix = measure_all(ctx, methods, prompts, args, sources=sources)
+    if matrix["baseline"].get("error"):
+        raise StageError(f"baseline server failed: {matrix['baseline']['error']}")
+    noise = settled_noise(ctx, matrix, prompts, args)
+    base = pooled_baseline(matrix)
+    weights, how = traffic_of(ctx, sorted(ev.concurrency))
+    weighed = weigh(ctx, matrix, base, schedule.sweep_ks(ctx.profile), weights, head)
+    if weighed.get("schedule_row"):
+        row = schedule_row(head)
+        measure_all(ctx, [row], prompts, {row: {"draft_dir": draft, **weighed["schedule_row"]}}, matrix,
+                    sources=schedule_sources)
+        weighed = settle(ctx, matrix, base, weighed, weights, head)
+    low = min(ev.concurrency)
+    # failures: mismatches that are not near-ties of the target's own
+    mismatches, failures = compare_rows(matrix, ids, low, ev.tie_logprob_gap)
+    baseline_outputs = matrix["baseline"]["levels"][low]["outputs"]
+    for r in matrix.values():
+        for level in r.get("levels", {}).values():
+            level.pop("outputs", None)
+    failure = head_failure(ctx, matrix, head, label, low, failures, len(prompts), result)
+    deployed = weighed.get("deployed")
+    if failure is not None:  # a head that failed its own checks is not deployed, whatever its speed
+        decision = Decision(False, failure)
+    elif not noise["decides"]:
+        decision = cannot_decide(noise, ev.instance_spread)
+    elif deployed is None:
+        decision = Decision(False, weighed["why"])
+    else:
+        decision = decide(row_levels(matrix[deployed["row"]], base), weights, ev.deploy_speedup,
+                          deployed["what"], traffic_text(weights, how))
+    return Weighed(matrix, base, noise, weights, how, weighed, low, mismatches, failures, failure, decision,
+                   baseline_outputs)

@@ -10,35 +10,14 @@ from __future__ import annotations
 from pathlib import Path
 
 from pipeline.data import conversations, target
-from pipeline.evaluation import diagnose, schedule
+from pipeline.evaluation import diagnose
 from pipeline.layout import atomicio
-from pipeline.layout.decision import Decision
 from pipeline.layout.results import DeployMeasureResult, EvaluateOfflineResult, MeasureExistingResult
 from pipeline.serving import vllm_modes
 from pipeline.serving.deploy import publish_draft
+from pipeline.stages import benchmark  # the matrix's machinery, shared with measure-existing
 from pipeline.stages.base import Stage, StageContext, StageError, argv_for
-
-# The matrix's machinery, shared with measure-existing (stages/benchmark.py); again_alone, numeric_ties and
-# side_by_side_ports only for the tests that know them from here
-from pipeline.stages.benchmark import (  # noqa: F401
-    again_alone,
-    cannot_decide,
-    compare_rows,
-    decide,
-    head_failure,
-    measure_all,
-    numeric_ties,
-    pooled_baseline,
-    row_levels,
-    schedule_row,
-    settle,
-    settled_noise,
-    side_by_side_ports,
-    sweep_rows,
-    traffic_of,
-    traffic_text,
-    weigh,
-)
+from pipeline.stages.benchmark import decide, numeric_ties, row_levels, side_by_side_ports  # noqa: F401 (tests)
 from pipeline.stages.served import decode_steps
 
 
@@ -68,67 +47,26 @@ class DeployMeasure(Stage):
         # the existing head as measure-existing served it (a run's published head, a converted one), where it ran
         existing = ctx.run.result(MeasureExistingResult).head or ev.existing_head
         args: dict = {"eagle3": {"draft_dir": draft}, "existing": {"draft_dir": Path(existing)}}
-        ks = schedule.sweep_ks(ctx.profile)
         methods = list(ev.methods) + [f"baseline-{i}" for i in range(2, ev.baseline_instances + 1)]
         if "eagle3" in methods:
-            k_rows, row_args = sweep_rows(ctx.profile, "eagle3", draft)
+            k_rows, row_args = benchmark.sweep_rows(ctx.profile, "eagle3", draft)
             methods += k_rows
             args |= row_args
-        matrix = measure_all(ctx, methods, prompts, args, sources=[r.get("source", "") for r in rows])
-        if matrix["baseline"].get("error"):
-            raise StageError(f"baseline server failed: {matrix['baseline']['error']}")
-        noise = settled_noise(ctx, matrix, prompts, args)
-        base = pooled_baseline(matrix)
-        weights, how = traffic_of(ctx, sorted(ev.concurrency))
-        weighed = weigh(ctx, matrix, base, ks, weights, "eagle3")
-        if weighed.get("schedule_row"):
-            row = schedule_row("eagle3")
-            measure_all(ctx, [row], prompts, {row: {"draft_dir": draft, **weighed["schedule_row"]}}, matrix)
-            weighed = settle(ctx, matrix, base, weighed, weights, "eagle3")
-        low = min(ev.concurrency)
-        # failures: mismatches that are not near-ties of the target's own
-        mismatches, failures = compare_rows(matrix, [r["id"] for r in rows], low, ev.tie_logprob_gap)
+        w = benchmark.measure_head(ctx, "eagle3", draft, "the new head", methods, args, prompts,
+                                   [r["id"] for r in rows], ctx.run.online_result,
+                                   sources=[r.get("source", "") for r in rows])
+        matrix, low, deployed = w.matrix, w.low, w.deployed
         base_low = matrix["baseline"]["levels"][low]
-        baseline_outputs = base_low["outputs"]
-        for row in matrix.values():
-            for level in row.get("levels", {}).values():
-                level.pop("outputs", None)
         eagle = matrix.get("eagle3")
         offline_tau = ctx.run.result(EvaluateOfflineResult).tau
-        failure = head_failure(ctx, matrix, "eagle3", "the new head", low, failures, len(prompts),
-                               ctx.run.online_result)
-        deployed = weighed.get("deployed")
-        if failure is not None:  # a head that failed its own checks is not deployed, whatever its speed
-            decision = Decision(False, failure)
-        elif not noise["decides"]:
-            decision = cannot_decide(noise, ev.instance_spread)
-        elif deployed is None:
-            decision = Decision(False, weighed["why"])
-        else:
-            decision = decide(row_levels(matrix[deployed["row"]], base), weights, ev.deploy_speedup,
-                              deployed["what"], traffic_text(weights, how))
-        verdict = {"decision": decision.line, "deploy": decision.deploy, "reason": decision.reason}
-        m = schedule.mix(row_levels(matrix[deployed["row"]], base), weights) if deployed else None
-        atomicio.atomic_write_json(ctx.run.online_result, {
-            "k": ev.k, "prompts": len(prompts), "max_new_tokens": ev.max_new_tokens,
-            "min_new_tokens": ev.min_new_tokens, "rounds": ev.rounds,
-            "concurrency": sorted(ev.concurrency), "matrix": matrix, "mismatches": mismatches,
-            "mismatches_beyond_ties": failures, "tie_logprob_gap": ev.tie_logprob_gap,
-            "offline_tau": offline_tau, "sweep": weighed.get("sweep", {}), "schedule": weighed.get("schedule"),
-            "deployed": deployed if decision.deploy else None, "considered": deployed,
-            "traffic": {"weights": {str(c): round(w, 4) for c, w in weights.items()}, "from": how},
-            "expected_speedup": m and {"median": round(m.expected, 4), "lo": round(m.lo, 4), "hi": round(m.hi, 4)},
-            "instances": noise, **verdict})
-        if failure is not None:
-            raise StageError(failure)
-        figures = {**verdict, "offline_tau": offline_tau, "baseline_tok_s": base_low["output_tok_s"],
-                   "instance_spread": noise["spread"], "traffic": traffic_text(weights, how)}
-        if m is not None:
-            figures.update(expected_speedup=round(m.expected, 4), expected_speedup_lo=round(m.lo, 4),
-                           expected_speedup_hi=round(m.hi, 4))
+        atomicio.atomic_write_json(ctx.run.online_result,
+                                   {"k": ev.k, **w.written(ctx, len(prompts)), "offline_tau": offline_tau})
+        if w.failure is not None:
+            raise StageError(w.failure)
+        figures = {**w.figures(), "offline_tau": offline_tau}
         if deployed is not None:
             figures.update(deployed_k=deployed["k"], schedule=deployed.get("schedule"))
-        errors: list[float] = [p.error for pts in weighed.get("points", {}).values() for p in pts.values()
+        errors: list[float] = [p.error for pts in w.weighed.get("points", {}).values() for p in pts.values()
                                if p.error is not None]
         if errors:
             worst: float = max(errors, key=abs)  # the largest either way
@@ -143,7 +81,7 @@ class DeployMeasure(Stage):
                            **streamed_split(base_low, lv))
             if offline_tau is None:  # the offline evaluator did not compare it with training already
                 figures |= diagnose.check_acceptance(ctx, ctx.draft_checkpoint(), lv["acceptance_per_position"],
-                                                     "through vLLM", baseline_outputs)
+                                                     "through vLLM", w.baseline_outputs)
         ngram = matrix.get("ngram", {}).get("levels", {}).get(low, {})
         if ngram.get("mean_acceptance_length") is not None:
             steps = decode_steps(ngram["output_tokens"] - ngram.get("requests", len(prompts)), ngram["accepted"],

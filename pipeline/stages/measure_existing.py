@@ -14,29 +14,13 @@ from pathlib import Path
 
 from pipeline.compat import speculators_heads
 from pipeline.compat.speculators_heads import HeadError, HeadSource
-from pipeline.evaluation import schedule
 from pipeline.layout import atomicio
 from pipeline.layout.decision import Decision
 from pipeline.layout.results import MeasureExistingResult
 from pipeline.layout.rundir import now_iso
 from pipeline.stages import heads
 from pipeline.stages.base import Stage, StageContext, StageError, argv_for
-from pipeline.stages.benchmark import (
-    cannot_decide,
-    compare_rows,
-    decide,
-    head_failure,
-    measure_all,
-    pooled_baseline,
-    row_levels,
-    schedule_row,
-    settle,
-    settled_noise,
-    sweep_rows,
-    traffic_of,
-    traffic_text,
-    weigh,
-)
+from pipeline.stages.benchmark import measure_head, row_levels, sweep_rows
 from pipeline.stages.production import heldout_prompt_ids, heldout_sources
 
 ROW = "existing"  # its row in the matrix (deploy-measure's name for the same head), its server's log name
@@ -125,68 +109,23 @@ class MeasureExisting(Stage):
         args[ROW] = {"draft_dir": head}
         methods = ["baseline", *(f"baseline-{i}" for i in range(2, ev.baseline_instances + 1)), ROW, *k_rows]
         sources = heldout_sources(ctx)
-        matrix = measure_all(ctx, methods, prompts, args, sources=sources)
-        if matrix["baseline"].get("error"):
-            raise StageError(f"baseline server failed: {matrix['baseline']['error']}")
-        noise = settled_noise(ctx, matrix, prompts, args)
-        base = pooled_baseline(matrix)
-        weights, how = traffic_of(ctx, sorted(ev.concurrency))
-        weighed = weigh(ctx, matrix, base, schedule.sweep_ks(ctx.profile), weights, ROW)
-        if weighed.get("schedule_row"):
-            srow = schedule_row(ROW)
-            measure_all(ctx, [srow], prompts, {srow: {"draft_dir": head, **weighed["schedule_row"]}}, matrix,
-                        sources=sources)
-            weighed = settle(ctx, matrix, base, weighed, weights, ROW)
-        low = min(ev.concurrency)
-        mismatches, failures = compare_rows(matrix, ids, low, ev.tie_logprob_gap)
-        row = matrix[ROW]
-        failure = head_failure(ctx, matrix, ROW, "the existing head", low, failures, len(prompts),
-                               ctx.run.existing_result)
-        intervals = row_levels(row, base)
-        deployed = weighed.get("deployed")
-        if failure is not None:
-            decision = Decision(False, failure)
-        elif not noise["decides"]:
-            decision = cannot_decide(noise, ev.instance_spread)
-        elif deployed is None:
-            decision = Decision(False, weighed["why"])
-        else:
-            decision = decide(row_levels(matrix[deployed["row"]], base), weights, ev.deploy_speedup,
-                              deployed["what"], traffic_text(weights, how))
-        m = schedule.mix(row_levels(matrix[deployed["row"]], base), weights) if failure is None and deployed else None
-        for r in matrix.values():
-            for level in r.get("levels", {}).values():
-                level.pop("outputs", None)
+        w = measure_head(ctx, ROW, head, "the existing head", methods, args, prompts, ids, ctx.run.existing_result,
+                         sources=sources, schedule_sources=sources)
+        row, decision, deployed = w.matrix[ROW], w.decision, w.deployed
         skips = decision.deploy and ev.existing_policy == "deploy"
         k = (deployed or {}).get("k") or ev.k  # the largest k of a schedule, as deploy-measure records it
-        verdict = {"decision": decision.line, "deploy": decision.deploy, "reason": decision.reason}
-        levels = {} if row.get("error") else level_figures(row, base, intervals)
+        levels = {} if row.get("error") else level_figures(row, w.base, row_levels(row, w.base))
         atomicio.atomic_write_json(ctx.run.existing_result, {
             "at": now_iso(), "existing_head": ev.existing_head, "kind": source.kind, "source": str(source.head),
-            "head": str(head),
-            "k": k, "prompts": len(prompts), "prompt_ids": ids, "max_new_tokens": ev.max_new_tokens,
-            "min_new_tokens": ev.min_new_tokens, "rounds": ev.rounds, "concurrency": sorted(ev.concurrency),
-            "matrix": matrix, "mismatches": mismatches, "mismatches_beyond_ties": failures,
-            "tie_logprob_gap": ev.tie_logprob_gap, "levels": levels,
-            "traffic": {"weights": {str(c): round(w, 4) for c, w in weights.items()}, "from": how},
-            "expected_speedup": m and {"median": round(m.expected, 4), "lo": round(m.lo, 4), "hi": round(m.hi, 4)},
-            "instances": noise, "policy": ev.existing_policy, "skips_training": skips,
-            "sweep": weighed.get("sweep", {}), "schedule": weighed.get("schedule"), "considered": deployed,
-            # what the handover serves when it deploys this head (handover.deployed_spec reads k and schedule)
-            "deployed": deployed if decision.deploy else None,
-            **verdict})
+            "head": str(head), "k": k, "prompt_ids": ids, **w.written(ctx, len(prompts)), "levels": levels,
+            "policy": ev.existing_policy, "skips_training": skips})
         ctx.note(f"the existing head ({ev.existing_head}, {source.kind}): {decision.line}; "
                  f"{policy_line(ev.existing_policy, decision, ctx.profile.server.after_run)}", ctx.log.info)
-        figures: dict = {**verdict, "existing_head": ev.existing_head, "head": str(head), "kind": source.kind,
+        figures: dict = {**w.figures(), "existing_head": ev.existing_head, "head": str(head), "kind": source.kind,
                          "k": k, "policy": ev.existing_policy, "skips_training": skips, "prompts": len(prompts),
-                         "instance_spread": noise["spread"],
-                         "traffic": traffic_text(weights, how), "levels": levels,
-                         "baseline_tok_s": matrix["baseline"]["levels"][low]["output_tok_s"]}
-        if m is not None:
-            figures.update(expected_speedup=round(m.expected, 4), expected_speedup_lo=round(m.lo, 4),
-                           expected_speedup_hi=round(m.hi, 4))
+                         "levels": levels}
         if not row.get("error"):
-            lv = row["levels"][low]
+            lv = row["levels"][w.low]
             figures.update(existing_tok_s=lv["output_tok_s"], speedup=lv.get("speedup"),
                            identical_outputs=row.get("identical_outputs"))
             if lv.get("mean_acceptance_length") is not None:
