@@ -35,6 +35,24 @@ class AcceptanceCheck(Result):
     likely_causes: list[str] = []
 
 
+class Decided(Result):
+    """A head measured through vLLM and decided on (deploy-measure, measure-existing)."""
+    deploy: bool | None = None
+    reason: str | None = None
+    """The measurement that decides (Decision.reason)."""
+    decision: str | None = None
+    """The decision's line for people: "deploy: …" or "do not deploy: …"."""
+    mean_acceptance_length: float | None = None
+    acceptance_per_position: list[float] = []
+    identical_outputs: bool | None = None
+    speedup: float | None = None
+    baseline_tok_s: float | None = None
+
+    def verdict(self) -> Decision | None:
+        """The decision as a value (None: not measured)."""
+        return None if self.deploy is None or self.reason is None else Decision(self.deploy, self.reason)
+
+
 class PreflightResult(Result):
     STAGE = "preflight"
     extract_mode: Literal["offline", "online"] | None = None
@@ -50,7 +68,7 @@ class MeasureProductionResult(Result):
     STAGE = "measure-production"
 
 
-class MeasureExistingResult(Result):
+class MeasureExistingResult(Decided):
     STAGE = "measure-existing"
     existing_head: str | None = None
     """The head as evaluate.existing_head names it."""
@@ -60,24 +78,8 @@ class MeasureExistingResult(Result):
     kind: str | None = None
     """What evaluate.existing_head named: run, speculators or research (compat/speculators_heads.classify)."""
     k: int | None = None
-    deploy: bool | None = None
-    """Whether the existing head clears deploy-measure's decision (Decision.deploy)."""
-    reason: str | None = None
-    decision: str | None = None
     skips_training: bool | None = None
     """evaluate.existing_policy = "deploy" and the head cleared: the stages that make a new head are skipped."""
-    mean_acceptance_length: float | None = None
-    acceptance_per_position: list[float] = []
-    identical_outputs: bool | None = None
-    speedup: float | None = None
-    existing_tok_s: float | None = None
-    baseline_tok_s: float | None = None
-    expected_speedup: float | None = None
-    expected_speedup_lo: float | None = None
-    expected_speedup_hi: float | None = None
-
-    def verdict(self) -> Decision | None:
-        return None if self.deploy is None or self.reason is None else Decision(self.deploy, self.reason)
 
 
 class RegenerateResult(Result):
@@ -128,20 +130,10 @@ class EvaluateOfflineResult(AcceptanceCheck):
     ngram_tokens_per_step: float | None = None
 
 
-class DeployMeasureResult(AcceptanceCheck):
+class DeployMeasureResult(AcceptanceCheck, Decided):
     STAGE = "deploy-measure"
-    deploy: bool | None = None
-    reason: str | None = None
-    """The measurement that decides (Decision.reason)."""
-    decision: str | None = None
-    """The decision's line for people: "deploy: …" or "do not deploy: …"."""
     offline_tau: float | None = None
-    baseline_tok_s: float | None = None
     speculative_tok_s: float | None = None
-    speedup: float | None = None
-    mean_acceptance_length: float | None = None
-    acceptance_per_position: list[float] = []
-    identical_outputs: bool | None = None
     tokens_per_step: float | None = None
     # what a step costs with and without the head (deploy_measure.step_economics)
     step_ms: float | None = None
@@ -181,10 +173,6 @@ class DeployMeasureResult(AcceptanceCheck):
                      "small target's own step, on a GPU the target's forward dominates a step and the head pays "
                      "from a far lower tau (NOTES.md \"The demo\")")
         return text
-
-    def verdict(self) -> Decision | None:
-        """The decision as a value (None: not measured)."""
-        return None if self.deploy is None or self.reason is None else Decision(self.deploy, self.reason)
 
 
 class HandoverResult(Result):
