@@ -37,9 +37,6 @@ from __future__ import annotations
 
 import ast
 import copy
-import json
-import os
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -141,10 +138,8 @@ def probe(q: dict) -> dict:
 
 
 def main() -> None:
-    import logging
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
-    logging.disable(logging.WARNING)
-    sys.stdout.write("\n" + json.dumps(probe(json.loads(sys.argv[1]))) + "\n")
+    from pipeline.compat.vllm_extract_probe import run_probe
+    run_probe(probe)
 
 
 # ----------------------------------------------------------------- in the pipeline's interpreter

@@ -239,12 +239,18 @@ def probe(q: dict) -> dict:
     return out
 
 
-def main() -> None:
+def run_probe(ask) -> None:
+    """A probe's child process: the question as JSON in argv[1], the answer as the last line of stdout (vLLM's
+    own log lines quietened above it). eagle3_fields' probe runs through it too."""
     import logging
     import os
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
     logging.disable(logging.WARNING)
-    sys.stdout.write("\n" + json.dumps(probe(json.loads(sys.argv[1]))) + "\n")
+    sys.stdout.write("\n" + json.dumps(ask(json.loads(sys.argv[1]))) + "\n")
+
+
+def main() -> None:
+    run_probe(probe)
 
 
 if __name__ == "__main__":
