@@ -34,11 +34,12 @@ def main() -> int:
     prompts = [conversations.render_ids(tok, json.loads(line)["messages"], add_generation_prompt=True)
                for line in (run.data_dir / "heldout_prompts.jsonl").read_text().splitlines() if line.strip()]
     t0 = time.perf_counter()
-    one = [offline_decoding.speculative_generate(reader, proposer, p, a.k, a.max_new_tokens, eos) for p in prompts]
+    one = [offline_decoding.speculative_generate_batch(reader, proposer, [p], a.k, a.max_new_tokens, eos)[0]
+           for p in prompts]
     t1 = time.perf_counter()
     many = offline_decoding.speculative_generate_batch(reader, proposer, prompts, a.k, a.max_new_tokens, eos)
     t2 = time.perf_counter()
-    refs1 = [offline_decoding.greedy_reference(model, p, a.max_new_tokens, eos) for p in prompts]
+    refs1 = [offline_decoding.greedy_reference_batch(model, [p], a.max_new_tokens, eos)[0] for p in prompts]
     t3 = time.perf_counter()
     refsb = offline_decoding.greedy_reference_batch(model, prompts, a.max_new_tokens, eos)
     t4 = time.perf_counter()

@@ -47,8 +47,8 @@ def test_trained_and_untrained_heads_are_lossless(finished_run, k):
         reader = target.HiddenStateReader(model, proposer.aux_ids)
         for msgs in prompts[:2]:
             ids = conversations.render_ids(tok, msgs, add_generation_prompt=True)
-            out, stats = offline_decoding.speculative_generate(reader, proposer, ids, k, 20, eos)
-            assert out == offline_decoding.greedy_reference(model, ids, 20, eos)
+            out, stats = offline_decoding.speculative_generate_batch(reader, proposer, [ids], k, 20, eos)[0]
+            assert out == offline_decoding.greedy_reference_batch(model, [ids], 20, eos)[0]
             assert stats.rounds > 0 and len(stats.per_position) == k
 
 
@@ -95,7 +95,7 @@ def test_batched_speculation_equals_one_prompt_at_a_time(finished_run):
     batched = offline_decoding.speculative_generate_batch(reader, proposer, ids, 3, 24, eos)
     refs = offline_decoding.greedy_reference_batch(model, ids, 24, eos)
     for p, (out, st), ref in zip(ids, batched, refs, strict=True):
-        alone, st1 = offline_decoding.speculative_generate(reader, proposer, p, 3, 24, eos)
-        assert out == alone == ref == offline_decoding.greedy_reference(model, p, 24, eos)
+        alone, st1 = offline_decoding.speculative_generate_batch(reader, proposer, [p], 3, 24, eos)[0]
+        assert out == alone == ref == offline_decoding.greedy_reference_batch(model, [p], 24, eos)[0]
         assert (st.rounds, st.accepted, st.per_position, st.target_forwards) == \
             (st1.rounds, st1.accepted, st1.per_position, st1.target_forwards)

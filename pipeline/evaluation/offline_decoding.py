@@ -190,17 +190,6 @@ def speculative_generate_batch(reader: HiddenStateReader, proposer: DraftPropose
     return list(zip(outs, stats, strict=True))
 
 
-def speculative_generate(reader: HiddenStateReader, proposer: DraftProposer, prompt: list[int], k: int,
-                         max_new_tokens: int, eos: set[int]) -> tuple[list[int], SpecStats]:
-    """One prompt alone (the tests hold the batched path to it)."""
-    return speculative_generate_batch(reader, proposer, [prompt], k, max_new_tokens, eos)[0]
-
-
-@torch.no_grad()
-def greedy_reference(model, prompt: list[int], max_new_tokens: int, eos: set[int]) -> list[int]:
-    return greedy_reference_batch(model, [prompt], max_new_tokens, eos)[0]
-
-
 @torch.no_grad()
 def greedy_reference_batch(model, prompts: list[list[int]], max_new_tokens: int, eos: set[int],
                            pad: int = 0) -> list[list[int]]:
