@@ -21,7 +21,6 @@ import random
 import signal
 import statistics
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -30,10 +29,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from decode_steps import measure  # noqa: E402
-from schedule_cost import server_argv  # noqa: E402
-from step_cost import SIZES, server_env, write_head, write_target  # noqa: E402
+from schedule_cost import random_target, server_argv  # noqa: E402
+from step_cost import SIZES, server_env  # noqa: E402
 
-from pipeline.serving import client, vllm_modes  # noqa: E402
+from pipeline.serving import client  # noqa: E402
 from pipeline.serving.server import ServerController, ServerError  # noqa: E402
 
 
@@ -67,12 +66,7 @@ def main() -> int:
     ap.add_argument("--work", type=Path, default=None)
     args = ap.parse_args()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit("overlap_cost: stopped by SIGTERM"))
-    gpu = vllm_modes.accelerator_available()
-    work = args.work or Path(tempfile.mkdtemp(prefix="overlap-cost-"))
-    shape = SIZES[args.size]
-    target = work / f"target-{args.size}"
-    vocab = write_target(target, shape, args.tokenizer)
-    write_head(work / "head", target, shape, vocab, min(4096, vocab))
+    gpu, work, target, vocab = random_target(args, "overlap-cost-")
     rng = random.Random(0)
     prompts = [[rng.randrange(10, vocab) for _ in range(64)] for _ in range(max(6, args.waves * max(args.concurrency)))]
 

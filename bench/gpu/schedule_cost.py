@@ -68,6 +68,17 @@ def server_argv(target: Path, port: int, spec: dict | None, flags: list[str]) ->
     return argv + flags + (["--speculative-config", json.dumps(spec)] if spec else [])
 
 
+def random_target(args, prefix: str) -> tuple[bool, Path, Path, int]:
+    """The random-weight target of `args.size` and its random head under `args.work` (a new temporary directory
+    without one): (a GPU is here, the work directory, the target's directory, its vocabulary size)."""
+    work = args.work or Path(tempfile.mkdtemp(prefix=prefix))
+    shape = SIZES[args.size]
+    target = work / f"target-{args.size}"
+    vocab = write_target(target, shape, args.tokenizer)
+    write_head(work / "head", target, shape, vocab, min(4096, vocab))
+    return vllm_modes.accelerator_available(), work, target, vocab
+
+
 class Clocks(threading.Thread):
     """The SM clock (MHz) every 0.2 s while measuring, through NVML."""
 
@@ -108,12 +119,7 @@ def main() -> int:
     ap.add_argument("--start-timeout", type=int, default=300)
     args = ap.parse_args()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit("schedule_cost: stopped by SIGTERM"))
-    gpu = vllm_modes.accelerator_available()
-    work = args.work or Path(tempfile.mkdtemp(prefix="schedule-cost-"))
-    shape = SIZES[args.size]
-    target = work / f"target-{args.size}"
-    vocab = write_target(target, shape, args.tokenizer)
-    write_head(work / "head", target, shape, vocab, min(4096, vocab))
+    gpu, work, target, vocab = random_target(args, "schedule-cost-")
     rng = random.Random(0)
     prompts = [[rng.randrange(10, vocab) for _ in range(64)] for _ in range(args.prompts)]
     results: dict = {}
