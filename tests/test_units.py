@@ -479,3 +479,27 @@ def test_wait_until_returns_the_first_truthy_answer_or_the_last_at_the_deadline(
         raise RuntimeError("it exited")
     with pytest.raises(RuntimeError, match="it exited"):
         wait_until(exited, 5)
+
+
+def test_the_plain_progress_eta_is_the_counts_own_rate_not_the_stages_elapsed(monkeypatch):
+    """deploy-measure's first prompt comes after a server's start: 1/16 at 44 s once read "ETA 11:03" for a
+    row that ended 2 s later. The ETA is the count's own rate from its first report; the same count again (a
+    round after the first) starts its rate anew."""
+    import io
+
+    from pipeline.run import progress
+
+    now = [0.0]
+    monkeypatch.setattr(progress.time, "monotonic", lambda: now[0])
+    out = io.StringIO()
+    show = progress.ProgressPrinter(out, tty=False)
+    show({"stage": "deploy-measure", "kind": "start"})
+
+    def report(t: float, done: int) -> str:
+        now[0] = t
+        show({"stage": "deploy-measure", "kind": "progress", "done": done, "total": 16, "unit": "prompts"})
+        return out.getvalue().splitlines()[-1]
+
+    assert report(44.0, 1).endswith("elapsed 0:44 ETA ? ")
+    assert "ETA 0:05" in report(50.0, 9) and "ETA 0:00" in report(51.0, 16)  # 8 in 6 s, 7 to go; then done
+    assert "ETA ?" in report(60.0, 1)  # the next round's count

@@ -16,6 +16,10 @@ class ProgressPrinter:
         self.stream = stream or sys.stdout
         self.tty = self.stream.isatty() if tty is None else tty
         self.started: dict[str | None, float] = {}  # by the event's stage (None: a run-level event)
+        # a count's first report (time, done) and its last done, by (stage, unit, total): the ETA is that count's
+        # own rate, not the stage's elapsed time, which holds a server's start or a model's load before the first
+        # prompt or step (deploy-measure's first prompt once read "ETA 11:03" for a row that took 2 s more)
+        self.counts: dict[tuple, tuple[float, int, int]] = {}
         self._last_plain = 0.0
         self._bar_open = False
 
@@ -50,7 +54,12 @@ class ProgressPrinter:
                          if k not in {"ts", "t", "stage", "kind", "done", "total", "unit"} and v is not None)
         if total:
             frac = min(1.0, done / total)
-            eta_s = _fmt_secs(elapsed / frac - elapsed) if frac > 0 else "?"
+            now, key = time.monotonic(), (stage, unit, total)
+            t0, done0, last = self.counts.get(key, (now, done, done))
+            if done < last:  # the same count again (another round): its rate from here
+                t0, done0 = now, done
+            self.counts[key] = (t0, done0, done)
+            eta_s = _fmt_secs((now - t0) / (done - done0) * (total - done)) if done > done0 else "?"
             if self.tty:
                 self.stream.write(f"\r\033[K[{stage}] [{'#' * int(frac * 30):<30}] {done}/{total} {unit} "
                                   f"{_fmt_secs(elapsed)} ETA {eta_s} {extra}")
