@@ -5,6 +5,7 @@ under test is the controller's own reading of the processes and the port (the fa
 import json
 import os
 import signal
+import sys
 import time
 from pathlib import Path
 
@@ -192,9 +193,27 @@ def test_a_child_started_while_stop_signals_are_held_gets_them_itself(tmp_path):
     assert time.monotonic() - t0 < 10 and gated.proc.wait(timeout=5) == -signal.SIGTERM
 
 
+def test_an_ignored_stop_signal_stays_ignored_for_a_child_started_while_they_are_held():
+    """Under nohup SIGHUP is ignored: the child started in the block ignores it too, as it did when the block
+    was the signal mask, and this process still ignores it afterwards."""
+    previous = signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    try:
+        with procs.stop_signals_deferred():
+            gated = procs.spawn_gated([sys.executable, "-c", "import time; time.sleep(60)"])
+        assert signal.getsignal(signal.SIGHUP) is signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGHUP, previous)
+    try:
+        gated.go()
+        status = (Path("/proc") / str(gated.proc.pid) / "status").read_text()
+        ignored = int(next(line for line in status.splitlines() if line.startswith("SigIgn:")).split()[1], 16)
+        assert ignored & (1 << (signal.SIGHUP - 1)), hex(ignored)
+    finally:
+        procs.stop_group(gated.proc.pid, grace=5)
+
+
 def standin_argv(port: int) -> list[str]:
     """The stand-in's server, argv as vllm_modes builds it for server.python (tests/vllm_standin.py)."""
-    import sys
     return [sys.executable, str(STANDIN), "-m", "vllm.entrypoints.openai.api_server", "--model", "/no/model",
             "--served-model-name", "target", "--host", "127.0.0.1", "--port", str(port)]
 

@@ -107,7 +107,9 @@ def stop_signals_deferred():
         yield
         return
     held: list[int] = []
-    previous = {sig: signal.signal(sig, lambda signum, _frame: held.append(signum)) for sig in STOP_SIGNALS}
+    # an ignored signal stays ignored (nohup's SIGHUP): nothing to hold, and a child keeps ignoring it, as it did
+    previous = {sig: signal.signal(sig, lambda signum, _frame: held.append(signum)) for sig in STOP_SIGNALS
+                if signal.getsignal(sig) is not signal.SIG_IGN}
     try:
         yield
     finally:
