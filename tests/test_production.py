@@ -6,6 +6,7 @@ import json
 import pytest
 
 from pipeline.cli.base import overrides
+from pipeline.compat import vllm_kv_groups
 from pipeline.layout.rundir import RunDir
 from pipeline.planning import preflight
 from pipeline.profile import ProfileError, load_profile
@@ -86,6 +87,11 @@ def test_production_before_and_after_on_the_same_requests(tmp_path, cache_dir):
         assert result["with_draft"] is figures["deploy"] and figures["decision"].startswith(
             "deploy:" if figures["deploy"] else "do not deploy:")
         assert ("--speculative-config" in after["argv"]) == result["with_draft"]
+        # the demo's windowed head beside its plain Llama: one KV-cache group (compat/vllm_kv_groups.py),
+        # in production as in the matrix, which vLLM's own line confirms
+        assert (vllm_kv_groups.FLAG in after["argv"]) == result["with_draft"]
+        logs = [f.read_text(errors="replace") for f in run.logs_dir.glob("server-*.log")]
+        assert any(vllm_kv_groups.FLAG in log and "Hybrid KV cache manager is disabled" in log for log in logs)
         levels = [str(c) for c in sorted(run.profile().evaluate.concurrency)]
         assert sorted(result["speedup"]) == levels
         for c in levels:

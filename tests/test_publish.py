@@ -26,6 +26,9 @@ def test_a_head_without_a_deploy_decision_is_published_only_when_forced(finished
     offline = run.stage_state("evaluate-offline")["figures"]
     assert "published with --force" in card and f"τ {offline['tau']:.3f}" in card
     assert '"method": "eagle3"' in card and str(out.resolve()) in card and "--speculative-config" in card
+    # speculators' windowed head beside the demo's plain Llama: served in one KV-cache group, as the run did
+    assert config["transformer_layer_config"]["layer_types"] == ["sliding_attention"]
+    assert "--disable-hybrid-kv-cache-manager" in card
     assert json.loads((out / "evaluation" / "offline.json").read_text())["tau"] == offline["tau"]
 
     again = cli("publish", finished_run, out, "--force")  # never over what is there

@@ -3,6 +3,7 @@ starts, the server drafts where the schedule says and not where it says 0, and t
 back from its own /metrics as the traffic's weights."""
 import threading
 
+from pipeline.compat import vllm_kv_groups
 from pipeline.evaluation import schedule
 from pipeline.serving import client, ports, vllm_modes
 from pipeline.serving.server import ServerController
@@ -17,6 +18,9 @@ def test_a_schedule_is_served_and_production_load_is_read_from_metrics(vllm_run,
     # k = 3 for one request at a time, none from two on
     argv = vllm_modes.server_argv(p, "speculative", target, draft_dir=mode_args["draft_dir"], k=3,
                                   schedule=[[1, 1, 3], [2, 1024, 0]])
+    # the MLA target's own spec type cannot be unified with the head's: two KV-cache groups, no flag
+    # (compat/vllm_kv_groups.py; a plain target's flag: tests/test_production.py)
+    assert vllm_kv_groups.FLAG not in argv, argv
     ctl = ServerController(tmp_path / "server.json")
     rec = ctl.start(argv, host="127.0.0.1", port=port, mode="speculative", log=tmp_path / "server.log",
                     env=vllm_modes.server_env(p, tmp_path / "cache", "speculative"),

@@ -8,7 +8,8 @@ baseline instances.
 
     python bench/gpu/schedule_cost.py --tokenizer DIR --variants base base2 k3 sched-pw k3-pw [--rounds 3]
 
-Variants (`VARIANTS`): base / base2 (two instances of the target alone, same argv), k1, k3 (one k), sched-*
+Variants (`VARIANTS`): base / base2 (two instances of the target alone, same argv), k1, k3 (one k), k3-sw (the
+head's layer a sliding window, as speculators 0.9.0 trains it by default), sched-*
 (k = 3 with a schedule `SCHEDULE` under a serving configuration), k3-* (k = 3 under that configuration
 without a schedule: what the configuration itself costs). A server that fails to start is one line with
 vLLM's reason (the schedule under CUDA graphs did, on vLLM 0.26.0)."""
@@ -47,6 +48,13 @@ CONFIGS: dict[str, tuple[list[str], dict]] = {
     "pin": ([], {"SC_PIN": "1-6"}),  # API server and engine core on cores 1-6 (taskset): the CPU placement
     # graphs captured up to 128 tokens a step (vLLM's default: up to 512; NOTES.md "Twelve instances of one argv")
     "cap128": (["--compilation-config", json.dumps({"max_cudagraph_capture_size": 128})], {}),
+    # the head as speculators 0.9.0 trains it by default: its layer a sliding window of 2048 (vLLM serves it
+    # so: a second KV-cache group beside the target's full attention)
+    "sw": ([], {"SC_HEAD": "head-sw"}),
+    # that head with one KV-cache group: vLLM turns the window's spec into full attention's (the kernel still
+    # windows; at max_model_len ≤ the window nothing changes)
+    "swnh": (["--disable-hybrid-kv-cache-manager"], {"SC_HEAD": "head-sw"}),
+    "nh": (["--disable-hybrid-kv-cache-manager"], {}),  # the flag alone (one group either way)
 }
 
 
@@ -76,6 +84,7 @@ def random_target(args, prefix: str) -> tuple[bool, Path, Path, int]:
     target = work / f"target-{args.size}"
     vocab = write_target(target, shape, args.tokenizer)
     write_head(work / "head", target, shape, vocab, min(4096, vocab))
+    write_head(work / "head-sw", target, shape, vocab, min(4096, vocab), sliding_window=2048)
     return vllm_modes.accelerator_available(), work, target, vocab
 
 
@@ -123,11 +132,12 @@ def main() -> int:
     rng = random.Random(0)
     prompts = [[rng.randrange(10, vocab) for _ in range(64)] for _ in range(args.prompts)]
     results: dict = {}
-    for name in args.variants:
+    for i, name in enumerate(args.variants):
         k, sched, flags, extra_env = variant(name)
         spec = None
         if k is not None:
-            spec = {"method": "eagle3", "model": str(work / "head"), "num_speculative_tokens": k}
+            spec = {"method": "eagle3", "model": str(work / extra_env.get("SC_HEAD", "head")),
+                    "num_speculative_tokens": k}
             if gpu:
                 spec |= {"rejection_sample_method": "synthetic", "synthetic_acceptance_rates": args.rates[:k]}
             if sched:
@@ -158,18 +168,18 @@ def main() -> int:
                 clocks.start()
                 rounds = [measure(rec.base_url, prompts, args.tokens, c, ignore_eos=True) for _ in range(args.rounds)]
                 tok = [r["tok_s"] for r in rounds]
-                results[(name, c)] = tok
+                results[(f"{name}#{i}" if args.variants.count(name) > 1 else name, c)] = tok  # each instance
                 tau = rounds[0]["tau"]
                 print(f"{name} c={c}: {statistics.median(tok):.1f} tok/s ({min(tok):.1f}–{max(tok):.1f}), "
                       f"tau {tau}, chunk {rounds[0]['chunk_ms']} ms, {clocks.summary()}", flush=True)
         finally:
             ctl.stop(grace=10)
-    bases = [n for n in args.variants if n.startswith("base")]
+    bases = [n for n in dict.fromkeys(n for n, _ in results) if n.startswith("base")]
     for c in args.concurrency:
         ref = results.get((bases[0], c)) if bases else None
         if not ref:
             continue
-        for name in args.variants:
+        for name in dict.fromkeys(n for n, _ in results):
             if (name, c) in results and name != bases[0]:
                 mine = results[(name, c)]
                 print(f"ratio {name} / {bases[0]} c={c}: x{statistics.median(mine) / statistics.median(ref):.3f} "

@@ -67,9 +67,12 @@ def write_target(out: Path, shape: dict, tokenizer: Path) -> int:
     return vocab
 
 
-def write_head(out: Path, target: Path, shape: dict, vocab: int, draft_vocab: int) -> None:
+def write_head(out: Path, target: Path, shape: dict, vocab: int, draft_vocab: int,
+               sliding_window: int | None = None) -> None:
     """A speculators-format EAGLE-3 config of the shape speculators 0.9.0 trains (one decoder layer the
-    target's width); its weights come from vLLM's dummy loader like the target's."""
+    target's width); its weights come from vLLM's dummy loader like the target's. `sliding_window`: the
+    layer as speculators 0.9.0's trainer writes it by default (`layer_types` ["sliding_attention"], window
+    2048), which vLLM serves as a sliding-window layer beside the target's full-attention ones."""
     out.mkdir(parents=True, exist_ok=True)
     layer = {"model_type": "llama", "hidden_act": "silu", "num_hidden_layers": 1, "vocab_size": vocab,
              "hidden_size": shape["hidden_size"], "intermediate_size": shape["intermediate_size"],
@@ -77,6 +80,8 @@ def write_head(out: Path, target: Path, shape: dict, vocab: int, draft_vocab: in
              "head_dim": shape["hidden_size"] // shape["num_attention_heads"], "max_position_embeddings": 4096,
              "rms_norm_eps": 1e-6, "rope_parameters": {"rope_theta": 10000.0, "rope_type": "default"},
              "attention_bias": False, "mlp_bias": False, "tie_word_embeddings": False}
+    if sliding_window:
+        layer |= {"layer_types": ["sliding_attention"], "sliding_window": sliding_window, "use_sliding_window": True}
     config = {"architectures": ["Eagle3DraftModel"], "speculators_model_type": "eagle3", "speculators_version": "0.9.0",
               "draft_vocab_size": draft_vocab, "dtype": "bfloat16", "norm_before_residual": True,
               "eagle_aux_hidden_state_layer_ids": aux_layers(shape["num_hidden_layers"]),

@@ -341,7 +341,8 @@ LossName = Literal["kl_div", "rkl", "jsd", "ce", "tv", "nla", "lk_hybrid"]
 PROFILE_TRAIN_FLAGS = {**{f"--{neg}{k.replace('_', '-')}": k for k in ("norm_before_residual", "norm_before_fc",
                                                                        "norm_output") for neg in ("", "no-")},
                        "--fc-norm": "fc_norm", "--loss-fn": "loss_fn", "--ttt-step-loss-decay": "ttt_step_loss_decay",
-                       "--per-position-loss-weight": "per_position_loss_weight"}
+                       "--per-position-loss-weight": "per_position_loss_weight",
+                       "--sliding-window": "sliding_window", "--full-attention-indices": "sliding_window"}
 
 
 class TrainSection(Section):
@@ -351,6 +352,11 @@ class TrainSection(Section):
     optimizer: Literal["adamw", "muon"] = "muon"
     ttt_steps: Positive = 3
     num_layers: Positive = 1
+    sliding_window: Annotated[int, Field(ge=0)] = 2048
+    """Each draft layer's attention: a window of this many tokens (speculators 0.9.0's default, 2048, for
+    every layer), or 0 = full attention on every layer (--full-attention-indices), as EAGLE-3 heads are
+    published. Written into the head's config (layer_types, sliding_window); vLLM serves a window as a
+    second KV-cache group beside the target's full attention (NOTES.md "The head's window")."""
     draft_attn_impl: Literal["auto", "simple_flex_attention", "sdpa", "eager"] = "auto"
     loss_implementation: Literal["auto", "fused", "eager"] = "auto"
     hidden_states_dtype: Literal["auto", "bfloat16", "float32"] = "auto"

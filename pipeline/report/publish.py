@@ -11,7 +11,7 @@ import shlex
 import shutil
 from pathlib import Path
 
-from pipeline.compat import vllm_dynamic_k, vllm_flags
+from pipeline.compat import vllm_dynamic_k, vllm_flags, vllm_kv_groups
 from pipeline.layout import atomicio, results
 from pipeline.layout.checkpoints import measures_checkpoints
 from pipeline.layout.rundir import RunDir
@@ -78,8 +78,10 @@ def serve_lines(target: Path, out: Path, k: int, schedule: list | None = None) -
     if schedule:  # the k per batch size the run measured and deployed
         spec_dict |= vllm_dynamic_k.schedule_config(schedule)
     spec = json.dumps(spec_dict)
-    return ["## Serve it", "", "```", f"vllm serve {shlex.quote(str(target))} --speculative-config {shlex.quote(spec)}",
-            "```", ""]
+    # as the run served it: a windowed head beside a plain target in one KV-cache group (compat/vllm_kv_groups.py)
+    more = "".join(f" {f}" for f in vllm_kv_groups.one_group_flags(target, out))
+    return ["## Serve it", "", "```",
+            f"vllm serve {shlex.quote(str(target))} --speculative-config {shlex.quote(spec)}{more}", "```", ""]
 
 
 def existing_card(run: RunDir, profile: Profile, existing: results.MeasureExistingResult, target: Path, out: Path,

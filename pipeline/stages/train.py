@@ -47,7 +47,7 @@ def build_command(ctx: StageContext, *, python: str = sys.executable, endpoint: 
         "--d2t-path", str(d2t), "--t2d-path", str(t2d),
         "--epochs", str(t.epochs), "--total-seq-len", str(t.total_seq_len),
         "--lr", str(t.lr), "--optimizer", t.optimizer, "--ttt-steps", str(t.ttt_steps),
-        *(["--from-pretrained", str(start)] if start else ["--num-layers", str(t.num_layers)]),
+        *(["--from-pretrained", str(start)] if start else ["--num-layers", str(t.num_layers), *window_flags(t)]),
         "--num-workers", str(t.num_workers), "--seed", str(t.seed),
         "--draft-attn-impl", t.draft_attn_impl if t.draft_attn_impl != "auto"
         else ("simple_flex_attention" if gpu else "sdpa"),  # flex has no CPU backward
@@ -75,6 +75,15 @@ def build_command(ctx: StageContext, *, python: str = sys.executable, endpoint: 
     if t.nproc_per_node * t.nnodes > 1:
         return [python, "-m", "torch.distributed.run", *torchrun_args(t, p.name), *trainer]
     return [python, *trainer]
+
+
+def window_flags(t) -> list[str]:
+    """The draft layers' attention (train.sliding_window), only where it moves off speculators' default
+    (a window of 2048 on every layer): 0 = every layer full attention."""
+    if t.sliding_window == 0:
+        return ["--full-attention-indices", *(str(i) for i in range(t.num_layers))]
+    default = type(t).model_fields["sliding_window"].default
+    return [] if t.sliding_window == default else ["--sliding-window", str(t.sliding_window)]
 
 
 def eagle31_flags(t) -> list[str]:

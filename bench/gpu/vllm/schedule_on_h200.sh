@@ -29,7 +29,7 @@ read -ra variants <<< "${VARIANTS:-base base2 k3}"
   --variants "${variants[@]}" --rounds "${ROUNDS:-3}" --prompts "${PROMPTS:-32}" --work /tmp/sc 2>&1 | grep -v '^\[' | tee -a "$OUT/schedule-cost.txt"
 for f in /tmp/sc/server-*.log /tmp/oc/server-*.log; do [ -f "$f" ] || continue; echo "# start of $(basename "$f" .log):"
   grep -aE "Loading weights took|Model loading took|torch.compile take|Graph capturing finished|init engine|\
-Dynamo bytecode transform|Directly load|Starting vLLM|startup complete|Available KV cache" "$f" \
+Dynamo bytecode transform|Directly load|Starting vLLM|startup complete|Available KV cache|[Ss]liding|[Hh]ybrid|cudagraph_mode|KV cache groups" "$f" \
     | sed -E 's/^.*(INFO|WARNING) [0-9-]+ [0-9:]+ //' | cut -c1-200 | tail -14
 done | tee -a "$OUT/schedule-cost.txt"
 ls "$OUT" | head -8

