@@ -3,6 +3,7 @@ classes, a research-format head written by hand in the EAGLE layout and converte
 child process, offline), the mapping handed to its trainer's own reader. Tiny models built here."""
 import json
 import os
+import shutil
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -319,7 +320,7 @@ def test_mismatches_name_the_key_each_contradiction_is_about(built):
     s = sh.shape(built.head)
     fits = dict(hidden_size=s.hidden_size, target_vocab=s.target_vocab, draft_vocab=s.draft_vocab_size,
                 layers=s.layers, aux_layer_ids=list(s.aux_layer_ids),
-                norms={f: bool(v) for f, v in s.norms.items()})
+                norms={f: bool(v) for f, v in s.norms.items()}, window=0)
     assert sh.mismatches(s, **fits) == []
     assert sh.mismatches(s, hidden_size=s.hidden_size, target_vocab=s.target_vocab, draft_vocab=None,
                          layers=None) == []
@@ -328,10 +329,22 @@ def test_mismatches_name_the_key_each_contradiction_is_about(built):
                         ({"draft_vocab": s.draft_vocab_size // 2}, "vocab.draft_vocab_size"),
                         ({"layers": s.layers + 1}, "train.num_layers"),
                         ({"aux_layer_ids": [*s.aux_layer_ids, 9]}, "extract.layer_ids"),
-                        ({"norms": {"fc_norm": not s.norms["fc_norm"]}}, "train.fc_norm")]:
+                        ({"norms": {"fc_norm": not s.norms["fc_norm"]}}, "train.fc_norm"),
+                        ({"window": 2048}, "train.sliding_window")]:
         found = sh.mismatches(s, **{**fits, **change})
         assert [k for k, _ in found] == [key], change
         assert all("\n" not in reason for _, reason in found)
+
+
+def test_the_heads_window_is_read_as_speculators_writes_it(built, tmp_path):
+    assert sh.shape(built.head).window == 0  # a layer config without a window: full attention
+    windowed = tmp_path / "windowed"
+    shutil.copytree(built.head, windowed)
+    config = json.loads((windowed / "config.json").read_text())
+    config["transformer_layer_config"] |= {"layer_types": ["sliding_attention"] * 2, "sliding_window": 1024,
+                                           "use_sliding_window": True}  # speculators 0.9.0's default layers
+    (windowed / "config.json").write_text(json.dumps(config))
+    assert sh.shape(windowed).window == 1024
 
 
 def test_a_head_on_a_wider_target_reads_its_states_but_cannot_be_trained(built):

@@ -20,9 +20,10 @@ from pipeline.profile import ProfileError, load_profile
 from tests.helpers import TINY, cli, free_port, spawn_cli, wait_for
 from tests.test_speculators_heads import built  # noqa: F401 - the module's fixture: a tiny target and heads
 
-# what the tiny head of tests/test_speculators_heads.py is: 2 layers, 32 of 64 tokens, aux [0, 2], fc_norm
+# what the tiny head of tests/test_speculators_heads.py is: 2 layers, 32 of 64 tokens, aux [0, 2], fc_norm, full
+# attention (its layer config has no window)
 FITS = {"train.num_layers": 2, "vocab.draft_vocab_size": 32, "extract.layer_ids": [0, 2, 3],
-        "train.norm_before_fc": False, "train.fc_norm": True, "train.norm_output": False}
+        "train.norm_before_fc": False, "train.fc_norm": True, "train.norm_output": False, "train.sliding_window": 0}
 
 
 def profile_on(built, head, **over):  # noqa: F811
@@ -33,9 +34,11 @@ def profile_on(built, head, **over):  # noqa: F811
 def test_preflight_names_each_key_the_head_contradicts(built):  # noqa: F811
     found = warm_start_findings(profile_on(built, built.head))
     said = " | ".join(f.message for f in blocking(found))
-    for key in ("train.num_layers", "vocab.draft_vocab_size", "extract.layer_ids", "train.norm_before_fc"):
+    for key in ("train.num_layers", "vocab.draft_vocab_size", "extract.layer_ids", "train.norm_before_fc",
+                "train.sliding_window"):
         assert key in said, said
     assert "the head has 2 decoder layer(s), the profile asks 1" in said
+    assert "the head's layers have full attention, the profile asks a window of 2048" in said
     fits = warm_start_findings(profile_on(built, built.head, **FITS))
     assert not blocking(fits) and [f.severity for f in fits] == ["ok"]
     assert "training goes on from" in fits[0].message and "draft vocab 32 of 64" in fits[0].message

@@ -71,6 +71,7 @@ class HeadShape:
     norms: dict[str, bool | None]  # eagle3_fields.FIELDS as written, None where absent
     speculative_tokens: int | None  # the default proposal's length
     verifier: str | None  # speculators_config.verifier.name_or_path
+    window: int = 0  # its layers' sliding window (train.sliding_window's terms: 0 = full attention)
 
 
 def _one_line(exc: BaseException) -> str:
@@ -238,7 +239,8 @@ def shape(path: Path) -> HeadShape:
         target_vocab=int(layer["vocab_size"]), aux_layer_ids=tuple(aux) if aux else None,
         num_aux=fc[1] // target_hidden if fc and len(fc) == 2 else None,
         has_d2t="d2t" in keys, has_t2d="t2d" in keys, norms=head_values(config)[0],
-        speculative_tokens=chosen.get("speculative_tokens"), verifier=(spec.get("verifier") or {}).get("name_or_path"))
+        speculative_tokens=chosen.get("speculative_tokens"), verifier=(spec.get("verifier") or {}).get("name_or_path"),
+        window=int(layer.get("sliding_window") or 0) if "sliding_attention" in (layer.get("layer_types") or ()) else 0)
 
 
 def vocab_mapping(path: Path) -> tuple[Any, Any] | None:
@@ -276,10 +278,11 @@ def write_vocab_files(path: Path, out_dir: Path) -> tuple[Path, Path]:
 
 def mismatches(shape: HeadShape, *, hidden_size: int, target_vocab: int, draft_vocab: int | None,
                layers: int | None, aux_layer_ids: list[int] | None = None,
-               norms: dict[str, bool] | None = None) -> list[tuple[str, str]]:
+               norms: dict[str, bool] | None = None, window: int | None = None) -> list[tuple[str, str]]:
     """(profile key or target config field, reason) for each way the head contradicts the target (its
     hidden_size and vocab_size) or the profile (vocab.draft_vocab_size, train.num_layers, the aux ids the
-    trainer is given: extract.layer_ids without the last, train.norm_*); empty when it fits."""
+    trainer is given: extract.layer_ids without the last, train.norm_*, train.sliding_window); empty when it
+    fits."""
     out = []
     if shape.target_hidden_size != hidden_size:
         out.append(("hidden_size", f"the head reads hidden states of size {shape.target_hidden_size}, the target's "
@@ -300,6 +303,10 @@ def mismatches(shape: HeadShape, *, hidden_size: int, target_vocab: int, draft_v
         reads = list(shape.aux_layer_ids) if shape.aux_layer_ids else "speculators' default layers"
         out.append(("extract.layer_ids", f"the head reads {reads} ({shape.num_aux} aux states), the profile "
                                          f"gives {list(aux_layer_ids)}"))
+    if window is not None and shape.window != window:
+        has, asks = (f"a window of {w}" if w else "full attention" for w in (shape.window, window))
+        out.append(("train.sliding_window", f"the head's layers have {has}, the profile asks {asks}: a warm "
+                                            "start keeps the head's"))
     for field, wanted in (norms or {}).items():
         if field in FIELDS and trained_value(shape.norms.get(field)) != wanted:
             out.append((f"train.{field}", f"the head has {field} = {trained_value(shape.norms.get(field))}, the "

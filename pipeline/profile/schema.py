@@ -387,8 +387,9 @@ class TrainSection(Section):
     speculators head, a run directory (its published head) or a research-format EAGLE-3 head (converted into
     the run by speculators' convert), or "existing" = evaluate.existing_head. The draft's shape is the head's
     (preflight blocks a profile key that contradicts it: train.num_layers, vocab.draft_vocab_size,
-    extract.layer_ids, the norms); its d2t/t2d stay the draft vocabulary (vocab.from_head); pick-checkpoint
-    measures it as checkpoint "start", so the run never deploys a head worse than the one it started from."""
+    extract.layer_ids, the norms, train.sliding_window); its d2t/t2d stay the draft vocabulary
+    (vocab.from_head); pick-checkpoint measures it as checkpoint "start", so the run never deploys a head
+    worse than the one it started from."""
     extra_args: list[str] = Field(default_factory=list)
     cuda_visible_devices: str = ""
     """The GPUs the trainer sees, e.g. "4,5,6,7"; "" = all."""
