@@ -34,11 +34,15 @@ def profile_on(built, head, **over):  # noqa: F811
 def test_preflight_names_each_key_the_head_contradicts(built):  # noqa: F811
     found = warm_start_findings(profile_on(built, built.head))
     said = " | ".join(f.message for f in blocking(found))
-    for key in ("train.num_layers", "vocab.draft_vocab_size", "extract.layer_ids", "train.norm_before_fc",
-                "train.sliding_window"):
+    for key in ("train.num_layers", "vocab.draft_vocab_size", "extract.layer_ids", "train.norm_before_fc"):
         assert key in said, said
     assert "the head has 2 decoder layer(s), the profile asks 1" in said
-    assert "the head's layers have full attention, the profile asks a window of 2048" in said
+    # the window's default leaves the head its own layers (full attention here); a window asked is contradicted
+    assert "train.sliding_window" not in said
+    asked = " | ".join(f.message for f in blocking(warm_start_findings(
+        profile_on(built, built.head, **{**FITS, "train.sliding_window": 1024}))))
+    assert ("train.sliding_window: the head's layers have full attention, the profile asks a window of 1024: a "
+            "warm start keeps the head's (set 0 or leave the key out)") in asked, asked
     fits = warm_start_findings(profile_on(built, built.head, **FITS))
     assert not blocking(fits) and [f.severity for f in fits] == ["ok"]
     assert "training goes on from" in fits[0].message and "draft vocab 32 of 64" in fits[0].message

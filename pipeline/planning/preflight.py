@@ -299,7 +299,9 @@ def start_mismatches(profile, head: Path, hidden_size: int, target_vocab: int, n
     return speculators_heads.mismatches(
         shape, hidden_size=hidden_size, target_vocab=target_vocab, draft_vocab=draft, layers=t.num_layers,
         aux_layer_ids=resolve_layer_ids(profile.extract.layer_ids, n_layers)[:-1],
-        norms={f: getattr(t, f) for f in eagle3_fields.FIELDS}, window=t.sliding_window)
+        norms={f: getattr(t, f) for f in eagle3_fields.FIELDS},
+        # the default (speculators' window for a new head) leaves a warm start's head its own layers
+        window=None if t.sliding_window == type(t).model_fields["sliding_window"].default else t.sliding_window)
 
 
 def warm_start_findings(profile: Profile) -> list[Finding]:

@@ -341,8 +341,7 @@ LossName = Literal["kl_div", "rkl", "jsd", "ce", "tv", "nla", "lk_hybrid"]
 PROFILE_TRAIN_FLAGS = {**{f"--{neg}{k.replace('_', '-')}": k for k in ("norm_before_residual", "norm_before_fc",
                                                                        "norm_output") for neg in ("", "no-")},
                        "--fc-norm": "fc_norm", "--loss-fn": "loss_fn", "--ttt-step-loss-decay": "ttt_step_loss_decay",
-                       "--per-position-loss-weight": "per_position_loss_weight",
-                       "--sliding-window": "sliding_window", "--full-attention-indices": "sliding_window"}
+                       "--per-position-loss-weight": "per_position_loss_weight", "--sliding-window": "sliding_window"}
 
 
 class TrainSection(Section):
@@ -355,8 +354,10 @@ class TrainSection(Section):
     sliding_window: Annotated[int, Field(ge=0)] = 2048
     """Each draft layer's attention: a window of this many tokens (speculators 0.9.0's default, 2048, for
     every layer), or 0 = full attention on every layer (--full-attention-indices), as EAGLE-3 heads are
-    published. Written into the head's config (layer_types, sliding_window); vLLM serves a window as a
-    second KV-cache group beside the target's full attention (NOTES.md "The head's window")."""
+    published; some layers full: train.extra_args = ["--full-attention-indices", …]. Written into the head's
+    config (layer_types, sliding_window); vLLM serves a window as a second KV-cache group beside the target's
+    full attention (NOTES.md "The head's window"). A warm start keeps its head's layers: the default then
+    means the head's own."""
     draft_attn_impl: Literal["auto", "simple_flex_attention", "sdpa", "eager"] = "auto"
     loss_implementation: Literal["auto", "fused", "eager"] = "auto"
     hidden_states_dtype: Literal["auto", "bfloat16", "float32"] = "auto"
@@ -458,6 +459,9 @@ class TrainSection(Section):
         if self.fsdp and self.nproc_per_node * self.nnodes < 2:
             raise rule("train.fsdp", self.fsdp, "needs more than one process (train.nproc_per_node × train.nnodes)")
         _gpu_list("train.cuda_visible_devices", self.cuda_visible_devices)
+        if self.sliding_window == 0 and any(a.split("=", 1)[0] == "--full-attention-indices" for a in self.extra_args):
+            raise rule("train.extra_args", "--full-attention-indices", "is set by train.sliding_window = 0 (every "
+                                                                      "layer full attention)")
         if self.fc_norm and self.norm_before_fc:
             raise rule("train.fc_norm", self.fc_norm, "needs train.norm_before_fc = false (one norm before fc or one "
                                                       "per aux state, not both: speculators refuses both)")

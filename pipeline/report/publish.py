@@ -72,16 +72,22 @@ def publish(run: RunDir, out: Path, force: bool = False) -> Path:
     return out
 
 
-def serve_lines(target: Path, out: Path, k: int, schedule: list | None = None) -> list[str]:
-    """How to serve the published head: the exact --speculative-config."""
+def serve_lines(target: Path, out: Path, k: int, schedule: list | None = None, server_args: tuple = ()) -> list[str]:
+    """How to serve the published head: the exact --speculative-config (`server_args`: the operator's own
+    production flags, which decide the KV-cache manager where they name it)."""
     spec_dict = vllm_flags.eagle3_speculative_config(out.resolve(), k)
     if schedule:  # the k per batch size the run measured and deployed
         spec_dict |= vllm_dynamic_k.schedule_config(schedule)
     spec = json.dumps(spec_dict)
     # as the run served it: a windowed head beside a plain target in one KV-cache group (compat/vllm_kv_groups.py)
-    more = "".join(f" {f}" for f in vllm_kv_groups.one_group_flags(target, out))
+    more = "" if vllm_kv_groups.operator_chose(list(server_args)) else "".join(
+        f" {f}" for f in vllm_kv_groups.one_group_flags(target, out))
     return ["## Serve it", "", "```",
             f"vllm serve {shlex.quote(str(target))} --speculative-config {shlex.quote(spec)}{more}", "```", ""]
+
+
+def _operator_args(profile: Profile) -> tuple:
+    return (*profile.server.production_args, *profile.server.extra_args)
 
 
 def existing_card(run: RunDir, profile: Profile, existing: results.MeasureExistingResult, target: Path, out: Path,
@@ -93,7 +99,7 @@ def existing_card(run: RunDir, profile: Profile, existing: results.MeasureExisti
              "as it was (evaluate.existing_policy = deploy): no head was trained.", "",
              "**Decision: " + (decision.line if decision else "not recorded") + "**"
              + (" — published with --force" if forced else ""), "",
-             *serve_lines(target, out, existing.k or profile.evaluate.k),
+             *serve_lines(target, out, existing.k or profile.evaluate.k, server_args=_operator_args(profile)),
              "## Target", "", f"- `{target}`", ""]
     if (measured := atomicio.read_json(run.existing_result)):
         lines += existing_lines(measured, None)
@@ -115,7 +121,7 @@ def model_card(run: RunDir, profile: Profile, head: Path, target: Path, out: Pat
              f"Trained by eagle3-console (run `{run.root.name}`, profile `{profile.name}`) with speculators.",
              "", "**Decision: " + (decision.line if decision else "not measured") + "**"
              + (" — published with --force" if forced else ""), "",
-             *serve_lines(target, out, deployed.get("k") or ev.k, deployed.get("schedule")),
+             *serve_lines(target, out, deployed.get("k") or ev.k, deployed.get("schedule"), _operator_args(profile)),
              "## Target", "", f"- `{target}` (config.json sha256 {revision})",
              "- versions: " + ", ".join(f"{k} {v}" for k, v in (state.get("versions") or {}).items()), "",
              "## Data", "", f"- sources: {sources}; held out {d.heldout}; sequence length {d.seq_length}",

@@ -126,7 +126,7 @@ def server_argv(profile: Profile, mode: str, target_dir: Path, *, layer_ids: lis
         argv += ["--speculative-config", json.dumps(spec)]
         # a windowed head (speculators' default) kept in the target's KV-cache group: x1.22 → x1.66 at
         # c = 32 on an H100 (compat/vllm_kv_groups.py); never against the operator's own choice of the flag
-        if not any(a.endswith("hybrid-kv-cache-manager") for a in [*argv, *profile.server.extra_args]):
+        if not vllm_kv_groups.operator_chose([*argv, *profile.server.extra_args]):
             argv += vllm_kv_groups.one_group_flags(target_dir, draft_dir)
     argv += list(profile.server.extra_args)
     return argv

@@ -75,6 +75,6 @@ def check_start(ctx: StageContext, head: Path) -> None:
         found = start_mismatches(ctx.profile, head, info.hidden, info.vocab, info.layers)
     except (TargetInfoError, HeadError) as exc:
         raise StageError(f"train.from_pretrained = {named!r}: {exc}", resumable=False) from None
-    if found:
-        key, why = found[0]
-        raise StageError(f"train.from_pretrained = {named!r}: {key}: {why}", resumable=False)
+    if found:  # every contradiction at once: one fix, one rerun
+        said = "; ".join(f"{key}: {why}" for key, why in found)
+        raise StageError(f"train.from_pretrained = {named!r}: {said}", resumable=False)
