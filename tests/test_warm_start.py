@@ -50,6 +50,23 @@ def test_preflight_names_each_key_the_head_contradicts(built):  # noqa: F811
     assert [f.severity for f in dropped] == ["ok", "warn"] and "vocabulary mapping is dropped" in dropped[1].message
 
 
+def test_the_stage_says_every_contradiction_at_once(built):  # noqa: F811
+    """A head converted into the run is checked again by the stage (preflight could not read it before):
+    every key it contradicts in one line, so one edit of the profile fixes the run."""
+    from pipeline.stages.base import StageError
+    from pipeline.stages.heads import check_start
+
+    ctx = SimpleNamespace(profile=profile_on(built, built.head), target_dir=lambda: built.target)
+    with pytest.raises(StageError) as err:
+        check_start(ctx, built.head)
+    said = str(err.value)
+    assert "\n" not in said and said.startswith(f"train.from_pretrained = {str(built.head)!r}: ")
+    for key in ("train.num_layers", "vocab.draft_vocab_size", "extract.layer_ids", "train.norm_before_fc"):
+        assert f"{key}: " in said, said
+    check_start(SimpleNamespace(profile=profile_on(built, built.head, **FITS), target_dir=lambda: built.target),
+                built.head)  # a head that fits passes
+
+
 def test_a_head_that_is_not_one_and_a_research_head(built, tmp_path):  # noqa: F811
     (tmp_path / "empty").mkdir()
     found = warm_start_findings(profile_on(built, tmp_path / "empty"))
