@@ -78,7 +78,7 @@ sys.exit(0 if s.get(sys.argv[2], {}).get('status') == 'done' else 1)" "$R/state.
 starts() {  # where each server's start went, from its own log (vLLM's INFO lines)
   for f in "$R"/logs/server-*.log; do [ -f "$f" ] || continue; echo "# start of $(basename "$f" .log):"
     grep -aE "Loading weights took|Model loading took|torch.compile take|Graph capturing finished|init engine|\
-Dynamo bytecode transform|Compiling a graph|Directly load|compiled graph|Starting vLLM|startup complete" "$f" \
+Dynamo bytecode transform|Compiling a graph|Directly load|compiled graph|Starting vLLM|startup complete|Hybrid KV cache manager is disabled" "$f" \
       | sed -E 's/^.*(INFO|WARNING) [0-9-]+ [0-9:]+ //' | cut -c1-200 | tail -12; done
 }
 gpu_procs() { nvidia-smi --query-compute-apps=pid,used_memory --format=csv,noheader 2>/dev/null | wc -l; }
