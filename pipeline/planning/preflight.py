@@ -156,18 +156,14 @@ def _full_heads(profile: Profile) -> list[tuple[str, str]]:
     ev, t = profile.evaluate, profile.train
     out = []
     if ev.online and "eagle3" in ev.methods:
-        if not t.from_pretrained and t.sliding_window == 0:
+        if (start := profile.warm_start()) is None and t.sliding_window == 0:
             out.append(("train.sliding_window = 0", "keep speculators' window (2048)"))
-        elif t.from_pretrained:
-            key, named = (("evaluate.existing_head", ev.existing_head) if t.from_pretrained == "existing"
-                          else ("train.from_pretrained", t.from_pretrained))
-            if _head_window(named) == 0:
-                out.append((f"{key} {named!r}: its layers have full attention, which a warm start keeps",
-                            "train from nothing here, or on a GPU box"))
-    if ev.existing_head and ((ev.online and "existing" in ev.methods) or ev.existing_policy != "off"):
-        if _head_window(ev.existing_head) == 0:
-            out.append((f"evaluate.existing_head {ev.existing_head!r}: its layers have full attention",
-                        "measure it on a GPU box"))
+        elif start and _head_window(start[1]) == 0:
+            out.append((f"{start[0]} {start[1]!r}: its layers have full attention, which a warm start keeps",
+                        "train from nothing here, or on a GPU box"))
+    if profile.serves_existing() and _head_window(ev.existing_head) == 0:
+        out.append((f"evaluate.existing_head {ev.existing_head!r}: its layers have full attention",
+                    "measure it on a GPU box"))
     return out
 
 
@@ -187,7 +183,7 @@ def head_field_findings(profile: Profile) -> list[Finding]:
         draft_arch = args[args.index("--draft-arch") + 1] if "--draft-arch" in args[:-1] else "llama"
         heads.append(("train.", {f: getattr(t, f) for f in eagle3_fields.FIELDS}, draft_arch, None))
     # served by the matrix's existing row, or first by measure-existing (any policy but off)
-    if ev.existing_head and ((ev.online and "existing" in ev.methods) or ev.existing_policy != "off"):
+    if profile.serves_existing():
         config = Path(ev.existing_head) / "config.json"
         if isinstance(read := atomicio.read_json(config), dict):
             heads.append((f"evaluate.existing_head {config}: ", *eagle3_fields.head_values(read)))
@@ -337,11 +333,9 @@ def warm_start_findings(profile: Profile) -> list[Finding]:
     """train.from_pretrained before any GPU work: the head is there and of a kind speculators reads, and what
     --from-pretrained keeps of it (its layers, draft vocabulary, aux layers, norms) is what the profile says,
     each contradiction naming its key; whether its d2t/t2d stay the draft vocabulary."""
-    t = profile.train
-    if not t.from_pretrained:
+    if (start := profile.warm_start()) is None:
         return []
-    named = profile.evaluate.existing_head if t.from_pretrained == "existing" else t.from_pretrained
-    key = "evaluate.existing_head" if t.from_pretrained == "existing" else "train.from_pretrained"
+    key, named = start
     try:
         source = speculators_heads.classify(Path(named))
     except speculators_heads.HeadError as exc:

@@ -142,10 +142,9 @@ def existing_text(profile: Profile) -> str:
 def warm_start_text(profile: Profile) -> str:
     """What a warm start changes: where training starts, what it keeps of the head, what pick-checkpoint adds."""
     t, v = profile.train, profile.vocab
-    if not t.from_pretrained:
+    if (start := profile.warm_start()) is None:
         return ""
-    head = (f"evaluate.existing_head ({profile.evaluate.existing_head})" if t.from_pretrained == "existing"
-            else t.from_pretrained)
+    head = f"{start[0]} ({start[1]})" if t.from_pretrained == "existing" else start[1]
     return (f"{t.epochs} epoch(s) on from {head} (speculators --from-pretrained; the planned training time is "
             f"those epochs'); its draft vocabulary {'kept' if v.from_head else 'rebuilt (vocab.from_head = false)'}; "
             f"pick-checkpoint measures it as checkpoint 'start' beside the "

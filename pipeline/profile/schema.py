@@ -708,6 +708,17 @@ class Profile(Section):
                        "needs server.after_run = 'production' or 'production-with-draft' (production measured after)")
         return self
 
+    def warm_start(self) -> tuple[str, str] | None:
+        """(the key that names it, the head) train.from_pretrained starts from; None without a warm start."""
+        if self.train.from_pretrained == "existing":
+            return "evaluate.existing_head", self.evaluate.existing_head
+        return ("train.from_pretrained", self.train.from_pretrained) if self.train.from_pretrained else None
+
+    def serves_existing(self) -> bool:
+        """evaluate.existing_head reaches vLLM: the matrix's existing row, or measure-existing (any policy but off)."""
+        ev = self.evaluate
+        return bool(ev.existing_head) and ((ev.online and "existing" in ev.methods) or ev.existing_policy != "off")
+
     def with_port(self, port: int) -> Profile:
         """The same profile serving on another port (side-by-side servers)."""
         return self.model_copy(update={"server": self.server.model_copy(update={"port": port})})

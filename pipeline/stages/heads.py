@@ -52,13 +52,10 @@ def start_head(ctx: StageContext) -> Path | None:
     """The head train.from_pretrained names, as a speculators directory (None without a warm start):
     "existing" is evaluate.existing_head, as measure-existing resolved it (or resolves it now, where that
     stage did not run); checked against the target and the profile (check_start)."""
-    t, ev = ctx.profile.train, ctx.profile.evaluate
-    if not t.from_pretrained:
+    if (start := ctx.profile.warm_start()) is None:
         return None
-    if t.from_pretrained == "existing":
-        named, key, dest = ev.existing_head, "evaluate.existing_head", ctx.run.existing_head_dir
-    else:
-        named, key, dest = t.from_pretrained, "train.from_pretrained", ctx.run.start_head_dir
+    key, named = start
+    dest = ctx.run.existing_head_dir if ctx.profile.train.from_pretrained == "existing" else ctx.run.start_head_dir
     # vocab, train and pick-checkpoint each ask: the head is copied (or converted) into the run once, by the
     # first; publish_draft renames a whole directory into place, so a config.json there is a finished copy
     head = dest if (dest / "config.json").is_file() else resolve_head(ctx, named, key, dest)[1]
