@@ -97,3 +97,19 @@ def standin_python(where: Path) -> Path:
     path.write_text(f'#!/bin/sh\nexec {shlex.quote(sys.executable)} {shlex.quote(str(STANDIN))} "$@"\n')
     path.chmod(0o755)
     return path
+
+
+def vllm_serve_parser():
+    """The installed vLLM's own `vllm serve` / api_server argument parser, built in-process (skips without vLLM)."""
+    import pytest
+
+    pytest.importorskip("vllm")
+    try:
+        from vllm.utils.argparse_utils import FlexibleArgumentParser
+    except ImportError:
+        from vllm.utils import FlexibleArgumentParser
+    try:
+        from vllm.entrypoints.launchers.cli_args import make_arg_parser
+    except ImportError:
+        from vllm.entrypoints.openai.cli_args import make_arg_parser
+    return make_arg_parser(FlexibleArgumentParser())

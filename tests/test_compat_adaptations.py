@@ -178,17 +178,9 @@ def test_vllm_requires_and_serves_the_verifier_path(tiny_head):
 
 @pytest.fixture(scope="module")
 def serve_parser():
-    """The installed vLLM's own `vllm serve` / api_server argument parser, built in-process."""
-    pytest.importorskip("vllm")
-    try:
-        from vllm.utils.argparse_utils import FlexibleArgumentParser
-    except ImportError:
-        from vllm.utils import FlexibleArgumentParser
-    try:
-        from vllm.entrypoints.launchers.cli_args import make_arg_parser
-    except ImportError:
-        from vllm.entrypoints.openai.cli_args import make_arg_parser
-    return make_arg_parser(FlexibleArgumentParser())
+    from tests.helpers import vllm_serve_parser
+
+    return vllm_serve_parser()
 
 
 @pytest.mark.parametrize("tokenize", ["local", "render"])

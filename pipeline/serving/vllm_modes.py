@@ -90,6 +90,7 @@ def server_argv(profile: Profile, mode: str, target_dir: Path, *, layer_ids: lis
     if mode not in MODES:
         raise ValueError(f"unknown server mode {mode!r} (one of {', '.join(MODES)})")
     argv = base_argv(profile, target_dir, bind_host(profile, mode))
+    own = len(argv)  # where the tool's flags that the operator's own may override go
     if mode == "production":
         argv += list(profile.server.production_args)
     elif mode == "extraction":
@@ -125,9 +126,10 @@ def server_argv(profile: Profile, mode: str, target_dir: Path, *, layer_ids: lis
             spec |= vllm_dynamic_k.schedule_config(schedule)
         argv += ["--speculative-config", json.dumps(spec)]
         # a windowed head (speculators' default) kept in the target's KV-cache group: x1.22 → x1.66 at
-        # c = 32 on an H100 (compat/vllm_kv_groups.py); never against the operator's own choice of the flag
-        if not vllm_kv_groups.operator_chose([*argv, *profile.server.extra_args]):
-            argv += vllm_kv_groups.one_group_flags(target_dir, draft_dir)
+        # c = 32 on an H100 (compat/vllm_kv_groups.py); the operator's production flags decide it where they
+        # name it, in the matrix too; before their flags, which argparse lets stand over it
+        sv = profile.server
+        argv[own:own] = vllm_kv_groups.head_flags(target_dir, draft_dir, [*sv.production_args, *sv.extra_args])
     argv += list(profile.server.extra_args)
     return argv
 
