@@ -66,18 +66,41 @@ def test_preflight_blocks_a_full_attention_head_to_start_from_or_measure_beside_
     config["transformer_layer_config"] |= {"layer_types": ["full_attention"], "use_sliding_window": False}
     (full / "config.json").write_text(json.dumps(config))
 
+    mixed = tmp_path / "mixed"
+    shutil.copytree(windowed, mixed)
+    config["transformer_layer_config"] |= {"layer_types": ["sliding_attention", "full_attention"],
+                                           "num_hidden_layers": 2}
+    (mixed / "config.json").write_text(json.dumps(config))
+
     def heads(**over):
-        sections = {k.split(".")[0]: getattr(p, k.split(".")[0]).model_copy(update={k.split(".")[1]: v})
-                    for k, v in over.items()}
-        return [f for f in preflight.vllm_target_findings(p.model_copy(update=sections), info) if f.check == "head"]
+        sections: dict = {}
+        for k, v in over.items():
+            section, key = k.split(".")
+            sections.setdefault(section, {})[key] = v
+        update = {s: getattr(p, s).model_copy(update=u) for s, u in sections.items()}
+        return [f for f in preflight.vllm_target_findings(p.model_copy(update=update), info) if f.check == "head"]
 
     (warm,) = heads(**{"train.from_pretrained": str(full)})
-    assert warm.severity == "block" and warm.message.startswith(f"train.from_pretrained {str(full)!r}: its layers "
-                                                                "have full attention")
+    assert warm.severity == "block" and warm.message.startswith(f"train.from_pretrained {str(full)!r}: it has "
+                                                                "full-attention layers")
     (existing,) = heads(**{"evaluate.existing_head": str(full)})
     assert existing.severity == "block" and existing.message.startswith(f"evaluate.existing_head {str(full)!r}")
     assert heads(**{"train.from_pretrained": str(windowed)}) == []
     assert heads(**{"evaluate.existing_head": str(windowed)}) == []
+    # a head with some full-attention layers, from the trainer's own flag or the head's config
+    (indices,) = heads(**{"train.extra_args": ["--full-attention-indices", "0"]})
+    assert indices.message.startswith("train.extra_args --full-attention-indices: vLLM")
+    (some,) = heads(**{"evaluate.existing_head": str(mixed)})
+    assert some.severity == "block"
+    # served by measure-existing alone (no matrix), or by pick-checkpoint through vLLM (no offline evaluator)
+    (first,) = heads(**{"evaluate.existing_head": str(full), "evaluate.existing_policy": "measure",
+                        "evaluate.online": False})
+    assert first.message.startswith(f"evaluate.existing_head {str(full)!r}")
+    (picked,) = heads(**{"train.sliding_window": 0, "evaluate.online": False, "evaluate.checkpoints": "each",
+                         "evaluate.offline": "off"})
+    assert picked.message.startswith("train.sliding_window = 0")
+    # the same head as the warm start and as the existing one: said once
+    assert len(heads(**{"evaluate.existing_head": str(full), "train.from_pretrained": "existing"})) == 1
 
 
 def target_dir(run):

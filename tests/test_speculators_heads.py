@@ -344,7 +344,15 @@ def test_the_heads_window_is_read_as_speculators_writes_it(built, tmp_path):
     config["transformer_layer_config"] |= {"layer_types": ["sliding_attention"] * 2, "sliding_window": 1024,
                                            "use_sliding_window": True}  # speculators 0.9.0's default layers
     (windowed / "config.json").write_text(json.dumps(config))
-    assert sh.shape(windowed).window == 1024
+    assert sh.shape(windowed).window == 1024 and not sh.shape(windowed).full_layers
+    assert sh.shape(built.head).full_layers
+    config["transformer_layer_config"]["layer_types"] = ["sliding_attention", "full_attention"]  # mixed
+    (windowed / "config.json").write_text(json.dumps(config))
+    assert sh.shape(windowed).window == 1024 and sh.shape(windowed).full_layers
+    config["transformer_layer_config"]["layer_types"] = 1  # not a list: one line naming the file and the key
+    (windowed / "config.json").write_text(json.dumps(config))
+    with pytest.raises(sh.HeadError, match=r"config.json: transformer_layer_config.layer_types is 1"):
+        sh.shape(windowed)
 
 
 def test_a_head_on_a_wider_target_reads_its_states_but_cannot_be_trained(built):

@@ -72,6 +72,7 @@ class HeadShape:
     speculative_tokens: int | None  # the default proposal's length
     verifier: str | None  # speculators_config.verifier.name_or_path
     window: int = 0  # its layers' sliding window (train.sliding_window's terms: 0 = full attention)
+    full_layers: bool = True  # some layer has full attention (every layer where window is 0)
 
 
 def _one_line(exc: BaseException) -> str:
@@ -223,6 +224,12 @@ def shape(path: Path) -> HeadShape:
     if not {"hidden_size", "num_hidden_layers", "vocab_size"} <= layer.keys():  # an older writer's diff dict
         from transformers import AutoConfig  # speculators' class for a layer config without model_type: qwen3
         layer = {**AutoConfig.for_model(layer.get("model_type") or "qwen3").to_dict(), **layer}
+    types = layer.get("layer_types") or []
+    if not isinstance(types, list):
+        raise HeadError(f"{src.head / 'config.json'}: transformer_layer_config.layer_types is {types!r}, "
+                        f"not a list of layer kinds")
+    window = layer["sliding_window"] if isinstance(layer.get("sliding_window"), int) and "sliding_attention" in types \
+        else 0
     keys = _weights(src.weights)
     hidden = int(layer["hidden_size"])
     target_hidden = int(config.get("target_hidden_size") or hidden)
@@ -240,8 +247,7 @@ def shape(path: Path) -> HeadShape:
         num_aux=fc[1] // target_hidden if fc and len(fc) == 2 else None,
         has_d2t="d2t" in keys, has_t2d="t2d" in keys, norms=head_values(config)[0],
         speculative_tokens=chosen.get("speculative_tokens"), verifier=(spec.get("verifier") or {}).get("name_or_path"),
-        window=layer["sliding_window"] if isinstance(layer.get("sliding_window"), int)
-        and "sliding_attention" in (layer.get("layer_types") or ()) else 0)
+        window=window, full_layers=not window or "full_attention" in types)
 
 
 def vocab_mapping(path: Path) -> tuple[Any, Any] | None:

@@ -140,14 +140,24 @@ def vllm_target_findings(profile: Profile, info) -> list[Finding]:
     return found
 
 
-def _head_window(named: str) -> int | None:
-    """A head's layers' window as vLLM will serve it: a speculators head's own, 0 for a research-format head
-    (speculators convert writes full attention), None where it cannot be read (said elsewhere)."""
+def _full_layered(named: str) -> bool:
+    """A head has a full-attention layer as vLLM will serve it: a speculators head by its config, a
+    research-format head always (speculators convert writes full attention); False where it cannot be read
+    (said elsewhere)."""
     try:
         source = speculators_heads.classify(Path(named))
-        return 0 if source.kind == "research" else speculators_heads.shape(source.head).window
+        return source.kind == "research" or speculators_heads.shape(source.head).full_layers
     except speculators_heads.HeadError:
-        return None
+        return False
+
+
+def _trained_full_layers(t) -> str:
+    """What makes a layer of the head this run trains full attention (train.sliding_window = 0, or
+    --full-attention-indices in train.extra_args), "" where every layer keeps a window."""
+    if t.sliding_window == 0:
+        return "train.sliding_window = 0"
+    args = [a for arg in t.extra_args for a in arg.split("=", 1)]
+    return "train.extra_args --full-attention-indices" if "--full-attention-indices" in args else ""
 
 
 def _full_heads(profile: Profile) -> list[tuple[str, str]]:
@@ -155,14 +165,16 @@ def _full_heads(profile: Profile) -> list[tuple[str, str]]:
     train.sliding_window, or from the head a warm start keeps) and evaluate.existing_head."""
     ev, t = profile.evaluate, profile.train
     out = []
-    if ev.online and "eagle3" in ev.methods:
-        if (start := profile.warm_start()) is None and t.sliding_window == 0:
-            out.append(("train.sliding_window = 0", "keep speculators' window (2048)"))
-        elif start and _head_window(start[1]) == 0:
-            out.append((f"{start[0]} {start[1]!r}: its layers have full attention, which a warm start keeps",
+    start = profile.warm_start()
+    if _serves_trained(profile):
+        if start is None and (full := _trained_full_layers(t)):
+            out.append((full, "keep speculators' window (2048) on every layer"))
+        elif start and _full_layered(start[1]):
+            out.append((f"{start[0]} {start[1]!r}: it has full-attention layers, which a warm start keeps",
                         "train from nothing here, or on a GPU box"))
-    if profile.serves_existing() and _head_window(ev.existing_head) == 0:
-        out.append((f"evaluate.existing_head {ev.existing_head!r}: its layers have full attention",
+    if profile.serves_existing() and _full_layered(ev.existing_head) and not (start and out and
+                                                                                   start[1] == ev.existing_head):
+        out.append((f"evaluate.existing_head {ev.existing_head!r}: it has full-attention layers",
                     "measure it on a GPU box"))
     return out
 
@@ -276,7 +288,18 @@ def _groups(groups: list[dict]) -> str:
 
 
 def uses_vllm(profile: Profile) -> bool:
-    return profile.extract.backend == "vllm" or profile.data.tokenize == "render" or profile.evaluate.online
+    return (profile.extract.backend == "vllm" or profile.data.tokenize == "render" or profile.evaluate.online
+            or profile.serves_existing() or _serves_trained(profile))
+
+
+def _serves_trained(profile: Profile) -> bool:
+    """The head this run trains (and a warm start's own) reaches vLLM: deploy-measure's matrix, or
+    pick-checkpoint where it measures through vLLM rather than the offline evaluator."""
+    from pipeline.evaluation.offline_policy import evaluates_offline
+    from pipeline.layout.checkpoints import measures_checkpoints
+
+    ev = profile.evaluate
+    return (ev.online and "eagle3" in ev.methods) or (measures_checkpoints(profile) and not evaluates_offline(profile))
 
 
 def target_findings(profile: Profile) -> list[Finding]:
