@@ -294,6 +294,44 @@ def test_the_handover_deploys_the_existing_head_with_its_k(tmp_path, monkeypatch
         handover.existing_draft(ctx, tmp_path / "gone")
 
 
+@pytest.mark.parametrize("comes_back", [True, False], ids=["without-the-head", "not-at-all"])
+def test_a_head_that_does_not_come_up_in_production_leaves_production_without_it(tmp_path, monkeypatch, comes_back):
+    """The handover's start with the head fails (vLLM exits, or is not healthy in time): production is
+    started again without the head before the stage fails, one line saying which; the port is never left
+    empty by the handover where production can come up."""
+    from pipeline.serving import ports
+    from pipeline.serving.server import ServerError, ServerRecord
+    from pipeline.stages import handover
+
+    run, profile = _cleared_run(tmp_path)
+    profile = profile.model_copy(update={"server": profile.server.model_copy(update={
+        "after_run": "production-with-draft"})})
+    head = tmp_path / "head"
+    head.mkdir()
+    (head / "config.json").write_text(json.dumps({"speculators_model_type": "eagle3", "speculators_config": {
+        "verifier": {"name_or_path": "/elsewhere/Kimi-K2"}}}))
+    (head / "model.safetensors").write_bytes(b"w")
+    monkeypatch.setattr(StageContext, "target_dir", lambda self: tmp_path / "target")
+    starts = []
+
+    def start_mode(p, mode, target, **kw):
+        starts.append(kw.get("draft_dir"))
+        if kw.get("draft_dir") is not None or not comes_back:
+            raise ServerError("vLLM (production) exited with 1 before becoming healthy: ValueError: bad draft")
+        return ServerRecord(pid=4242, pgid=4242, host="127.0.0.1", port=p.server.port, argv=["vllm"],
+                            mode=mode, log="", started=0.0)
+
+    monkeypatch.setattr(ports, "start_mode", start_mode)
+    ctx = StageContext(run=run, profile=profile, log=logging.getLogger("test.handover"), stage="handover")
+    with pytest.raises(StageError) as err:
+        handover.Handover().run(ctx)
+    assert starts == [run.draft_dir, None]  # with the head, then without it
+    assert "\n" not in str(err.value) and "bad draft" in str(err.value)
+    assert ("serves without the head again (pid 4242" in str(err.value)) is comes_back
+    assert ("nor without it" in str(err.value)) is not comes_back
+    assert not run.handover_record.exists()
+
+
 def test_the_report_puts_the_existing_head_beside_the_new_one():
     existing = {"existing_head": HEAD, "kind": "research", "head": "/run/eval/existing-head", "k": 3, "prompts": 16,
                 "policy": "measure", "skips_training": False, "concurrency": [1, 4],

@@ -11,6 +11,7 @@ from pipeline.layout.decision import Decision
 from pipeline.layout.results import DeployMeasureResult, HandoverResult
 from pipeline.layout.rundir import now_iso
 from pipeline.serving import ports
+from pipeline.serving.server import ServerError
 from pipeline.stages.base import Stage, StageContext, StageError, existing_clears
 
 
@@ -93,10 +94,29 @@ def deployed_spec(online: dict | None) -> dict:
 
 
 def start_production(ctx: StageContext, draft: Path | None, spec: dict):
-    # owner "": production is the operator's server once handed over (a later cleanup of this run never
-    # stops it)
-    return ports.start_mode(ctx.profile, "production", ctx.target_dir(), log_path=ctx.run.log_path("server-production"),
-                            cache_root=ctx.run.cache_root, say=ctx.log.info, owner="", draft_dir=draft, **spec)
+    """Production on the port, the operator's server once handed over (owner "": a later cleanup of this run
+    never stops it). With a head that does not come up, production is started again without it before the
+    stage fails, so that the port is never left empty by the handover."""
+    def start(head: Path | None, spec: dict):
+        rec = ports.start_mode(ctx.profile, "production", ctx.target_dir(), cache_root=ctx.run.cache_root,
+                               log_path=ctx.run.log_path("server-production"), say=ctx.log.info, owner="",
+                               draft_dir=head, **spec)
+        ctx.run.update_state(production_stopped=None)  # production serves again (run/runner.py production_back)
+        return rec
+    try:
+        return start(draft, spec)
+    except ServerError as exc:
+        if draft is None:
+            raise StageError(f"production did not come back: {exc}") from None
+        ctx.note(f"production with the new head did not come up ({exc}); starting it again without the head",
+                 ctx.log.warning)
+        try:
+            rec = start(None, {})
+        except ServerError as again:
+            raise StageError(f"production did not come up with the new head ({exc}) nor without it: {again}") \
+                from None
+        raise StageError(f"production did not come up with the new head: {exc}; it serves without the head again "
+                         f"(pid {rec.pid}, port {rec.port})") from None
 
 
 def slower_after(ctx: StageContext, after: str, slower: list[str]) -> dict:
