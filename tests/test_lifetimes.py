@@ -25,7 +25,7 @@ from pipeline.profile import load_profile
 from pipeline.serving import ports as serving_ports
 from pipeline.serving.server import port_in_use
 from tests.fake_nvml import FakeNvml, h200
-from tests.helpers import TINY, cli, free_port_pair, spawn_cli, wait_for
+from tests.helpers import TINY, cli, free_port, free_port_pair, spawn_cli, wait_for
 
 GIB = 1 << 30
 
@@ -237,3 +237,100 @@ def test_side_by_side_servers_are_planned_against_each_gpus_free_memory(util, us
         gpu.use_nvml(None)
     assert count == expected, why
     assert ("3 servers side by side" in why) == (expected == 3) and "GPU 0" in why
+
+
+def test_a_runs_baseline_reused_as_production_becomes_the_operators(standin_python, tmp_path):
+    """A run's baseline server with production's argv (the default host, no production flags) is reused
+    when the operator starts production: the record then says production and names no run, so that run's
+    resume, which stops its own servers, leaves the operator's production alone."""
+    port = free_port()
+    profile = load_profile(TINY, {"server.python": str(standin_python), "server.port": port,
+                                  "run.runs_dir": str(tmp_path / "runs"), "server.shutdown_grace": 2})
+    target = tmp_path / "target"
+    target.mkdir()
+    dead_run = tmp_path / "runs" / "killed"
+    base = serving_ports.start_mode(profile, "baseline", target, log_path=tmp_path / "base.log",
+                                    cache_root=tmp_path / "c", say=lambda text: None, owner=str(dead_run))
+    try:
+        said: list[str] = []
+        prod = serving_ports.start_mode(profile, "production", target, log_path=tmp_path / "prod.log",
+                                        cache_root=tmp_path / "c", say=said.append, owner="")
+        assert prod.pid == base.pid and any("reusing the running production server" in s for s in said)
+        status = serving_ports.controller(profile).status()
+        assert (status["mode"], status["run"]) == ("production", "")
+        assert serving_ports.stop_run_servers(profile, dead_run, lambda text: None) == []  # the killed run's resume
+        assert serving_ports.controller(profile).status()["state"] == "running"
+    finally:
+        procs.stop_group(base.pgid, grace=2)
+
+
+def test_preflight_says_an_adopted_production_comes_back_from_the_profile(standin_python, tmp_path):
+    """An adopted production (started by the operator's own command line) is not restarted as it was: the
+    handover starts production from the profile, which preflight says before anything is touched."""
+    from pipeline.planning.preflight import port_findings
+
+    port = free_port()
+    profile = load_profile(TINY, {"server.python": str(standin_python), "server.port": port,
+                                  "run.runs_dir": str(tmp_path / "runs"), "server.shutdown_grace": 2,
+                                  "server.after_run": "production"})
+    (tmp_path / "target").mkdir()
+    rec = serving_ports.start_mode(profile, "production", tmp_path / "target", log_path=tmp_path / "p.log",
+                                   cache_root=tmp_path / "c", say=lambda text: None, owner="")
+    try:
+        ctl = serving_ports.controller(profile)
+        (said,) = [f for f in port_findings(profile) if f.check == "production"]  # the tool's own argv
+        assert said.severity == "info" and f"production (pid {rec.pid}) is stopped when the first stage serves" \
+            in said.message and "the handover starts it again" in said.message
+        ctl._save(replace(ctl.record(), adopted=True, argv=["vllm", "serve", "/models/x", "--max-num-seqs", "64"]))
+        (said, warn) = [f for f in port_findings(profile) if f.check == "production"]
+        assert warn.severity == "warn" and "vllm serve /models/x --max-num-seqs 64" in warn.message
+        assert "server.production_args" in warn.message
+        stop = profile.model_copy(update={"server": profile.server.model_copy(update={"after_run": "stop"})})
+        (said,) = [f for f in port_findings(stop) if f.check == "production"]  # nothing restarts it: a warning
+        assert said.severity == "warn" and "not started again: server.after_run = stop" in said.message
+    finally:
+        procs.stop_group(rec.pgid, grace=2)
+
+
+def test_a_run_that_fails_after_stopping_production_brings_it_back(standin_python, tmp_path):
+    """A stage stops the operator's production to serve its own server (recorded in the run's state); the
+    run then fails before the handover: with server.after_run asking for production after the run,
+    production is started again without a head, noted; with after_run = stop it is not."""
+    import logging
+
+    from pipeline.run.runner import production_back
+    from pipeline.stages.base import StageContext
+
+    port = free_port()
+    target = tmp_path / "target"
+    target.mkdir()
+    (target / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2,
+                                                    "vocab_size": 256, "num_attention_heads": 4}))
+    profile = load_profile(TINY, {"server.python": str(standin_python), "server.port": port,
+                                  "run.runs_dir": str(tmp_path / "runs"), "server.shutdown_grace": 2,
+                                  "server.after_run": "production", "target.source": "path",
+                                  "target.model_path": str(target)}, check_inputs=False)
+    run = RunDir.create(profile, tmp_path / "run")
+    ctl = serving_ports.controller(profile)
+    prod = serving_ports.start_mode(profile, "production", target, log_path=tmp_path / "p.log",
+                                    cache_root=tmp_path / "c", say=lambda text: None, owner="")
+    try:
+        ctx = StageContext(run=run, profile=profile, log=logging.getLogger("t"), stage="regenerate")
+        lease = ctx.lease("ngram")  # another argv than production's: production is stopped for it
+        assert ctl.status()["mode"] == "ngram" and ctl.status()["pid"] != prod.pid
+        assert run.read_state()["production_stopped"]["by"] == "regenerate"
+        lease.release(failed=True)
+        production_back(run, profile)
+        status = ctl.status()
+        assert (status["state"], status["mode"], status["run"]) == ("running", "production", "")
+        assert run.read_state()["production_stopped"] is None
+        assert any("stopped production: production started again without a head" in n for n in notes_of(run.root))
+        # after_run = stop: what the operator asked is nothing on the port after the run
+        run.update_state(production_stopped={"by": "regenerate", "pid": 1, "port": port})
+        serving_ports.stop_server_on_port(profile, lambda text: None)
+        stop = profile.model_copy(update={"server": profile.server.model_copy(update={"after_run": "stop"})})
+        production_back(run, stop)
+        assert ctl.status()["state"] == "none"
+    finally:
+        if (rec := ctl.record()) is not None:
+            procs.stop_group(rec.pgid, grace=2)

@@ -466,13 +466,35 @@ def port_findings(profile: Profile, run_dir: Path | None = None) -> list[Finding
                                              f"(pid {rec.owner_pid}): set server.port, or wait for it")]
         found = [Finding("info", "port", f"{s.host}:{s.port}: the {rec.mode} vLLM this tool started (pid {rec.pid}, "
                                          f"user {ctl.user()}); reused or stopped when a stage needs another mode")]
+        if rec.mode == "production" and not rec.run:  # the operator's: what the run does with it, before it does
+            found = [Finding("warn" if s.after_run == "stop" else "info", "production", (
+                f"{s.host}:{s.port}: production (pid {rec.pid}) is stopped when the first stage serves on the port"
+                + (", and not started again: server.after_run = stop" if s.after_run == "stop" else
+                   f"; the handover starts it again (server.after_run = {s.after_run}), as does a run that fails "
+                   f"first (without a head)")))]
         if production and rec.mode != "production":
             found.append(_no_production(profile, f"the {rec.mode} server is there"))
+        if rec.adopted and s.after_run != "stop":  # its own command line is not what the handover starts
+            found.append(Finding("warn", "production", f"{s.host}:{s.port}: the adopted server's command line "
+                                 f"({' '.join(rec.argv)[:300]}) is not restarted as it is: the handover starts "
+                                 f"production from the profile (the target, server.* and server.production_args); "
+                                 f"put its flags in server.production_args"))
         return found
     who = (f"pid {owner.pid} (user {procs.user_of(owner.pid)}: {procs.shown_cmdline(owner, 80)})" if owner
            else "a process of another user")
     return [Finding("block", "port", f"{s.host}:{s.port} is in use by {who}, which no record names: set server.port, "
                                      f"or adopt it (eagle3-console server adopt) if it is the production vLLM")]
+
+
+def key_findings(profile: Profile) -> list[Finding]:
+    """The production server's key (server.api_key_env) is in this environment wherever the run starts
+    production (the handover): without it production would come back keyless on its host."""
+    s = profile.server
+    if s.after_run == "stop" or not s.api_key_env or os.environ.get(s.api_key_env):
+        return []
+    return [Finding("block", "production", f"server.api_key_env = {s.api_key_env!r}: ${s.api_key_env} is not set "
+                                           f"in this environment; the handover would start production without "
+                                           f"its key (export it and run again)")]
 
 
 def _no_production(profile: Profile, why: str) -> Finding:
@@ -592,7 +614,7 @@ def preflight(profile: Profile, snapshot: gpu.GpuSnapshot | None = None, run_dir
     # the data apart from the target: a source missing is said also where the target cannot be read
     return (target_findings(profile) + data_findings(profile) + version_findings(profile)
             + gpu_findings(profile, snapshot)
-            + port_findings(profile, run_dir) + disk_findings(profile, run_dir)
+            + port_findings(profile, run_dir) + key_findings(profile) + disk_findings(profile, run_dir)
             + evaluation_findings(profile, snapshot) + tracker_findings(profile) + mooncake_findings(profile)
             + head_field_findings(profile) + warm_start_findings(profile))
 

@@ -173,9 +173,11 @@ def run_stages(run: RunDir, start: str | None = None, until: str | None = None,
     try:
         stop_orphans(run, profile, stages)
         summary = _run_stages(run, profile, stages, on_event)
-    except BaseException:
+    except BaseException as exc:
         server.STOPPING.set()  # server starts in flight (other threads) give up
         stop_servers(run, profile, "the run stopped")
+        if not isinstance(exc, (KeyboardInterrupt, Interrupted)):  # an interrupt is asked to end, not to serve
+            production_back(run, profile)
         raise
     else:
         server.STOPPING.set()  # a stop signal now is noted, not raised: the cleanup finishes
@@ -186,6 +188,27 @@ def run_stages(run: RunDir, start: str | None = None, until: str | None = None,
             signal.signal(sig, handler)
         server.STOPPING.clear()
         lock.close()
+
+
+def production_back(run: RunDir, profile) -> None:
+    """A run that failed after one of its stages stopped the operator's production, with server.after_run
+    asking for production after the run: production is started again, without any head, before the failure
+    is said (the handover never came). Noted either way; a resume stops it again where it needs the port."""
+    stopped = run.read_state().get("production_stopped")
+    if not stopped or profile.server.after_run == "stop":
+        return
+    server.STOPPING.clear()  # the run's own server starts gave up; this one is the operator's
+    ctx = StageContext(run=run, profile=profile, log=logging.getLogger("eagle3.production"), stage="handover")
+    try:
+        rec = ports.start_mode(profile, "production", ctx.target_dir(), log_path=run.log_path("server-production"),
+                               cache_root=run.cache_root, say=ctx.log.info, owner="")
+    except (server.ServerError, StageError, OSError) as exc:
+        notes.add(run, f"the run failed after {stopped['by']} stopped production, and production did not come "
+                       f"back: {exc}", source="auto")
+        return
+    run.update_state(production_stopped=None)
+    notes.add(run, f"the run failed after {stopped['by']} stopped production: production started again without "
+                   f"a head (pid {rec.pid}, port {rec.port})", source="auto")
 
 
 def stop_servers(run: RunDir, profile, why: str) -> None:

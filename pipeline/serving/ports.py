@@ -279,7 +279,9 @@ def start_mode(profile: Profile, mode: str, target_dir: Path, *, log_path: Path,
     if (not restart and rec is not None and rec.argv == procs.redact_argv(argv) and status.get("healthy")
             and (ctl.source is None or ctl.source.stat().st_uid == os.getuid() or os.getuid() == 0)):
         say(f"reusing the running {mode} server pid {rec.pid}")
-        return ctl.claim(owner) if owner else rec  # this process owns it now (an orphan's owner was dead)
+        # this process (or, owner "", the operator) owns it now, as `mode`: an orphan's owner was dead, and a
+        # run's baseline of production's argv handed on as production is no longer that run's to stop
+        return ctl.claim(owner, mode)
     stop_server_on_port(profile, say, force, expect=expect, by=by, own_run=owner)
     say(f"starting {mode} server: {' '.join(procs.redact_argv(argv))}")
     return ctl.start(argv, host=vllm_modes.bind_host(profile, mode), port=profile.server.port, mode=mode,

@@ -252,7 +252,8 @@ def listens_itself(rec: ServerRecord) -> bool:
 
 
 def port_in_use(host: str, port: int) -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+    # the family the host is written in: an IPv6 host ("::", "::1") does not bind an AF_INET socket at all
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind((host, port))
@@ -414,13 +415,15 @@ class ServerController:
             return still, not still
         return wait_until(left, wait, 0.5)[0]
 
-    def claim(self, run: str) -> ServerRecord:
-        """A running server taken over by `run` (reused as it is; the run now stops it when done)."""
+    def claim(self, run: str, mode: str | None = None) -> ServerRecord:
+        """A running server taken over by `run` ("" = the operator's: no run stops it when done), reused as it
+        is, now recorded as `mode` (a run's baseline of the same argv becomes production)."""
         rec = self.record()
         if rec is None:
             raise ServerError(f"no server recorded in {self.record_path}")
         me = procs.identity()
-        rec = replace(rec, run=run, owner_pid=me["pid"], owner_since=me["since"], owner_start=me["start"])
+        rec = replace(rec, run=run, mode=mode or rec.mode, owner_pid=me["pid"], owner_since=me["since"],
+                      owner_start=me["start"])
         self._save(rec)
         return rec
 

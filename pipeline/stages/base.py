@@ -88,9 +88,13 @@ class StageContext:
         if mode == "extraction" and (left := clear_raw_states(mode_args["storage"])):
             self.log.info("cleared %d raw state files a killed attempt left in %s", left, mode_args["storage"])
         t0 = time.perf_counter()
+        there = ports.controller(p).record()
         rec = ports.start_mode(p, mode, self.target_dir(), log_path=self.run.log_path(f"server-{name or mode}"),
                                cache_root=self.run.cache_root, say=self.log.info, on_wait=on_wait,
                                owner=str(self.run.root), **mode_args)
+        if there is not None and there.mode == "production" and not there.run and rec.pid != there.pid:
+            # the operator's production, stopped for this run: a run that fails brings it back (run/runner.py)
+            self.run.update_state(production_stopped={"by": self.stage, "pid": there.pid, "port": there.port})
         start_s = round(time.perf_counter() - t0, 1)
         self.emit("server", mode=mode, method=name or mode, pid=rec.pid, port=rec.port, start_s=start_s)
         return Lease(self, p, rec, start_s)
@@ -225,6 +229,9 @@ class Stage:
 
     name: str = ""
     always_run: bool = False  # a check that must hold on every attempt (preflight): never skipped as done
+    # profile keys its recorded result embodies and later stages act on as it stands (a decision): a copy of
+    # the run that carries the stage over as done may not change them (run/runcopy.py)
+    decided_by: tuple[str, ...] = ()
 
     @property
     def makes_head(self) -> bool:
