@@ -157,7 +157,11 @@ def test_profile_keys_are_checked_naming_the_key(tmp_path):
         load_profile("tests/profiles/tiny.toml", overrides={"evaluate.traffic": {"64": 0.5}})
     with pytest.raises(ProfileError, match=r"evaluate.ks"):
         load_profile("tests/profiles/tiny.toml", overrides={"evaluate.ks": [0, 2]})
-    p = load_profile("tests/profiles/tiny.toml", overrides={"server.after_run": "production-with-draft-or-rollback"})
+    # a rollback stands on production measured after the handover: without that measurement it never happens
+    with pytest.raises(ProfileError, match=r"server.after_run'.*needs evaluate.production_before_after = true"):
+        load_profile("tests/profiles/tiny.toml", overrides={"server.after_run": "production-with-draft-or-rollback"})
+    p = load_profile("tests/profiles/tiny.toml", overrides={"server.after_run": "production-with-draft-or-rollback",
+                                                           "evaluate.production_before_after": True})
     assert p.server.after_run == "production-with-draft-or-rollback"
 
 

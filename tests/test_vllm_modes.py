@@ -84,6 +84,24 @@ def test_api_key_only_through_environment(monkeypatch, tmp_path):
     assert "VLLM_API_KEY" not in vllm_modes.server_env(p, tmp_path, "extraction")
 
 
+def test_a_production_key_missing_from_the_environment_starts_nothing(monkeypatch, tmp_path):
+    """server.api_key_env names a variable this shell lacks (a resume from another one): production is not
+    started keyless on its host; preflight blocks the run whose handover would start it, naming the key."""
+    from pipeline.planning import preflight
+    from pipeline.serving.server import ServerError
+
+    monkeypatch.delenv("MY_VLLM_KEY", raising=False)
+    p = profile(**{"server.api_key_env": "MY_VLLM_KEY", "server.after_run": "production"})
+    with pytest.raises(ServerError, match=r"server.api_key_env = 'MY_VLLM_KEY': \$MY_VLLM_KEY is not set"):
+        vllm_modes.server_env(p, tmp_path, "production")
+    assert "VLLM_API_KEY" not in vllm_modes.server_env(p, tmp_path, "baseline")  # internal servers: keyless
+    (block,) = preflight.key_findings(p)
+    assert block.severity == "block" and "server.api_key_env = 'MY_VLLM_KEY'" in block.message
+    assert preflight.key_findings(profile(**{"server.api_key_env": "MY_VLLM_KEY"})) == []  # after_run = stop
+    monkeypatch.setenv("MY_VLLM_KEY", "k")
+    assert preflight.key_findings(p) == []
+
+
 METRICS = """# HELP vllm:spec_decode_num_drafts_total Number of spec decoding drafts.
 vllm:spec_decode_num_drafts_total{engine="0",model_name="target"} 40.0
 vllm:spec_decode_num_drafts_created{engine="0",model_name="target"} 1.7e9
@@ -117,3 +135,23 @@ def test_port_in_use_is_refused_before_anything_starts(tmp_path):
         assert ctl.record() is None and not (tmp_path / "log").exists()
         with pytest.raises(ServerError, match="not a vLLM server"):
             ctl.adopt("127.0.0.1", port)  # this pytest process is listening, and it is not vLLM
+
+
+def test_an_ipv6_host_is_free_or_taken_as_its_own_family():
+    """server.host = "::" (a wildcard the tool accepts): the port check binds an IPv6 socket, not an IPv4 one
+    that fails on any IPv6 address and calls every port taken."""
+    import socket
+
+    from pipeline.serving.server import port_in_use
+
+    try:
+        with socket.socket(socket.AF_INET6, socket.SOCK_STREAM) as probe:
+            probe.bind(("::1", 0))
+            port = probe.getsockname()[1]
+    except OSError:
+        pytest.skip("no IPv6 on this machine")
+    assert not port_in_use("::", port) and not port_in_use("::1", port)
+    with socket.socket(socket.AF_INET6, socket.SOCK_STREAM) as listener:
+        listener.bind(("::", port))
+        listener.listen()
+        assert port_in_use("::", port) and port_in_use("::1", port)

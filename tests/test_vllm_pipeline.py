@@ -162,3 +162,21 @@ def test_handover_to_production_follows_the_runs_decision(vllm_run, tmp_path):
     finally:
         stop = cli("server", "stop", "--run-dir", copy)
         assert stop.returncode == 0, stop.stderr
+
+
+def test_a_copy_cannot_carry_a_decision_over_under_another_threshold(vllm_run, tmp_path):
+    """`run --copy-of RUN --from handover --set evaluate.deploy_speedup=…` would deploy on RUN's decision,
+    made under the old threshold: refused in one line naming the key, nothing written; from deploy-measure on,
+    the copy decides again."""
+    from pipeline.profile import load_profile
+    from pipeline.run.runcopy import RunCopyError, copy_of
+
+    for key, value in (("evaluate.deploy_speedup", 9.5), ("evaluate.traffic", {"1": 1.0})):
+        profile = load_profile(vllm_run.root / "profile.toml", {key: value})
+        with pytest.raises(RunCopyError, match=rf"--set {key}: deploy-measure decided with .* copy --from "
+                                               rf"deploy-measure to decide again"):
+            copy_of(vllm_run.root, profile, "handover", tmp_path / "never")
+        assert not (tmp_path / "never").exists()
+    profile = load_profile(vllm_run.root / "profile.toml", {"evaluate.deploy_speedup": 9.5})
+    again, _ = copy_of(vllm_run.root, profile, "deploy-measure", tmp_path / "again")
+    assert "deploy-measure" not in again.read_state()["stages"]

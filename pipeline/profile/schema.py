@@ -703,6 +703,9 @@ class Profile(Section):
                        f"needs ports {self.server.port}..{last}, past 65535")
         if self.train.from_pretrained == "existing" and not self.evaluate.existing_head:
             raise missing("evaluate.existing_head", "train.from_pretrained = 'existing'")
+        if self.server.after_run == "production-with-draft-or-rollback" and not self.evaluate.production_before_after:
+            raise rule("server.after_run", self.server.after_run, "rolls back on production measured after the "
+                       "handover: needs evaluate.production_before_after = true")
         if self.evaluate.production_before_after and self.server.after_run == "stop":
             raise rule("evaluate.production_before_after", True,
                        "needs server.after_run = 'production' or 'production-with-draft' (production measured after)")

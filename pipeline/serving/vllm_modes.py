@@ -146,6 +146,10 @@ def server_env(profile: Profile, cache_root: Path, mode: str = "production") -> 
     if profile.server.cuda_visible_devices:  # serving on some GPUs, training on the others
         env["CUDA_VISIBLE_DEVICES"] = profile.server.cuda_visible_devices
     # the internal modes stay on loopback, keyless
-    if mode == "production" and profile.server.api_key_env and (key := os.environ.get(profile.server.api_key_env)):
+    if mode == "production" and (name := profile.server.api_key_env):
+        if not (key := os.environ.get(name)):  # production keyless on its host is not what the operator set up
+            from pipeline.serving.server import ServerError
+            raise ServerError(f"server.api_key_env = {name!r}: ${name} is not set in this environment, and "
+                              f"production would serve without its key (export it and run again)")
         env["VLLM_API_KEY"] = key  # through the environment: never on the command line or in a log
     return env

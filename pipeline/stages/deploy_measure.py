@@ -23,6 +23,8 @@ from pipeline.stages.served import decode_steps
 
 class DeployMeasure(Stage):
     name = "deploy-measure"
+    # its deploy decision, which the handover acts on: the threshold, the traffic mix, the noise bound
+    decided_by = ("evaluate.deploy_speedup", "evaluate.traffic", "evaluate.instance_spread")
 
     def applies(self, profile) -> bool:
         return profile.train.first_node and profile.evaluate.online

@@ -80,6 +80,8 @@ def policy_line(policy: str, decision: Decision, after_run: str) -> str:
 
 class MeasureExisting(Stage):
     name = "measure-existing"
+    # its deploy decision, which the handover acts on: the threshold, the traffic mix, the noise bound
+    decided_by = ("evaluate.deploy_speedup", "evaluate.traffic", "evaluate.instance_spread")
 
     def applies(self, profile) -> bool:
         ev = profile.evaluate
