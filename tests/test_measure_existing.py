@@ -332,6 +332,39 @@ def test_a_head_that_does_not_come_up_in_production_leaves_production_without_it
     assert not run.handover_record.exists()
 
 
+def test_a_resume_after_a_rollback_keeps_the_head_out_on_the_same_decision(tmp_path, monkeypatch):
+    """An attempt killed after it began rolling a slower head back: its resume starts production without the
+    head on the same deploy-measure decision (a new decision, from deploy-measure measuring again, counts)."""
+    from pipeline.serving import ports
+    from pipeline.serving.server import ServerRecord
+    from pipeline.stages import handover
+
+    profile = _profile(tmp_path, **{"server.after_run": "production-with-draft"})
+    run = RunDir.create(profile, tmp_path / "run")
+    line = "k=3: speedup x1.5 >= threshold x1.1 at concurrency 1"
+    run.update_stage("deploy-measure", status="done", figures={"deploy": True, "reason": line})
+    from pipeline.layout.decision import Decision
+    run.update_stage("handover", rolled_back={"decision": Decision(True, line).line, "why": "slower at c=8"})
+    monkeypatch.setattr(StageContext, "target_dir", lambda self: tmp_path / "target")
+    monkeypatch.setattr(StageContext, "draft_checkpoint", lambda self: pytest.fail("the head was published"))
+    starts = []
+
+    def start_mode(p, mode, target, **kw):
+        starts.append(kw.get("draft_dir"))
+        return ServerRecord(pid=7, pgid=7, host="127.0.0.1", port=p.server.port, argv=["vllm"], mode=mode, log="",
+                            started=0.0)
+
+    monkeypatch.setattr(ports, "start_mode", start_mode)
+    ctx = StageContext(run=run, profile=profile, log=logging.getLogger("test.handover"), stage="handover")
+    figures = handover.Handover().run(ctx)
+    assert starts == [None] and "rolled back by an earlier attempt (slower at c=8)" in figures.draft
+    run.update_stage("deploy-measure", figures={"deploy": True, "reason": line.replace("x1.5", "x1.6")})
+    monkeypatch.setattr(StageContext, "draft_checkpoint", lambda self: tmp_path / "ckpt")
+    monkeypatch.setattr("pipeline.serving.deploy.publish_draft", lambda *a: tmp_path / "draft")
+    handover.Handover().run(ctx)
+    assert starts[-1] == tmp_path / "draft"  # measured again, decided again: deployed
+
+
 def test_the_report_puts_the_existing_head_beside_the_new_one():
     existing = {"existing_head": HEAD, "kind": "research", "head": "/run/eval/existing-head", "k": 3, "prompts": 16,
                 "policy": "measure", "skips_training": False, "concurrency": [1, 4],

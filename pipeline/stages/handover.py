@@ -52,7 +52,12 @@ class Handover(Stage):
                     spec = deployed_spec(atomicio.read_json(ctx.run.existing_result))
                     why = f"{why} (the existing head {existing.existing_head or existing.head}, measured first)"
             elif after.startswith("production-with-draft"):
-                deploy, why = draft_goes_to_production(ctx.run.result(DeployMeasureResult).verdict())
+                decision = ctx.run.result(DeployMeasureResult).verdict()
+                deploy, why = draft_goes_to_production(decision)
+                rolled = ctx.run.stage_state(self.name).get("rolled_back") or {}
+                if deploy and decision is not None and rolled.get("decision") == decision.line:
+                    # an attempt killed after it rolled this head back: the head stays out on the same decision
+                    deploy, why = False, f"not deployed: rolled back by an earlier attempt ({rolled.get('why')})"
                 if deploy:
                     from pipeline.serving.deploy import publish_draft
                     draft = publish_draft(ctx.draft_checkpoint(), ctx.run.draft_dir, ctx.target_dir())
@@ -127,6 +132,10 @@ def slower_after(ctx: StageContext, after: str, slower: list[str]) -> dict:
              f"evaluate.instance_spread = {ctx.profile.evaluate.instance_spread:g})", ctx.log.warning)
     if after != "production-with-draft-or-rollback":
         return {"rolled_back": False}
+    # before production is touched: a resume of an attempt killed from here on keeps the head out
+    decision = ctx.run.result(DeployMeasureResult).verdict()
+    ctx.run.update_stage(ctx.stage, rolled_back={"decision": decision.line if decision else "",
+                                                 "why": f"slower at {', '.join(slower)}"})
     rec = start_production(ctx, None, {})
     before = (atomicio.read_json(ctx.run.production_before) or {}).get("argv")
     same = before is None or before == rec.argv
