@@ -345,3 +345,31 @@ def test_a_missing_data_file_is_said_even_where_the_target_cannot_be_read(tmp_pa
     # and preflight as a whole says both
     checks = {f.check for f in preflight.blocking(preflight.preflight(profile, gpu.GpuSnapshot(t=0.0)))}
     assert {"target", "data"} <= checks
+
+
+def test_an_mla_target_on_a_gpu_box_is_told_of_the_windowed_heads_cost(monkeypatch):
+    """The GPU box's own vLLM answering for an MLA target: a head trained with speculators' window is said to
+    be served as a second KV-cache group (measured slower at c = 32 on one H200), with the key that trains a
+    full-attention one; nothing is said for that head, nor on a CPU box (where it blocks instead)."""
+    from types import SimpleNamespace
+
+    from pipeline.planning import preflight, vllm_probe
+    from pipeline.profile import load_profile
+
+    answer = {"vllm": "0.26.0", "platform": "cuda", "mla": {"groups": [], "invalid": [], "backend": "FLASHMLA",
+                                                           "head_size": 576, "refusal": None,
+                                                           "hidden_state_group": 0}}
+    monkeypatch.setattr(vllm_probe, "target_answer", lambda profile, info: answer)
+    monkeypatch.setattr(preflight, "_serves_trained", lambda profile: True)
+    info = SimpleNamespace(attention="MLA", int4_group_size=None, experts=0)
+
+    def heads(**sets):
+        p = load_profile("tests/profiles/tiny-mla.toml", sets)
+        return [f for f in preflight.vllm_target_findings(p, info) if f.check == "head"]
+
+    (said,) = heads()
+    assert said.severity == "info" and "train.sliding_window = 0 trains one" in said.message
+    assert heads(**{"train.sliding_window": 0}) == []
+    assert heads(**{"train.extra_args": ["--full-attention-indices", "0"]}) == []
+    answer["platform"] = "cpu"
+    assert heads() == []  # the windowed head is what a CPU box serves beside MLA

@@ -126,6 +126,16 @@ def vllm_target_findings(profile: Profile, info) -> list[Finding]:
         found += [Finding(stop, "head", f"{what}: {where} does not start a full-attention head beside an MLA target "
                                         f"({vllm_kv_groups.CPU_MLA_REFUSAL}); {fix}{tail}")
                   for what, fix in _full_heads(profile)]
+    elif (mla and profile.warm_start() is None and _serves_trained(profile)
+          and not _trained_full_layers(profile.train)):
+        # vLLM cannot put a windowed head in MLA's KV-cache group (compat/vllm_kv_groups.py): it stays a second
+        # group, which on one H200 cost the head its c = 32 throughput (bench/results/h200/mla-window/)
+        found.append(Finding("info", "head", f"{where}: the head this run trains keeps speculators' window "
+                                             f"(train.sliding_window = {profile.train.sliding_window}), served as "
+                                             f"a second KV-cache group beside MLA; on one H200 (vLLM 0.26.0, a "
+                                             f"Kimi-class target) a full-attention head served 14.4k against "
+                                             f"10.6k tok/s at c = 32, alike at c = 1 and 8 (one instance each): "
+                                             f"train.sliding_window = 0 trains one"))
     if info.int4_group_size and info.experts:
         q = answer.get("int4_moe") or {"error": "no INT4 answer"}
         if q.get("backend"):
