@@ -292,13 +292,14 @@ def test_preflight_says_an_adopted_production_comes_back_from_the_profile(standi
         procs.stop_group(rec.pgid, grace=2)
 
 
-def test_a_run_that_fails_after_stopping_production_brings_it_back(standin_python, tmp_path):
+def test_a_run_that_fails_after_stopping_production_brings_it_back(standin_python, tmp_path, monkeypatch):
     """A stage stops the operator's production to serve its own server (recorded in the run's state); the
     run then fails before the handover: with server.after_run asking for production after the run,
     production is started again without a head, noted; with after_run = stop it is not."""
     import logging
 
     from pipeline.run.runner import production_back
+    from pipeline.serving.server import ServerError
     from pipeline.stages.base import StageContext
 
     port = free_port()
@@ -324,13 +325,64 @@ def test_a_run_that_fails_after_stopping_production_brings_it_back(standin_pytho
         status = ctl.status()
         assert (status["state"], status["mode"], status["run"]) == ("running", "production", "")
         assert run.read_state()["production_stopped"] is None
-        assert any("stopped production: production started again without a head" in n for n in notes_of(run.root))
-        # after_run = stop: what the operator asked is nothing on the port after the run
-        run.update_state(production_stopped={"by": "regenerate", "pid": 1, "port": port})
+        assert any("stopped production (pid" in n and "production started again without a head" in n
+                   for n in notes_of(run.root))
+        # the stage's own server fails to start after production was stopped for it: recorded all the same
+        monkeypatch.setenv("STANDIN_VLLM_FAIL", "RuntimeError: no memory for the KV cache")
+        with pytest.raises(ServerError):
+            ctx.lease("ngram")
+        monkeypatch.delenv("STANDIN_VLLM_FAIL")
+        assert ctl.status()["state"] != "running" and run.read_state()["production_stopped"]["by"] == "regenerate"
+        production_back(run, profile)
+        assert (ctl.status()["state"], ctl.status()["mode"]) == ("running", "production")
+        # the operator served the port again since (other flags): production_back leaves it alone
+        run.update_state(production_stopped={"by": "regenerate", "pid": 1, "port": port, "argv": ["x"]})
+        theirs = ctl.record().pid
+        production_back(run, profile)
+        assert ctl.record().pid == theirs and run.read_state()["production_stopped"] is None
+        # what was stopped is not what the profile starts (another command line): not started, said
         serving_ports.stop_server_on_port(profile, lambda text: None)
+        run.update_state(production_stopped={"by": "regenerate", "pid": 1, "port": port,
+                                             "argv": ["vllm", "serve", "/m", "--max-num-seqs", "64"]})
+        production_back(run, profile)
+        assert ctl.status()["state"] == "none"
+        assert any("is not the one the profile starts" in n and "--max-num-seqs 64" in n for n in notes_of(run.root))
+        # after_run = stop: what the operator asked is nothing on the port after the run
         stop = profile.model_copy(update={"server": profile.server.model_copy(update={"after_run": "stop"})})
+        run.update_state(production_stopped={"by": "regenerate", "pid": 1, "port": port, "argv": prod.argv})
         production_back(run, stop)
         assert ctl.status()["state"] == "none"
+        # a production record whose server is gone: nothing is recorded as stopped by the run
+        dead = serving_ports.start_mode(profile, "production", target, log_path=tmp_path / "p.log",
+                                        cache_root=tmp_path / "c", say=lambda text: None, owner="")
+        procs.stop_group(dead.pgid, grace=2)
+        run.update_state(production_stopped=None)
+        ctx.lease("ngram").release()
+        assert run.read_state()["production_stopped"] is None
     finally:
         if (rec := ctl.record()) is not None:
             procs.stop_group(rec.pgid, grace=2)
+
+
+def test_a_missing_production_key_stops_nothing(standin_python, tmp_path, monkeypatch):
+    """`server start --mode production --restart` in a shell without server.api_key_env's variable refuses
+    before the running production is stopped."""
+    from pipeline.serving.server import ServerError
+
+    port = free_port()
+    profile = load_profile(TINY, {"server.python": str(standin_python), "server.port": port,
+                                  "run.runs_dir": str(tmp_path / "runs"), "server.shutdown_grace": 2,
+                                  "server.api_key_env": "E3_TEST_KEY"})
+    (tmp_path / "target").mkdir()
+    monkeypatch.setenv("E3_TEST_KEY", "k-123")
+    rec = serving_ports.start_mode(profile, "production", tmp_path / "target", log_path=tmp_path / "p.log",
+                                   cache_root=tmp_path / "c", say=lambda text: None, owner="")
+    try:
+        monkeypatch.delenv("E3_TEST_KEY")
+        with pytest.raises(ServerError, match="server.api_key_env = 'E3_TEST_KEY'"):
+            serving_ports.start_mode(profile, "production", tmp_path / "target", log_path=tmp_path / "p.log",
+                                     cache_root=tmp_path / "c", say=lambda text: None, owner="", restart=True)
+        status = serving_ports.controller(profile).status()
+        assert (status["state"], status["pid"]) == ("running", rec.pid)
+    finally:
+        procs.stop_group(rec.pgid, grace=2)

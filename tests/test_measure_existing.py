@@ -365,6 +365,30 @@ def test_a_resume_after_a_rollback_keeps_the_head_out_on_the_same_decision(tmp_p
     assert starts[-1] == tmp_path / "draft"  # measured again, decided again: deployed
 
 
+def test_a_resume_after_rolling_the_existing_head_back_keeps_it_out(tmp_path, monkeypatch):
+    """The same for the existing head deployed without training (evaluate.existing_policy = deploy): its own
+    decision is the one the rollback is recorded against."""
+    from pipeline.layout.decision import Decision
+    from pipeline.serving import ports
+    from pipeline.serving.server import ServerRecord
+    from pipeline.stages import handover
+
+    run, profile = _cleared_run(tmp_path)
+    profile = profile.model_copy(update={"server": profile.server.model_copy(update={
+        "after_run": "production-with-draft"})})
+    line = "k=3: speedup x1.5 >= threshold x1.1 at concurrency 1"
+    run.update_stage("handover", rolled_back={"decision": Decision(True, line).line, "why": "slower at c=4"})
+    monkeypatch.setattr(StageContext, "target_dir", lambda self: tmp_path / "target")
+    monkeypatch.setattr(handover, "existing_draft", lambda ctx, head: pytest.fail("the existing head was deployed"))
+    starts = []
+    monkeypatch.setattr(ports, "start_mode", lambda p, mode, target, **kw: starts.append(kw.get("draft_dir")) or
+                        ServerRecord(pid=7, pgid=7, host="127.0.0.1", port=p.server.port, argv=["vllm"], mode=mode,
+                                     log="", started=0.0))
+    ctx = StageContext(run=run, profile=profile, log=logging.getLogger("test.handover"), stage="handover")
+    figures = handover.Handover().run(ctx)
+    assert starts == [None] and "rolled back by an earlier attempt (slower at c=4)" in figures.draft
+
+
 def test_the_report_puts_the_existing_head_beside_the_new_one():
     existing = {"existing_head": HEAD, "kind": "research", "head": "/run/eval/existing-head", "k": 3, "prompts": 16,
                 "policy": "measure", "skips_training": False, "concurrency": [1, 4],
@@ -474,3 +498,12 @@ def test_status_says_why_a_stage_was_done_without(tmp_path):
     shown = cli("status", run.root).stdout
     line = next(x for x in shown.splitlines() if x.strip().startswith("train"))
     assert "done" in line and "skipped: evaluate.existing_policy = deploy" in shown, shown
+
+
+def test_only_node_0_serves_the_existing_head():
+    """measure-existing and the matrix are node 0's: another node of a multi-node job serves no head, so its
+    preflight asks no vLLM for it."""
+    p = load_profile(TINY, {"evaluate.existing_head": HEAD, "evaluate.existing_policy": "measure"})
+    assert p.serves_existing()
+    other = p.model_copy(update={"train": p.train.model_copy(update={"node_rank": 1})})
+    assert not other.serves_existing()

@@ -173,7 +173,7 @@ def test_a_copy_cannot_carry_a_decision_over_under_another_threshold(vllm_run, t
 
     for key, value in (("evaluate.deploy_speedup", 9.5), ("evaluate.traffic", {"1": 1.0})):
         profile = load_profile(vllm_run.root / "profile.toml", {key: value})
-        with pytest.raises(RunCopyError, match=rf"--set {key}: deploy-measure decided with .* copy --from "
+        with pytest.raises(RunCopyError, match=rf"{key} changed: deploy-measure decided with .* copy --from "
                                                rf"deploy-measure to decide again"):
             copy_of(vllm_run.root, profile, "handover", tmp_path / "never")
         assert not (tmp_path / "never").exists()

@@ -94,7 +94,7 @@ def _config_choice(path: str) -> str | None:
 
     try:
         data = yaml.safe_load(Path(path).read_text())
-    except (OSError, UnicodeDecodeError, yaml.YAMLError):
+    except (OSError, UnicodeDecodeError, ValueError, yaml.YAMLError):  # ValueError: e.g. a date YAML cannot make
         return None  # vLLM does not start on it either, and says why in the server's log
     value = next((v for k, v in data.items() if str(k).replace("_", "-") == _ON), None) \
         if isinstance(data, dict) else None

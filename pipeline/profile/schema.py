@@ -719,8 +719,9 @@ class Profile(Section):
 
     def serves_existing(self) -> bool:
         """evaluate.existing_head reaches vLLM: the matrix's existing row, or measure-existing (any policy but off)."""
-        ev = self.evaluate
-        return bool(ev.existing_head) and ((ev.online and "existing" in ev.methods) or ev.existing_policy != "off")
+        ev = self.evaluate  # node 0's stages (measure-existing, deploy-measure)
+        return (self.train.first_node and bool(ev.existing_head)
+                and ((ev.online and "existing" in ev.methods) or ev.existing_policy != "off"))
 
     def with_port(self, port: int) -> Profile:
         """The same profile serving on another port (side-by-side servers)."""

@@ -141,7 +141,7 @@ def copy_of(src_root: Path, profile: Profile, start: str, run_dir: Path | None =
 
     for stage in before:
         if changed := [k for k in stage.decided_by if at(old, k) != at(new, k)]:
-            raise RunCopyError(f"--set {changed[0]}: {stage.name} decided with {json.dumps(at(old, changed[0]))} "
+            raise RunCopyError(f"{changed[0]} changed: {stage.name} decided with {json.dumps(at(old, changed[0]))} "
                                f"in {src.root}, and a copy carries its decision over as it is; copy --from "
                                f"{stage.name} to decide again with {json.dumps(at(new, changed[0]))}")
     final = (Path(run_dir) if run_dir else Path(profile.run.runs_dir) / f"{profile.name}-{utc_stamp()}").resolve()

@@ -19,7 +19,7 @@ from pipeline.host import gpu, portlock, procs
 from pipeline.layout import results
 from pipeline.layout.rundir import RunDir, RunDirError, now_iso
 from pipeline.report import notes
-from pipeline.serving import ports, server
+from pipeline.serving import ports, server, vllm_modes
 from pipeline.stages import STAGES, stage_names
 from pipeline.stages.base import Stage, StageContext, StageError, existing_clears, stop_orphan_child
 from pipeline.units import human
@@ -192,23 +192,35 @@ def run_stages(run: RunDir, start: str | None = None, until: str | None = None,
 
 def production_back(run: RunDir, profile) -> None:
     """A run that failed after one of its stages stopped the operator's production, with server.after_run
-    asking for production after the run: production is started again, without any head, before the failure
-    is said (the handover never came). Noted either way; a resume stops it again where it needs the port."""
+    asking for production after the run: production is started again before the failure is said (the
+    handover never came) — only where the port is empty (the operator may have served it since) and what was
+    stopped is what the profile starts (production without a head); else the note says what to start. Never
+    raises: the run's own failure is what ends it."""
     stopped = run.read_state().get("production_stopped")
     if not stopped or profile.server.after_run == "stop":
         return
+    by = f"the run failed after {stopped['by']} stopped production (pid {stopped['pid']})"
     server.STOPPING.clear()  # the run's own server starts gave up; this one is the operator's
-    ctx = StageContext(run=run, profile=profile, log=logging.getLogger("eagle3.production"), stage="handover")
     try:
-        rec = ports.start_mode(profile, "production", ctx.target_dir(), log_path=run.log_path("server-production"),
-                               cache_root=run.cache_root, say=ctx.log.info, owner="")
-    except (server.ServerError, StageError, OSError) as exc:
-        notes.add(run, f"the run failed after {stopped['by']} stopped production, and production did not come "
-                       f"back: {exc}", source="auto")
+        if ports.controller(profile).status().get("state") == "running":
+            run.update_state(production_stopped=None)
+            notes.add(run, f"{by}; the port serves again (not started by the run)", source="auto")
+            return
+        target = run.target_dir(profile)
+        argv = procs.redact_argv(vllm_modes.server_argv(profile, "production", target))
+        if stopped.get("argv") != argv:
+            notes.add(run, f"{by}, whose command line is not the one the profile starts ("
+                           f"{' '.join(stopped.get('argv') or [])[:300]}): not started again; start it as before",
+                      source="auto")
+            return
+        rec = ports.start_mode(profile, "production", target, log_path=run.log_path("server-production"),
+                               cache_root=run.cache_root, say=logging.getLogger("eagle3.production").info, owner="")
+    except BaseException as exc:  # an interrupt too: the run's own failure goes on
+        why = " ".join(str(exc).split())[:300] or type(exc).__name__
+        notes.add(run, f"{by}, and production did not come back: {why}", source="auto")
         return
     run.update_state(production_stopped=None)
-    notes.add(run, f"the run failed after {stopped['by']} stopped production: production started again without "
-                   f"a head (pid {rec.pid}, port {rec.port})", source="auto")
+    notes.add(run, f"{by}: production started again without a head (pid {rec.pid}, port {rec.port})", source="auto")
 
 
 def stop_servers(run: RunDir, profile, why: str) -> None:

@@ -282,10 +282,11 @@ def start_mode(profile: Profile, mode: str, target_dir: Path, *, log_path: Path,
         # this process (or, owner "", the operator) owns it now, as `mode`: an orphan's owner was dead, and a
         # run's baseline of production's argv handed on as production is no longer that run's to stop
         return ctl.claim(owner, mode)
+    env = vllm_modes.server_env(profile, cache_root, mode)  # before anything is stopped: it may refuse (a key)
     stop_server_on_port(profile, say, force, expect=expect, by=by, own_run=owner)
     say(f"starting {mode} server: {' '.join(procs.redact_argv(argv))}")
     return ctl.start(argv, host=vllm_modes.bind_host(profile, mode), port=profile.server.port, mode=mode,
-                     log=log_path, env=vllm_modes.server_env(profile, cache_root, mode),
+                     log=log_path, env=env,
                      health_timeout=profile.server.health_timeout, on_wait=on_wait, run=owner)
 
 

@@ -18,7 +18,7 @@ from pipeline.layout.rundir import RunDir, RunDirError
 from pipeline.profile import Profile
 from pipeline.report import notes
 from pipeline.serving import ports, vllm_modes
-from pipeline.serving.server import ServerError, ServerRecord
+from pipeline.serving.server import ServerError, ServerRecord, is_live
 
 
 class StageError(RuntimeError):
@@ -89,12 +89,15 @@ class StageContext:
             self.log.info("cleared %d raw state files a killed attempt left in %s", left, mode_args["storage"])
         t0 = time.perf_counter()
         there = ports.controller(p).record()
+        if (mode != "production" and there is not None and there.mode == "production" and not there.run
+                and is_live(there)):
+            # the operator's production, stopped (or taken as this run's own) for this stage, written before
+            # it is touched: a run that fails brings it back (run/runner.py production_back)
+            self.run.update_state(production_stopped={"by": self.stage, "pid": there.pid, "port": there.port,
+                                                      "argv": there.argv})
         rec = ports.start_mode(p, mode, self.target_dir(), log_path=self.run.log_path(f"server-{name or mode}"),
                                cache_root=self.run.cache_root, say=self.log.info, on_wait=on_wait,
                                owner=str(self.run.root), **mode_args)
-        if there is not None and there.mode == "production" and not there.run and rec.pid != there.pid:
-            # the operator's production, stopped for this run: a run that fails brings it back (run/runner.py)
-            self.run.update_state(production_stopped={"by": self.stage, "pid": there.pid, "port": there.port})
         start_s = round(time.perf_counter() - t0, 1)
         self.emit("server", mode=mode, method=name or mode, pid=rec.pid, port=rec.port, start_s=start_s)
         return Lease(self, p, rec, start_s)

@@ -42,27 +42,26 @@ class Handover(Stage):
             stopped = ports.stop_server_on_port(ctx.profile, ctx.log.info, own_run=str(ctx.run.root))
             figures: dict = {"after_run": after, "server": "stopped" if stopped else "none running"}
         else:
-            draft, why, spec = None, "", {}
+            draft, why, spec, decision = None, "", {}, None
             existing = existing_clears(ctx.run, ctx.profile)
-            if after.startswith("production-with-draft") and existing is not None:
+            if after.startswith("production-with-draft"):
                 # no new head was made (evaluate.existing_policy = deploy): the existing one, on its own decision
-                deploy, why = draft_goes_to_production(existing.verdict())
-                if deploy:
-                    draft = existing_draft(ctx, Path(existing.head or ""))
-                    spec = deployed_spec(atomicio.read_json(ctx.run.existing_result))
-                    why = f"{why} (the existing head {existing.existing_head or existing.head}, measured first)"
-            elif after.startswith("production-with-draft"):
-                decision = ctx.run.result(DeployMeasureResult).verdict()
+                decision = (existing.verdict() if existing is not None
+                            else ctx.run.result(DeployMeasureResult).verdict())
                 deploy, why = draft_goes_to_production(decision)
                 rolled = ctx.run.stage_state(self.name).get("rolled_back") or {}
                 if deploy and decision is not None and rolled.get("decision") == decision.line:
                     # an attempt killed after it rolled this head back: the head stays out on the same decision
                     deploy, why = False, f"not deployed: rolled back by an earlier attempt ({rolled.get('why')})"
-                if deploy:
+                if deploy and existing is not None:
+                    draft = existing_draft(ctx, Path(existing.head or ""))
+                    spec = deployed_spec(atomicio.read_json(ctx.run.existing_result))
+                    why = f"{why} (the existing head {existing.existing_head or existing.head}, measured first)"
+                elif deploy:
                     from pipeline.serving.deploy import publish_draft
                     draft = publish_draft(ctx.draft_checkpoint(), ctx.run.draft_dir, ctx.target_dir())
                     spec = deployed_spec(atomicio.read_json(ctx.run.online_result))
-                else:
+                elif existing is None:
                     ctx.log.warning("production restarts without the new head: %s", why)
             rec = start_production(ctx, draft, spec)
             figures = {"after_run": after, "server": "production" + (" with draft" if draft else ""),
@@ -73,7 +72,7 @@ class Handover(Stage):
                 from pipeline.stages.production import after as measure_after
                 figures |= measure_after(ctx, rec, with_draft=draft is not None)
                 if draft is not None and figures.get("slower_levels"):
-                    figures |= slower_after(ctx, after, figures["slower_levels"])
+                    figures |= slower_after(ctx, after, figures["slower_levels"], decision)
         atomicio.atomic_write_json(ctx.run.handover_record, {**figures, "at": now_iso()})
         return HandoverResult.of(figures)
 
@@ -124,7 +123,7 @@ def start_production(ctx: StageContext, draft: Path | None, spec: dict):
                          f"(pid {rec.pid}, port {rec.port})") from None
 
 
-def slower_after(ctx: StageContext, after: str, slower: list[str]) -> dict:
+def slower_after(ctx: StageContext, after: str, slower: list[str], decision: Decision | None) -> dict:
     """Production measured slower with the head than before at some level, beyond the noise: said; with
     after_run = "production-with-draft-or-rollback", production put back as it was before the run (the
     operator's argv, no head), checked against the argv measure-production recorded."""
@@ -133,7 +132,6 @@ def slower_after(ctx: StageContext, after: str, slower: list[str]) -> dict:
     if after != "production-with-draft-or-rollback":
         return {"rolled_back": False}
     # before production is touched: a resume of an attempt killed from here on keeps the head out
-    decision = ctx.run.result(DeployMeasureResult).verdict()
     ctx.run.update_stage(ctx.stage, rolled_back={"decision": decision.line if decision else "",
                                                  "why": f"slower at {', '.join(slower)}"})
     rec = start_production(ctx, None, {})
