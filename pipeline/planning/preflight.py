@@ -166,8 +166,12 @@ def _trained_full_layers(t) -> str:
     --full-attention-indices in train.extra_args), "" where every layer keeps a window."""
     if t.sliding_window == 0:
         return "train.sliding_window = 0"
-    args = [a for arg in t.extra_args for a in arg.split("=", 1)]
-    return "train.extra_args --full-attention-indices" if "--full-attention-indices" in args else ""
+    return "train.extra_args --full-attention-indices" if "--full-attention-indices" in _trainer_words(t) else ""
+
+
+def _trainer_words(t) -> list[str]:
+    """train.extra_args as the trainer's parser reads them ("--flag=value" is two words)."""
+    return [a for arg in t.extra_args for a in arg.split("=", 1)]
 
 
 def _full_heads(profile: Profile) -> list[tuple[str, str]]:
@@ -201,7 +205,7 @@ def head_field_findings(profile: Profile) -> list[Finding]:
     heads: list[tuple[str, dict[str, bool | None], str | None, str | None]] = []
     found = []
     if ev.online and "eagle3" in ev.methods:  # the trained head reaches vLLM only through deploy-measure
-        args = [a for arg in t.extra_args for a in arg.split("=", 1)]
+        args = _trainer_words(t)
         draft_arch = args[args.index("--draft-arch") + 1] if "--draft-arch" in args[:-1] else "llama"
         heads.append(("train.", {f: getattr(t, f) for f in eagle3_fields.FIELDS}, draft_arch, None))
     # served by the matrix's existing row, or first by measure-existing (any policy but off)
@@ -474,9 +478,11 @@ def port_findings(profile: Profile, run_dir: Path | None = None) -> list[Finding
         if rec.run and rec.owner_pid != os.getpid() and rec.owner_alive():
             return [Finding("block", "port", f"{s.host}:{s.port}: {rec.describe()} belongs to a run still running "
                                              f"(pid {rec.owner_pid}): set server.port, or wait for it")]
-        found = [Finding("info", "port", f"{s.host}:{s.port}: the {rec.mode} vLLM this tool started (pid {rec.pid}, "
-                                         f"user {ctl.user()}); reused or stopped when a stage needs another mode")]
-        if rec.mode == "production" and not rec.run:  # the operator's: what the run does with it, before it does
+        if rec.mode != "production" or rec.run:
+            found = [Finding("info", "port", f"{s.host}:{s.port}: the {rec.mode} vLLM this tool started (pid "
+                                             f"{rec.pid}, user {ctl.user()}); reused or stopped when a stage needs "
+                                             f"another mode")]
+        else:  # the operator's production: what the run does with it, before it does
             found = [Finding("warn" if s.after_run == "stop" else "info", "production", (
                 f"{s.host}:{s.port}: production (pid {rec.pid}) is stopped when the first stage serves on the port"
                 + (", and not started again: server.after_run = stop" if s.after_run == "stop" else

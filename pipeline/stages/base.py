@@ -224,6 +224,11 @@ def existing_clears(run: RunDir, profile: Profile) -> results.MeasureExistingRes
     return measured
 
 
+# a deploy decision's inputs (deploy-measure's, measure-existing's), which the handover acts on: the threshold,
+# the traffic mix, the noise bound
+DECISION_KEYS = ("evaluate.deploy_speedup", "evaluate.traffic", "evaluate.instance_spread")
+
+
 class Stage:
     """name: the CLI name. inputs(): the files earlier stages wrote that this one reads (checked before
     it runs). outputs(): what the stage writes (recorded when it finishes; the stage counts as done only

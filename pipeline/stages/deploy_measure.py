@@ -16,15 +16,14 @@ from pipeline.layout.results import DeployMeasureResult, EvaluateOfflineResult, 
 from pipeline.serving import vllm_modes
 from pipeline.serving.deploy import publish_draft
 from pipeline.stages import benchmark  # the matrix's machinery, shared with measure-existing
-from pipeline.stages.base import Stage, StageContext, StageError, argv_for
+from pipeline.stages.base import DECISION_KEYS, Stage, StageContext, StageError, argv_for
 from pipeline.stages.benchmark import decide, numeric_ties, row_levels, side_by_side_ports  # noqa: F401 (tests)
 from pipeline.stages.served import decode_steps
 
 
 class DeployMeasure(Stage):
     name = "deploy-measure"
-    # its deploy decision, which the handover acts on: the threshold, the traffic mix, the noise bound
-    decided_by = ("evaluate.deploy_speedup", "evaluate.traffic", "evaluate.instance_spread")
+    decided_by = DECISION_KEYS
 
     def applies(self, profile) -> bool:
         return profile.train.first_node and profile.evaluate.online

@@ -19,7 +19,7 @@ from pipeline.layout.decision import Decision
 from pipeline.layout.results import MeasureExistingResult
 from pipeline.layout.rundir import now_iso
 from pipeline.stages import heads
-from pipeline.stages.base import Stage, StageContext, StageError, argv_for
+from pipeline.stages.base import DECISION_KEYS, Stage, StageContext, StageError, argv_for
 from pipeline.stages.benchmark import measure_head, row_levels, sweep_rows
 from pipeline.stages.production import heldout_prompt_ids, heldout_sources
 
@@ -80,8 +80,7 @@ def policy_line(policy: str, decision: Decision, after_run: str) -> str:
 
 class MeasureExisting(Stage):
     name = "measure-existing"
-    # its deploy decision, which the handover acts on: the threshold, the traffic mix, the noise bound
-    decided_by = ("evaluate.deploy_speedup", "evaluate.traffic", "evaluate.instance_spread")
+    decided_by = DECISION_KEYS
 
     def applies(self, profile) -> bool:
         ev = profile.evaluate
