@@ -93,8 +93,10 @@ def test_draft_vocab_larger_than_the_targets_blocks_and_a_resume_is_not_offered(
 @pytest.mark.parametrize("key", ["demo_target.corpus_conversations", "data.num_conversations"])
 @pytest.mark.integration  # a run through build-target
 def test_more_demo_conversations_than_the_stdlib_documents_names_the_key(tmp_path, key):
+    # short rows: 100,000 conversations of 512 tokens plan ≈ 49 GiB of hidden states, and preflight's disk
+    # check (rightly) stops the run first on a machine with less free (a CI box after other clones did)
     proc = cli("run", TINY, "--no-tui", "--until", "build-target", "--run-dir", tmp_path / "run",
-               "--set", f"server.port={free_port()}", "--set", f"{key}=100000")
+               "--set", f"server.port={free_port()}", "--set", f"{key}=100000", "--set", "data.seq_length=64")
     line = one_line_error(proc, 1)
     assert f"{key} = 100000: only " in line and "documented stdlib functions" in line
     assert "resume:" not in proc.stderr  # a resume keeps the profile that asked it
