@@ -699,3 +699,19 @@ def test_status_prints_the_decision_and_why_and_json_has_them(finished):
     assert data["deploy"] is False and data["reason"] == DECISION.split(": ", 1)[1] and data["tau"] == 1.74
     assert data["speedup"] == {"1": 0.729, "4": 0.75} and data["break_even_tau"] == 2.63 and data["lossless"] is True
     assert data["step_ms"] == 9.78 and data["why"].startswith("a decode step")
+
+
+def test_the_stage_cursor_stays_where_the_operator_put_it_when_the_table_is_laid_out_again(finished):
+    """A narrower terminal lays the table out with other columns; clearing it put the cursor back on row 0,
+    which also decided, on a loaded machine, whether the tab's first frame showed the running stage."""
+    async def check(app, pilot):
+        await pilot.press("tab", "up", "up", "up")  # from the stage whose log is shown (row 11) to train
+        await pilot.pause(0.2)
+        stages = app.run_tab.stages
+        assert stages.cursor_row == 8
+        before = stages._columns
+        await pilot.resize_terminal(80, 24)
+        await pilot.pause(0.3)
+        assert stages._columns != before and stages.cursor_row == 8  # laid out again, the cursor kept
+
+    run_app(ConsoleApp(finished.root, readonly=True), check, size=(160, 48))

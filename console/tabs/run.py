@@ -32,6 +32,7 @@ class RunTab(TabPane):
         self.log_buffer: deque[str] = deque(maxlen=10_000)  # every line, for a later filter
         self.log_filter = ""
         self._cursor_to_log = False
+        self._placed_row = 0  # where the tab last put the cursor: anywhere else, the operator put it
 
     def take_log(self, msg: RunPolled, paused: bool) -> None:
         """Keep every new line; show the ones the filter lets through unless paused."""
@@ -51,8 +52,11 @@ class RunTab(TabPane):
         names = self.stages.stage_names
         if self._cursor_to_log and self.log_name in names:  # the cursor on the stage followed: l opens it
             self._cursor_to_log = False
-            if not self.stages.has_focus:  # not from under the operator's own choice
-                self.stages.move_cursor(row=names.index(self.log_name), animate=False)
+            # Not from under the operator's own choice. Focus does not tell it: the screen focuses the table on
+            # mount, before or after the first poll as the machine's load decides.
+            if self.stages.cursor_row == self._placed_row:
+                self._placed_row = names.index(self.log_name)
+                self.stages.move_cursor(row=self._placed_row, animate=False)
         for widget, text in ((self.outcome, views.outcome(msg.snap, msg.view.evaluation)),
                              (self.nodes, "\n".join(msg.peers))):
             if widget.show(text):

@@ -139,8 +139,12 @@ class StageTable(DiffTable):
     def _refit(self) -> None:
         columns, rows = stage_table(self._stages, self.scrollable_content_region.width)
         if columns != self._columns:
+            row = self.cursor_row  # a new layout keeps the cursor where it was (clear puts it on row 0)
             self.clear(columns=True)
             for header, width in columns:
                 self.add_column(header, width=width)
             self._columns = columns
-        self.fill(rows)
+            self.fill(rows)
+            self.move_cursor(row=row, animate=False)
+        else:
+            self.fill(rows)
