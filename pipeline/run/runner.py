@@ -213,8 +213,7 @@ def production_back(run: RunDir, profile) -> None:
                            f"{' '.join(stopped.get('argv') or [])[:300]}): not started again; start it as before",
                       source="auto")
             return
-        rec = ports.start_mode(profile, "production", target, log_path=run.log_path("server-production"),
-                               cache_root=run.cache_root, say=logging.getLogger("eagle3.production").info, owner="")
+        rec = ports.start_production(profile, run, target, logging.getLogger("eagle3.production").info)
     except BaseException as exc:  # an interrupt too: the run's own failure goes on
         why = " ".join(str(exc).split())[:300] or type(exc).__name__
         notes.add(run, f"{by}, and production did not come back: {why}", source="auto")

@@ -290,6 +290,13 @@ def start_mode(profile: Profile, mode: str, target_dir: Path, *, log_path: Path,
                      health_timeout=profile.server.health_timeout, on_wait=on_wait, run=owner)
 
 
+def start_production(profile: Profile, run, target_dir: Path, say: Say, **mode_args) -> ServerRecord:
+    """The operator's production started again by a run (the handover, or a failed run putting back what it
+    stopped): owner "", so that no cleanup of the run ever stops it; its log in the run's."""
+    return start_mode(profile, "production", target_dir, log_path=run.log_path("server-production"),
+                      cache_root=run.cache_root, say=say, owner="", **mode_args)
+
+
 def adopt(profile: Profile, force: bool = False):
     guard(profile, force)
     ctl = controller(profile)

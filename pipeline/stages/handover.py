@@ -102,9 +102,7 @@ def start_production(ctx: StageContext, draft: Path | None, spec: dict):
     never stops it). With a head that does not come up, production is started again without it before the
     stage fails, so that the port is never left empty by the handover."""
     def start(head: Path | None, spec: dict):
-        rec = ports.start_mode(ctx.profile, "production", ctx.target_dir(), cache_root=ctx.run.cache_root,
-                               log_path=ctx.run.log_path("server-production"), say=ctx.log.info, owner="",
-                               draft_dir=head, **spec)
+        rec = ports.start_production(ctx.profile, ctx.run, ctx.target_dir(), ctx.log.info, draft_dir=head, **spec)
         ctx.run.update_state(production_stopped=None)  # production serves again (run/runner.py production_back)
         return rec
     try:
