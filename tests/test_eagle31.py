@@ -247,11 +247,12 @@ def test_preflight_checks_an_existing_heads_config(tmp_path, monkeypatch):
     asked = fake_vllm(monkeypatch, reads())
     found = preflight.head_field_findings(demo_profile(tmp_path, **sets))
     assert [f.severity for f in found] == ["ok"] and asked[0]["architectures"] == ["LlamaForCausalLMEagle3"]
-    # no config.json: one block naming the file
+    # no config.json: one block, preflight's check of the head itself, naming the path
     (head / "config.json").unlink()
-    found = preflight.head_field_findings(demo_profile(tmp_path, **sets))
-    assert [(f.severity, f.check) for f in found] == [("block", "head")]
-    assert str(head / "config.json") in found[0].message
+    assert preflight.head_field_findings(demo_profile(tmp_path, **sets)) == []
+    found = preflight.existing_head_findings(demo_profile(tmp_path, **sets))
+    assert [(f.severity, f.check) for f in found] == [("block", "existing head")]
+    assert f"{head}: no config.json and no profile.toml" in found[0].message
 
 
 def test_preflight_runs_the_check(tmp_path, monkeypatch):

@@ -12,7 +12,7 @@ from pipeline.layout import results
 from pipeline.layout.rundir import RunDir
 from pipeline.profile import ProfileError, load_profile
 from pipeline.report import notes
-from pipeline.stages import STAGES, benchmark, stage_names
+from pipeline.stages import STAGES, benchmark, heads, stage_names
 from pipeline.stages import measure_existing as me
 from pipeline.stages.base import HEAD_STAGES, StageContext, StageError, existing_clears
 from tests.helpers import TINY, cli, free_port_pair
@@ -78,9 +78,9 @@ def _stand_in(monkeypatch, ctx: StageContext, head: Path, existing_outputs, spee
     at each level, the existing head at `speed` with `existing_outputs` at the lowest."""
     from pipeline.compat.speculators_heads import HeadSource
 
-    monkeypatch.setattr(me, "resolve_head", lambda c: (HeadSource("speculators", head, (head / "model.safetensors",)),
-                                                       head))
-    monkeypatch.setattr(me, "check_shape", lambda c, h: None)
+    source = HeadSource("speculators", head, (head / "model.safetensors",))
+    monkeypatch.setattr(heads, "existing_head", lambda c: (source, head))
+    monkeypatch.setattr(heads, "check_served", lambda c, h: None)
     monkeypatch.setattr(me, "heldout_prompt_ids", lambda c: (["p0", "p1"], [[1, 2], [3, 4]]))
     monkeypatch.setattr(me, "heldout_sources", lambda c: ["", ""])  # one source: no τ per source
     levels = sorted(ctx.profile.evaluate.concurrency)
@@ -158,7 +158,7 @@ def test_a_head_of_another_shape_fails_in_one_line_naming_the_key_and_both_value
         norms={}, speculative_tokens=3, verifier=None)
     monkeypatch.setattr(speculators_heads, "shape", lambda path: shape)
     with pytest.raises(StageError) as err:
-        me.check_shape(ctx, tmp_path / "head")
+        heads.check_served(ctx, tmp_path / "head")
     line = str(err.value)
     assert "\n" not in line and err.value.resumable is False
     assert line.startswith(f"evaluate.existing_head = '{HEAD}': hidden_size: ")
@@ -166,13 +166,13 @@ def test_a_head_of_another_shape_fails_in_one_line_naming_the_key_and_both_value
     monkeypatch.setattr(speculators_heads, "shape", lambda path: shape.__class__(**{
         **shape.__dict__, "hidden_size": 128, "target_hidden_size": 128, "target_vocab": 163840}))
     with pytest.raises(StageError, match=r"vocab_size: the head maps to a vocabulary of 163840, the target's has 2048"):
-        me.check_shape(ctx, tmp_path / "head")
+        heads.check_served(ctx, tmp_path / "head")
 
 
 def test_a_path_that_is_no_head_fails_in_one_line_that_a_resume_cannot_fix(tmp_path):
     ctx = _ctx(tmp_path, **{"evaluate.existing_head": str(tmp_path / "nowhere")})
     with pytest.raises(StageError) as err:
-        me.resolve_head(ctx)
+        heads.existing_head(ctx)
     assert str(err.value) == (f"evaluate.existing_head = '{tmp_path / 'nowhere'}': {tmp_path / 'nowhere'}: "
                               "not a directory") and err.value.resumable is False
 
@@ -191,7 +191,7 @@ def test_a_speculators_head_or_a_runs_is_served_from_its_copy_in_the_run_pointed
     monkeypatch.setattr(StageContext, "target_dir", lambda self: target)
     head = _speculators_head(tmp_path / "head")
     ctx = _ctx(tmp_path, **{"evaluate.existing_head": str(head)})
-    source, served = me.resolve_head(ctx)
+    source, served = heads.existing_head(ctx)
     assert source.kind == "speculators" and served == ctx.run.existing_head_dir
     assert (served / "model.safetensors").read_bytes() == b"weights"
     assert json.loads((served / "config.json").read_text())["speculators_config"]["verifier"]["name_or_path"] == \
@@ -200,11 +200,11 @@ def test_a_speculators_head_or_a_runs_is_served_from_its_copy_in_the_run_pointed
     other = RunDir.create(_profile(tmp_path), tmp_path / "other-run")  # a run directory: its published head
     _speculators_head(other.draft_dir)
     ctx2 = _ctx(tmp_path / "2", **{"evaluate.existing_head": str(other.root)})
-    source, served = me.resolve_head(ctx2)
+    source, served = heads.existing_head(ctx2)
     assert source.kind == "run" and source.head == other.draft_dir and served == ctx2.run.existing_head_dir
     sharded = _speculators_head(tmp_path / "sharded", "model-00001-of-00002.safetensors")
     ctx3 = _ctx(tmp_path / "3", **{"evaluate.existing_head": str(sharded)})
-    source, served = me.resolve_head(ctx3)  # not one model.safetensors: served where it is, said
+    source, served = heads.existing_head(ctx3)  # not one model.safetensors: served where it is, said
     assert served == sharded and not ctx3.run.existing_head_dir.exists()
     assert any("is used where it is" in n["text"] for n in notes.read(ctx3.run))
 
@@ -225,9 +225,9 @@ def test_a_research_head_is_converted_into_the_run_once(tmp_path, monkeypatch):
         return _speculators_head(dest)
     monkeypatch.setattr(speculators_heads, "convert", convert)
     ctx = _ctx(tmp_path, **{"evaluate.existing_head": str(research)})
-    assert me.resolve_head(ctx)[1] == ctx.run.existing_head_dir
+    assert heads.existing_head(ctx)[1] == ctx.run.existing_head_dir
     assert calls == [(research, ctx.run.existing_head_dir, target)]
-    assert me.resolve_head(ctx)[1] == ctx.run.existing_head_dir and len(calls) == 1  # a resume reuses it
+    assert heads.existing_head(ctx)[1] == ctx.run.existing_head_dir and len(calls) == 1  # a resume reuses it
     assert me.MeasureExisting().fresh_paths(ctx) == [ctx.run.existing_result, ctx.run.existing_head_dir]
 
 

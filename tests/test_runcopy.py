@@ -3,6 +3,8 @@ import json
 import os
 from pathlib import Path
 
+import pytest
+
 from pipeline.layout.rundir import RunDir
 from pipeline.profile import load_profile
 from pipeline.run.runcopy import RunCopyError, copy_of
@@ -83,3 +85,23 @@ def test_an_interrupted_copy_is_replaced(finished_run, tmp_path):
     run, copied = copy_of(finished_run, profile, "evaluate-offline", tmp_path / "again")
     assert not left.exists() and not (run.data_dir / "half-linked").exists()
     assert copied.changed == [] and "train" in copied.stages
+
+
+def test_a_copy_cannot_change_the_head_its_carried_vocabulary_was_built_for(finished_run, tmp_path):
+    """vocab wrote this run's own mapping (or a starting head's): a copy that carries it over and trains from
+    another head would re-label that head's lm_head rows with it, silently. Copied from vocab on, the
+    starting head's copy in the run is made again from the profile's head, not carried."""
+    head = tmp_path / "head"
+    head.mkdir()  # the loader asks only that it exists: the copy refuses before anything reads it
+    warm = load_profile(finished_run / "profile.toml", {"train.from_pretrained": str(head)})
+    with pytest.raises(RunCopyError) as err:
+        copy_of(finished_run, warm, "train", tmp_path / "never")
+    assert str(err.value).startswith("train.from_pretrained changed: vocab decided with \"\" in ")
+    assert "copy --from vocab to decide again" in str(err.value)
+    assert not (tmp_path / "never").exists() and not (tmp_path / "never.copying").exists()
+    cold = load_profile(finished_run / "profile.toml")
+    before_vocab, _ = copy_of(finished_run, cold, "vocab", tmp_path / "a")
+    (before_vocab.start_head_dir).mkdir()
+    (before_vocab.start_head_dir / "config.json").write_text("{}")  # an earlier warm attempt's copy
+    again, _ = copy_of(before_vocab.root, warm, "vocab", tmp_path / "b")
+    assert not again.start_head_dir.exists() and again.token_freq.exists()

@@ -361,3 +361,40 @@ def test_a_head_on_a_wider_target_reads_its_states_but_cannot_be_trained(built):
     [(key, reason)] = sh.mismatches(s, hidden_size=HIDDEN * 2, target_vocab=s.target_vocab, draft_vocab=None,
                                     layers=None)
     assert key == "hidden_size" and "refuses to train" in reason
+    # served, not trained: vLLM reads target_hidden_size, so the draft's own width is no reason to refuse it
+    assert sh.mismatches(s, hidden_size=HIDDEN * 2, target_vocab=s.target_vocab, draft_vocab=None, layers=None,
+                         training=False) == []
+
+
+@pytest.mark.parametrize("edit,says", [
+    (lambda c: c["transformer_layer_config"].update(hidden_size=None),
+     "transformer_layer_config.hidden_size is None, not a positive integer"),
+    (lambda c: c["transformer_layer_config"].update(vocab_size="64"),
+     "transformer_layer_config.vocab_size is '64', not a positive integer"),
+    (lambda c: c.update(transformer_layer_config="llama"), "transformer_layer_config is 'llama', not the draft"),
+    # absent, it was read as AutoConfig's qwen3 defaults (hidden 4096, 32 layers): another head's sizes
+    (lambda c: c.pop("transformer_layer_config"), "transformer_layer_config is None, not the draft"),
+    (lambda c: c.update(draft_vocab_size=-1), "draft_vocab_size is -1"),
+    (lambda c: c.update(eagle_aux_hidden_state_layer_ids="0,2"), "eagle_aux_hidden_state_layer_ids is '0,2'"),
+], ids=["null", "string", "not-a-dict", "absent", "negative", "aux"])
+def test_a_config_with_a_field_that_is_not_a_size_is_one_line_naming_it(built, tmp_path, edit, says):
+    bad = tmp_path / "bad"
+    shutil.copytree(built.head, bad)
+    config = json.loads((bad / "config.json").read_text())
+    edit(config)
+    (bad / "config.json").write_text(json.dumps(config))
+    with pytest.raises(sh.HeadError) as err:
+        sh.shape(bad)
+    assert str(err.value).startswith(f"{bad / 'config.json'}: ") and says in str(err.value), err.value
+
+
+def test_a_killed_conversions_leftovers_are_removed_by_the_next(built, tmp_path):
+    left = tmp_path / "out.tmp-999999"  # another (dead) process's half-written copy, the head's size
+    left.mkdir()
+    (left / "model.safetensors").write_bytes(b"half")
+
+    def child(argv, env):
+        return 1, "OSError: disk full\n"
+    with pytest.raises(HeadError, match="disk full"):
+        sh.convert(built.research, tmp_path / "out", verifier=built.target, run_child=child)
+    assert list(tmp_path.iterdir()) == []

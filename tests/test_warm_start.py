@@ -177,3 +177,40 @@ def test_a_warm_start_trains_on_from_the_head_keeps_its_vocabulary_and_measures_
     chosen = next(e for e in picked["checkpoints"] if e["label"] == picked["chosen"]["label"])
     assert chosen["tau"] == max(e["tau"] for e in picked["checkpoints"])
     assert run.result(results.PickCheckpointResult).checkpoint == chosen["path"]
+
+
+def existing_on(built, head, **over):  # noqa: F811
+    return load_profile(TINY, overrides={"target.source": "path", "target.model_path": str(built.target),
+                                         "evaluate.existing_head": str(head), **over})
+
+
+def test_preflight_checks_the_existing_head_it_will_serve_before_any_server(built, tmp_path, monkeypatch):  # noqa: F811
+    """evaluate.existing_head as a run directory (its published head), a head this target cannot serve, a
+    path that is no head: said by preflight, not by measure-existing after the baseline's server."""
+    import shutil
+
+    from pipeline.planning import preflight, vllm_probe
+    run = RunDir.create(existing_on(built, built.head), tmp_path / "run")
+    shutil.copytree(built.head, run.draft_dir)
+    [found] = preflight.existing_head_findings(existing_on(built, run.root))
+    assert found.severity == "ok" and str(run.draft_dir) in found.message and "(run)" in found.message
+    asked = {}
+    monkeypatch.setattr(vllm_probe, "ask", lambda python, cache, probe, question: asked.update(question) or
+                        {"error": "not asked in this test"})
+    fields = preflight.head_field_findings(existing_on(built, run.root, **{"evaluate.online": False}))
+    assert asked["drafts"] and not blocking(fields)  # the run's head read for vLLM's fields, not refused
+    wider = tmp_path / "wider"
+    shutil.copytree(built.head, wider)
+    config = json.loads((wider / "config.json").read_text())
+    config["transformer_layer_config"]["vocab_size"] *= 2
+    (wider / "config.json").write_text(json.dumps(config))
+    [found] = preflight.existing_head_findings(existing_on(built, wider))
+    assert found.severity == "block" and found.message.startswith(f"evaluate.existing_head {str(wider)!r}: "
+                                                                  "vocab_size: the head maps to a vocabulary of")
+    (tmp_path / "empty").mkdir()
+    [found] = preflight.existing_head_findings(existing_on(built, tmp_path / "empty"))
+    assert found.severity == "block" and "neither a head nor a run directory" in found.message
+    [found] = preflight.existing_head_findings(existing_on(built, built.research))
+    assert found.severity == "info" and "speculators convert" in found.message
+    assert preflight.existing_head_findings(existing_on(built, built.head, **{"evaluate.existing_policy": "off",
+                                                                             "evaluate.online": False})) == []

@@ -192,7 +192,8 @@ def convert(source: Path, dest: Path, *, verifier: Path, python: str = sys.execu
         raise HeadError(f"{dest}: already exists")
     values = head_values(_json(src.head / "config.json"))[0]
     tmp = dest.with_name(f"{dest.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
+    for left in dest.parent.glob(f"{dest.name}.tmp-*"):  # a killed attempt's (another pid): the head's size each
+        shutil.rmtree(left, ignore_errors=True)
     dest.parent.mkdir(parents=True, exist_ok=True)
     argv = [python, "-m", "speculators", "convert", str(src.head), "--verifier", str(verifier),
             "--algorithm", "eagle3", "--output-path", str(tmp)]
@@ -219,8 +220,11 @@ def shape(path: Path) -> HeadShape:
     weights' index, no tensor loaded."""
     if (src := classify(path)).kind == "research":
         raise HeadError(f"{src.head}: a research-format head: convert it first (speculators convert)")
-    config = _json(src.head / "config.json")
-    layer = config.get("transformer_layer_config") or {}
+    where = src.head / "config.json"
+    config = _json(where)
+    layer = config.get("transformer_layer_config")
+    if not isinstance(layer, dict) or not layer:  # read as a default model's sizes it would pass for another head
+        raise HeadError(f"{where}: transformer_layer_config is {layer!r}, not the draft layer's config")
     if not {"hidden_size", "num_hidden_layers", "vocab_size"} <= layer.keys():  # an older writer's diff dict
         from transformers import AutoConfig  # speculators' class for a layer config without model_type: qwen3
         layer = {**AutoConfig.for_model(layer.get("model_type") or "qwen3").to_dict(), **layer}
@@ -231,22 +235,32 @@ def shape(path: Path) -> HeadShape:
     window = layer["sliding_window"] if isinstance(layer.get("sliding_window"), int) and "sliding_attention" in types \
         else 0
     keys = _weights(src.weights)
-    hidden = int(layer["hidden_size"])
-    target_hidden = int(config.get("target_hidden_size") or hidden)
+
+    def size(value, key: str) -> int:  # a field that is not a size names itself, not int()'s complaint
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise HeadError(f"{where}: {key} is {value!r}, not a positive integer")
+        return value
+    hidden = size(layer["hidden_size"], "transformer_layer_config.hidden_size")
+    target_hidden = size(config.get("target_hidden_size") or hidden, "target_hidden_size")
     fc = keys.get("fc.weight")
-    spec = config.get("speculators_config") or {}
-    methods = spec.get("proposal_methods") or []
+    spec: dict = config["speculators_config"] if isinstance(config.get("speculators_config"), dict) else {}
+    methods = [m for m in spec.get("proposal_methods") or [] if isinstance(m, dict)]
     chosen = next((m for m in methods if m.get("proposal_type") == spec.get("default_proposal_method")),
                   methods[0] if methods else {})
     aux = config.get("eagle_aux_hidden_state_layer_ids")
+    if aux is not None and (not isinstance(aux, list) or not all(isinstance(i, int) for i in aux)):
+        raise HeadError(f"{where}: eagle_aux_hidden_state_layer_ids is {aux!r}, not a list of layer indices")
     return HeadShape(
         path=src.head, speculators_model_type=config["speculators_model_type"], hidden_size=hidden,
-        target_hidden_size=target_hidden, layers=int(layer["num_hidden_layers"]),
-        draft_vocab_size=int(config.get("draft_vocab_size") or 32000),  # Eagle3SpeculatorConfig's default
-        target_vocab=int(layer["vocab_size"]), aux_layer_ids=tuple(aux) if aux else None,
+        target_hidden_size=target_hidden,
+        layers=size(layer["num_hidden_layers"], "transformer_layer_config.num_hidden_layers"),
+        draft_vocab_size=size(config.get("draft_vocab_size") or 32000, "draft_vocab_size"),  # the config's default
+        target_vocab=size(layer["vocab_size"], "transformer_layer_config.vocab_size"),
+        aux_layer_ids=tuple(aux) if aux else None,
         num_aux=fc[1] // target_hidden if fc and len(fc) == 2 else None,
         has_d2t="d2t" in keys, has_t2d="t2d" in keys, norms=head_values(config)[0],
-        speculative_tokens=chosen.get("speculative_tokens"), verifier=(spec.get("verifier") or {}).get("name_or_path"),
+        speculative_tokens=chosen.get("speculative_tokens"),
+        verifier=spec["verifier"].get("name_or_path") if isinstance(spec.get("verifier"), dict) else None,
         window=window, full_layers=not window or "full_attention" in types)
 
 
@@ -285,16 +299,18 @@ def write_vocab_files(path: Path, out_dir: Path) -> tuple[Path, Path]:
 
 def mismatches(shape: HeadShape, *, hidden_size: int, target_vocab: int, draft_vocab: int | None,
                layers: int | None, aux_layer_ids: list[int] | None = None,
-               norms: dict[str, bool] | None = None, window: int | None = None) -> list[tuple[str, str]]:
+               norms: dict[str, bool] | None = None, window: int | None = None,
+               training: bool = True) -> list[tuple[str, str]]:
     """(profile key or target config field, reason) for each way the head contradicts the target (its
     hidden_size and vocab_size) or the profile (vocab.draft_vocab_size, train.num_layers, the aux ids the
     trainer is given: extract.layer_ids without the last, train.norm_*, train.sliding_window); empty when it
-    fits."""
+    fits. `training` False: only what serving needs (vLLM reads target_hidden_size; the draft's own width is
+    the head's business there)."""
     out = []
     if shape.target_hidden_size != hidden_size:
         out.append(("hidden_size", f"the head reads hidden states of size {shape.target_hidden_size}, the target's "
                                    f"are {hidden_size}: it can be neither served nor trained on this target"))
-    elif shape.hidden_size != hidden_size:
+    elif training and shape.hidden_size != hidden_size:
         out.append(("hidden_size", f"the draft's hidden size {shape.hidden_size} is not the target's {hidden_size}: "
                                    "speculators refuses to train it further"))
     if draft_vocab is not None and shape.draft_vocab_size != draft_vocab:

@@ -203,19 +203,19 @@ def head_field_findings(profile: Profile) -> list[Finding]:
     ev, t = profile.evaluate, profile.train
     # (what the lines name, the head's fields as written, its draft arch, or else its research architecture)
     heads: list[tuple[str, dict[str, bool | None], str | None, str | None]] = []
-    found = []
+    found: list[Finding] = []
     if ev.online and "eagle3" in ev.methods:  # the trained head reaches vLLM only through deploy-measure
         args = _trainer_words(t)
         draft_arch = args[args.index("--draft-arch") + 1] if "--draft-arch" in args[:-1] else "llama"
         heads.append(("train.", {f: getattr(t, f) for f in eagle3_fields.FIELDS}, draft_arch, None))
     # served by the matrix's existing row, or first by measure-existing (any policy but off)
     if profile.serves_existing():
-        config = Path(ev.existing_head) / "config.json"
+        try:  # a run directory's head is its published one
+            config = speculators_heads.classify(Path(ev.existing_head)).head / "config.json"
+        except speculators_heads.HeadError:  # what it is not, existing_head_findings says; its fields still count
+            config = Path(ev.existing_head) / "config.json"
         if isinstance(read := atomicio.read_json(config), dict):
             heads.append((f"evaluate.existing_head {config}: ", *eagle3_fields.head_values(read)))
-        else:  # deploy-measure would serve a head vLLM cannot load either
-            found.append(Finding("block", "head", f"evaluate.existing_head: cannot read {config} (the head's "
-                                                  f"config.json) to check the fields vLLM reads"))
     if not heads:
         return found
     question = {"drafts": sorted({h[2] for h in heads if h[2]}),
@@ -364,6 +364,32 @@ def start_mismatches(profile, head: Path, hidden_size: int, target_vocab: int, n
         norms={f: getattr(t, f) for f in eagle3_fields.FIELDS},
         # the default (speculators' window for a new head) leaves a warm start's head its own layers
         window=None if t.sliding_window == type(t).model_fields["sliding_window"].default else t.sliding_window)
+
+
+def existing_head_findings(profile: Profile) -> list[Finding]:
+    """evaluate.existing_head, where the run serves it, before any GPU work: a head of a kind vLLM serves once
+    the run has its copy, and one this target can serve (the hidden states its fc reads, the vocabulary it
+    maps to) — measure-existing and deploy-measure would otherwise find out after the baseline's server."""
+    if not profile.serves_existing():
+        return []
+    named = profile.evaluate.existing_head
+    try:
+        source = speculators_heads.classify(Path(named))
+        if source.kind == "research":
+            return [Finding("info", "existing head", f"evaluate.existing_head {named!r}: a research-format head: "
+                                                     f"speculators convert turns it into the run's own copy first")]
+        shape = speculators_heads.shape(source.head)
+        info = target_info(profile)
+    except speculators_heads.HeadError as exc:
+        return [Finding("block", "existing head", f"evaluate.existing_head {named!r}: {exc}")]
+    except TargetInfoError as exc:
+        return [Finding("warn", "existing head", f"evaluate.existing_head {named!r}: not checked against the "
+                                                 f"target: {exc}")]
+    found = speculators_heads.mismatches(shape, hidden_size=info.hidden, target_vocab=info.vocab, draft_vocab=None,
+                                         layers=None, training=False)
+    return [Finding("block", "existing head", f"evaluate.existing_head {named!r}: {k}: {why}") for k, why in found] \
+        or [Finding("ok", "existing head", f"{source.head} ({source.kind}) serves on this target: {shape.layers} "
+                                           f"layer(s), draft vocab {shape.draft_vocab_size} of {shape.target_vocab}")]
 
 
 def warm_start_findings(profile: Profile) -> list[Finding]:
@@ -632,7 +658,7 @@ def preflight(profile: Profile, snapshot: gpu.GpuSnapshot | None = None, run_dir
             + gpu_findings(profile, snapshot)
             + port_findings(profile, run_dir) + key_findings(profile) + disk_findings(profile, run_dir)
             + evaluation_findings(profile, snapshot) + tracker_findings(profile) + mooncake_findings(profile)
-            + head_field_findings(profile) + warm_start_findings(profile))
+            + head_field_findings(profile) + existing_head_findings(profile) + warm_start_findings(profile))
 
 
 def blocking(findings: list[Finding]) -> list[Finding]:

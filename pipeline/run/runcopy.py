@@ -131,7 +131,8 @@ def copy_of(src_root: Path, profile: Profile, start: str, run_dir: Path | None =
             why = status if status != "done" else "done, but its outputs changed or are gone"
             raise RunCopyError(f"--copy-of {src.root}: {stage.name} is {why} there, and --from {start} starts "
                                f"from its outputs (copy from an earlier stage, or finish that run first)")
-    old, new = src.profile().model_dump(), profile.model_dump()
+    old_profile = src.profile()
+    old, new = old_profile.model_dump(), profile.model_dump()
 
     def at(d: dict, dotted: str):  # a whole value (a table too: evaluate.traffic)
         value: object = d
@@ -140,7 +141,8 @@ def copy_of(src_root: Path, profile: Profile, start: str, run_dir: Path | None =
         return value
 
     for stage in before:
-        if changed := [k for k in stage.decided_by if at(old, k) != at(new, k)]:
+        keys = dict.fromkeys(stage.decided(old_profile) + stage.decided(profile))
+        if changed := [k for k in keys if at(old, k) != at(new, k)]:
             raise RunCopyError(f"{changed[0]} changed: {stage.name} decided with {json.dumps(at(old, changed[0]))} "
                                f"in {src.root}, and a copy carries its decision over as it is; copy --from "
                                f"{stage.name} to decide again with {json.dumps(at(new, changed[0]))}")

@@ -241,6 +241,10 @@ class Stage:
     # the run that carries the stage over as done may not change them (run/runcopy.py)
     decided_by: tuple[str, ...] = ()
 
+    def decided(self, profile: Profile) -> tuple[str, ...]:
+        """decided_by under `profile` (a stage whose decision rests on other keys in some profiles says so)."""
+        return self.decided_by
+
     @property
     def makes_head(self) -> bool:
         """Only makes and weighs a new head (HEAD_STAGES): skipped when the existing head is deployed instead."""

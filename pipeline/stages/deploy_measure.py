@@ -15,7 +15,7 @@ from pipeline.layout import atomicio
 from pipeline.layout.results import DeployMeasureResult, EvaluateOfflineResult, MeasureExistingResult
 from pipeline.serving import vllm_modes
 from pipeline.serving.deploy import publish_draft
-from pipeline.stages import benchmark  # the matrix's machinery, shared with measure-existing
+from pipeline.stages import benchmark, heads  # the matrix's machinery, shared with measure-existing
 from pipeline.stages.base import DECISION_KEYS, Stage, StageContext, StageError, argv_for
 from pipeline.stages.benchmark import decide, numeric_ties, row_levels, side_by_side_ports  # noqa: F401 (tests)
 from pipeline.stages.served import decode_steps
@@ -35,7 +35,8 @@ class DeployMeasure(Stage):
         return [ctx.run.online_result, ctx.run.draft_dir / "config.json"]
 
     def fresh_paths(self, ctx: StageContext) -> list[Path]:
-        return [ctx.run.online_result, ctx.run.draft_dir]
+        # the existing head's copy, where measure-existing did not make it (a carried measure-existing keeps it)
+        return [ctx.run.online_result, ctx.run.draft_dir, ctx.run.existing_head_dir]
 
     def server_argv(self, ctx: StageContext) -> list[str] | None:
         return argv_for(ctx, "baseline")  # the matrix starts with the baseline on the serving port
@@ -46,8 +47,12 @@ class DeployMeasure(Stage):
         prompts = conversations.prompt_ids(target.load_tokenizer(ctx.target_dir()), rows)
         draft = publish_draft(ctx.draft_checkpoint(), ctx.run.draft_dir, ctx.target_dir())
         # the existing head as measure-existing served it (a run's published head, a converted one), where it ran
-        existing = ctx.run.result(MeasureExistingResult).head or ev.existing_head
-        args: dict = {"eagle3": {"draft_dir": draft}, "existing": {"draft_dir": Path(existing)}}
+        args: dict = {"eagle3": {"draft_dir": draft}}
+        if "existing" in ev.methods:  # published or converted, where measure-existing did not run (policy off)
+            if not (existing := ctx.run.result(MeasureExistingResult).head):
+                existing = str(heads.existing_head(ctx)[1])
+                heads.check_served(ctx, Path(existing))
+            args["existing"] = {"draft_dir": Path(existing)}
         methods = list(ev.methods) + [f"baseline-{i}" for i in range(2, ev.baseline_instances + 1)]
         if "eagle3" in methods:
             k_rows, row_args = benchmark.sweep_rows(ctx.profile, "eagle3", draft)

@@ -48,6 +48,31 @@ def resolve_head(ctx: StageContext, named: str, key: str, dest: Path) -> tuple[H
         raise StageError(f"{key} = {named!r}: {exc}") from None
 
 
+def existing_head(ctx: StageContext) -> tuple[HeadSource, Path]:
+    """What evaluate.existing_head names, and the speculators head directory vLLM serves
+    (RunDir.existing_head_dir): measure-existing's, and deploy-measure's where that stage did not run."""
+    return resolve_head(ctx, ctx.profile.evaluate.existing_head, "evaluate.existing_head", ctx.run.existing_head_dir)
+
+
+def check_served(ctx: StageContext, head: Path) -> None:
+    """A head the target cannot serve (another hidden size or vocabulary) fails here, naming the field and both
+    values, not after two server starts."""
+    from pipeline.data.targetinfo import TargetInfoError, from_config
+
+    named = ctx.profile.evaluate.existing_head
+    try:
+        info = from_config(ctx.target_dir() / "config.json")
+        shape = speculators_heads.shape(head)
+    except (TargetInfoError, HeadError) as exc:
+        raise StageError(f"evaluate.existing_head = {named!r}: {exc}", resumable=False) from None
+    # only what serving needs: the draft vocabulary, layers and aux ids are the head's own when it is served
+    found = speculators_heads.mismatches(shape, hidden_size=info.hidden, target_vocab=info.vocab, draft_vocab=None,
+                                         layers=None, training=False)
+    if found:
+        key, why = found[0]
+        raise StageError(f"evaluate.existing_head = {named!r}: {key}: {why}", resumable=False)
+
+
 def start_head(ctx: StageContext) -> Path | None:
     """The head train.from_pretrained names, as a speculators directory (None without a warm start):
     "existing" is evaluate.existing_head, as measure-existing resolved it (or resolves it now, where that

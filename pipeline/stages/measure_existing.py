@@ -12,8 +12,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pipeline.compat import speculators_heads
-from pipeline.compat.speculators_heads import HeadError, HeadSource
 from pipeline.layout import atomicio
 from pipeline.layout.decision import Decision
 from pipeline.layout.results import MeasureExistingResult
@@ -24,32 +22,6 @@ from pipeline.stages.benchmark import measure_head, row_levels, sweep_rows
 from pipeline.stages.production import heldout_prompt_ids, heldout_sources
 
 ROW = "existing"  # its row in the matrix (deploy-measure's name for the same head), its server's log name
-
-
-def resolve_head(ctx: StageContext) -> tuple[HeadSource, Path]:
-    """What evaluate.existing_head names, and the speculators head directory vLLM serves
-    (RunDir.existing_head_dir; heads.resolve_head)."""
-    return heads.resolve_head(ctx, ctx.profile.evaluate.existing_head, "evaluate.existing_head",
-                              ctx.run.existing_head_dir)
-
-
-def check_shape(ctx: StageContext, head: Path) -> None:
-    """A head the target cannot serve (another hidden size or vocabulary) fails here, naming the field and both
-    values, not after two server starts."""
-    from pipeline.data.targetinfo import TargetInfoError, from_config
-
-    named = ctx.profile.evaluate.existing_head
-    try:
-        info = from_config(ctx.target_dir() / "config.json")
-        shape = speculators_heads.shape(head)
-    except (TargetInfoError, HeadError) as exc:
-        raise StageError(f"evaluate.existing_head = {named!r}: {exc}", resumable=False) from None
-    # only what serving needs: the draft vocabulary, layers and aux ids are the head's own when it is served
-    found = speculators_heads.mismatches(shape, hidden_size=info.hidden, target_vocab=info.vocab, draft_vocab=None,
-                                         layers=None)
-    if found:
-        key, why = found[0]
-        raise StageError(f"evaluate.existing_head = {named!r}: {key}: {why}", resumable=False)
 
 
 def level_figures(row: dict, base: dict, intervals: dict[int, tuple[float, float, float]]) -> dict:
@@ -80,7 +52,8 @@ def policy_line(policy: str, decision: Decision, after_run: str) -> str:
 
 class MeasureExisting(Stage):
     name = "measure-existing"
-    decided_by = DECISION_KEYS
+    # the head it measured and what its decision does (skip training, or not) are carried over with it
+    decided_by = (*DECISION_KEYS, "evaluate.existing_head", "evaluate.existing_policy")
 
     def applies(self, profile) -> bool:
         ev = profile.evaluate
@@ -99,8 +72,8 @@ class MeasureExisting(Stage):
 
     def run(self, ctx: StageContext) -> MeasureExistingResult:
         ev = ctx.profile.evaluate
-        source, head = resolve_head(ctx)
-        check_shape(ctx, head)
+        source, head = heads.existing_head(ctx)
+        heads.check_served(ctx, head)
         ctx.gather_sources()
         ids, prompts = heldout_prompt_ids(ctx)  # the ones prepare will hold out: the new head's, later
         if not prompts:

@@ -17,6 +17,18 @@ from pipeline.stages.base import Stage, StageContext, StageError
 
 class Vocab(Stage):
     name = "vocab"
+    # the mapping it wrote is the starting head's or this run's own: a copy that carries it over cannot change
+    # the head trained from (the trainer would re-label the new head's lm_head rows with the old mapping)
+    decided_by = ("train.from_pretrained", "vocab.from_head")
+
+    def decided(self, profile) -> tuple[str, ...]:
+        return self.decided_by + (("evaluate.existing_head",) if profile.train.from_pretrained == "existing" else ())
+
+    def fresh_paths(self, ctx: StageContext) -> list[Path]:
+        # the starting head's copy in the run is made by the first stage that asks (heads.start_head): this one
+        heads_here = [ctx.run.start_head_dir] + ([ctx.run.existing_head_dir]
+                                                 if ctx.profile.train.from_pretrained == "existing" else [])
+        return self.outputs(ctx) + heads_here
 
     def inputs(self, ctx: StageContext) -> list[Path]:
         return [ctx.run.token_freq]
