@@ -214,3 +214,25 @@ def test_preflight_checks_the_existing_head_it_will_serve_before_any_server(buil
     assert found.severity == "info" and "speculators convert" in found.message
     assert preflight.existing_head_findings(existing_on(built, built.head, **{"evaluate.existing_policy": "off",
                                                                              "evaluate.online": False})) == []
+
+
+def test_a_resume_trains_from_the_runs_copy_when_the_source_head_is_gone(built, tmp_path):  # noqa: F811
+    """The source head deleted or moved after the run copied it (start-head/): the resume loads the run's
+    profile and preflight checks the copy, which is what vocab, train and pick-checkpoint use."""
+    import shutil
+
+    from pipeline.layout.rundir import RunDirError
+    from pipeline.planning import preflight
+    source = tmp_path / "source"
+    shutil.copytree(built.head, source)
+    run = RunDir.create(profile_on(built, source, **FITS), tmp_path / "run")
+    shutil.rmtree(source)
+    with pytest.raises(RunDirError, match="train.from_pretrained': no head at"):
+        run.profile()  # no copy yet: the source is what it would train from
+    shutil.copytree(built.head, run.start_head_dir)
+    profile = run.profile()
+    assert profile.train.from_pretrained == str(source)
+    [found] = preflight.warm_start_findings(profile, run.root)
+    assert found.severity == "ok" and f"training goes on from the run's copy of {source}" in found.message
+    [found] = preflight.warm_start_findings(profile)  # a new run from the same profile: the source is gone
+    assert found.severity == "block" and "not a directory" in found.message

@@ -139,8 +139,10 @@ class RunDir:
         return Path(recorded)
 
     def profile(self) -> Profile:
+        # the head a warm start trains from is the run's copy once it has one: a resume needs no source
+        held = ("train.from_pretrained",) if (self.start_head_dir / "config.json").is_file() else ()
         try:
-            return load_profile(self.profile_path)
+            return load_profile(self.profile_path, held=held)
         except ProfileError as exc:
             raise RunDirError(str(exc)) from None
 

@@ -28,6 +28,7 @@ from pipeline.data.targetinfo import TargetInfoError, draft_plan, target_info
 from pipeline.evaluation.offline_policy import offline_evaluation, transformers_fit
 from pipeline.host import gpu
 from pipeline.layout import atomicio
+from pipeline.layout.rundir import RunDir
 from pipeline.planning import vllm_probe
 from pipeline.planning.calibration import CalibrationError
 from pipeline.planning.plan import disk_verdict, make_plan, time_summary
@@ -193,7 +194,7 @@ def _full_heads(profile: Profile) -> list[tuple[str, str]]:
     return out
 
 
-def head_field_findings(profile: Profile) -> list[Finding]:
+def head_field_findings(profile: Profile, run_dir: Path | None = None) -> list[Finding]:
     """Each head the run serves through vLLM (the one it trains, evaluate.existing_head) against the fields
     the serving vLLM reads: a field of the head's config that changes its forward pass (EAGLE-3.1's norms)
     and that vLLM would run otherwise serves with a lower acceptance and no error, so it blocks, naming the
@@ -211,7 +212,8 @@ def head_field_findings(profile: Profile) -> list[Finding]:
     # served by the matrix's existing row, or first by measure-existing (any policy but off)
     if profile.serves_existing():
         try:  # a run directory's head is its published one
-            config = speculators_heads.classify(Path(ev.existing_head)).head / "config.json"
+            config = speculators_heads.classify(Path(_held(ev.existing_head, run_dir, "existing_head_dir"))).head \
+                / "config.json"
         except speculators_heads.HeadError:  # what it is not, existing_head_findings says; its fields still count
             config = Path(ev.existing_head) / "config.json"
         if isinstance(read := atomicio.read_json(config), dict):
@@ -366,7 +368,15 @@ def start_mismatches(profile, head: Path, hidden_size: int, target_vocab: int, n
         window=None if t.sliding_window == type(t).model_fields["sliding_window"].default else t.sliding_window)
 
 
-def existing_head_findings(profile: Profile) -> list[Finding]:
+def _held(named: str, run_dir: Path | None, copy: str) -> str:
+    """The head as the run in `run_dir` already holds it (RunDir.`copy`: published or converted, whole), else
+    the one the profile names: a resume serves and trains its copy, whatever became of the source since."""
+    if run_dir is not None and (Path(getattr(RunDir(run_dir), copy)) / "config.json").is_file():
+        return str(getattr(RunDir(run_dir), copy))
+    return named
+
+
+def existing_head_findings(profile: Profile, run_dir: Path | None = None) -> list[Finding]:
     """evaluate.existing_head, where the run serves it, before any GPU work: a head of a kind vLLM serves once
     the run has its copy, and one this target can serve (the hidden states its fc reads, the vocabulary it
     maps to) — measure-existing and deploy-measure would otherwise find out after the baseline's server."""
@@ -374,7 +384,7 @@ def existing_head_findings(profile: Profile) -> list[Finding]:
         return []
     named = profile.evaluate.existing_head
     try:
-        source = speculators_heads.classify(Path(named))
+        source = speculators_heads.classify(Path(_held(named, run_dir, "existing_head_dir")))
         if source.kind == "research":
             return [Finding("info", "existing head", f"evaluate.existing_head {named!r}: a research-format head: "
                                                      f"speculators convert turns it into the run's own copy first")]
@@ -392,15 +402,17 @@ def existing_head_findings(profile: Profile) -> list[Finding]:
                                            f"layer(s), draft vocab {shape.draft_vocab_size} of {shape.target_vocab}")]
 
 
-def warm_start_findings(profile: Profile) -> list[Finding]:
+def warm_start_findings(profile: Profile, run_dir: Path | None = None) -> list[Finding]:
     """train.from_pretrained before any GPU work: the head is there and of a kind speculators reads, and what
     --from-pretrained keeps of it (its layers, draft vocabulary, aux layers, norms) is what the profile says,
     each contradiction naming its key; whether its d2t/t2d stay the draft vocabulary."""
     if (start := profile.warm_start()) is None:
         return []
     key, named = start
+    held = _held(named, run_dir, "existing_head_dir" if profile.train.from_pretrained == "existing"
+                 else "start_head_dir")
     try:
-        source = speculators_heads.classify(Path(named))
+        source = speculators_heads.classify(Path(held))
     except speculators_heads.HeadError as exc:
         return [Finding("block", "warm start", f"{key} {named!r}: {exc}")]
     if source.kind == "research":
@@ -414,7 +426,8 @@ def warm_start_findings(profile: Profile) -> list[Finding]:
         return [Finding("warn", "warm start", f"{key} {named!r}: not checked against the target: {exc}")]
     if found:
         return [Finding("block", "warm start", f"{key} {named!r}: {k}: {why}") for k, why in found]
-    out = [Finding("ok", "warm start", f"training goes on from {source.head} ({source.kind}): {shape.layers} "
+    what = f"the run's copy of {named}" if held != named else f"{source.head} ({source.kind})"
+    out = [Finding("ok", "warm start", f"training goes on from {what}: {shape.layers} "
                                        f"layer(s), hidden {shape.hidden_size}, draft vocab {shape.draft_vocab_size} "
                                        f"of {shape.target_vocab}")]
     if not shape.has_t2d or not profile.vocab.from_head:
@@ -658,7 +671,8 @@ def preflight(profile: Profile, snapshot: gpu.GpuSnapshot | None = None, run_dir
             + gpu_findings(profile, snapshot)
             + port_findings(profile, run_dir) + key_findings(profile) + disk_findings(profile, run_dir)
             + evaluation_findings(profile, snapshot) + tracker_findings(profile) + mooncake_findings(profile)
-            + head_field_findings(profile) + existing_head_findings(profile) + warm_start_findings(profile))
+            + head_field_findings(profile, run_dir) + existing_head_findings(profile, run_dir)
+            + warm_start_findings(profile, run_dir))
 
 
 def blocking(findings: list[Finding]) -> list[Finding]:

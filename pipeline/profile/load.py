@@ -42,10 +42,11 @@ def _read_toml(path: Path, chain: tuple[Path, ...] = ()) -> dict:
     return _merge(_read_toml((path.parent / parent).resolve(), chain + (path,)), data)
 
 
-def _resolve_inputs(p: Profile, source: Path, check: bool = True) -> Profile:
+def _resolve_inputs(p: Profile, source: Path, check: bool = True, held: tuple[str, ...] = ()) -> Profile:
     """Input paths are relative to the profile file's directory (so a profile works from any cwd) and
     must exist: a missing model or data file is refused before anything runs. With check=False
-    (plan, preflight) paths are resolved but not required: preflight reports what is missing."""
+    (plan, preflight) paths are resolved but not required: preflight reports what is missing. `held`: keys
+    whose input a run already holds a copy of (RunDir.profile), not required either."""
     base = source.parent
     target, data = p.target, p.data
     if target.source == "path":
@@ -63,7 +64,7 @@ def _resolve_inputs(p: Profile, source: Path, check: bool = True) -> Profile:
     train = p.train
     if train.from_pretrained and train.from_pretrained != "existing":
         head = (base / train.from_pretrained).resolve()
-        if check and not head.exists():
+        if check and "train.from_pretrained" not in held and not head.exists():
             raise ProfileError(f"{source}: key 'train.from_pretrained': no head at {str(head)!r}")
         train = train.model_copy(update={"from_pretrained": str(head)})
     hardware = p.hardware
@@ -97,7 +98,8 @@ def _resolve_inputs(p: Profile, source: Path, check: bool = True) -> Profile:
                          "evaluate": evaluate})
 
 
-def load_profile(path: str | Path, overrides: dict | None = None, check_inputs: bool = True) -> Profile:
+def load_profile(path: str | Path, overrides: dict | None = None, check_inputs: bool = True,
+                 held: tuple[str, ...] = ()) -> Profile:
     """Load a profile file (a bare name is looked up in profiles/), apply dotted overrides."""
     path = Path(path)
     if not path.exists() and path.suffix != ".toml":  # a bare name, e.g. "kimi-k2.5-b300x8-full"
@@ -119,7 +121,7 @@ def load_profile(path: str | Path, overrides: dict | None = None, check_inputs: 
         profile = Profile.model_validate(data)
     except ValidationError as exc:
         raise ProfileError(one_line(exc, data, path)) from None
-    return _resolve_inputs(profile, path, check_inputs)
+    return _resolve_inputs(profile, path, check_inputs, held)
 
 
 def dump_toml(data: dict) -> str:
