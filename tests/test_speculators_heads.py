@@ -247,6 +247,20 @@ def test_a_research_head_converts_through_speculators(built, converted):
     assert d2t.equal(weights["d2t"]) and t2d.equal(weights["t2d"])
 
 
+def test_a_research_heads_shape_is_read_as_the_converter_writes_it(built, converted):
+    """Preflight checks a research head before any conversion: its shape read from EAGLE's config and weights
+    is the converted head's."""
+    from dataclasses import fields
+
+    from pipeline.compat.eagle3_fields import trained_value
+    before, after = sh.shape(built.research), sh.shape(converted.dest)
+    for f in fields(before):
+        if f.name not in ("path", "norms", "speculative_tokens", "verifier", "aux_layer_ids"):
+            assert getattr(before, f.name) == getattr(after, f.name), f.name
+    assert {k: trained_value(v) for k, v in before.norms.items()} == \
+        {k: trained_value(v) for k, v in after.norms.items()}
+
+
 def test_the_mapping_round_trips_into_the_trainers_files(built, converted, tmp_path):
     import numpy as np
     from speculators.train.cli import _load_mappings

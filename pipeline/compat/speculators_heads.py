@@ -215,11 +215,18 @@ def convert(source: Path, dest: Path, *, verifier: Path, python: str = sys.execu
     return dest
 
 
+def _size(where: Path, value, key: str) -> int:
+    """A config's size field, or one line naming it (not int()'s complaint)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise HeadError(f"{where}: {key} is {value!r}, not a positive integer")
+    return value
+
+
 def shape(path: Path) -> HeadShape:
     """A speculators head's (or a run's published head's) sizes and fields, read from config.json and the
-    weights' index, no tensor loaded."""
+    weights' index, no tensor loaded; a research-format head's as speculators' converter will write them."""
     if (src := classify(path)).kind == "research":
-        raise HeadError(f"{src.head}: a research-format head: convert it first (speculators convert)")
+        return _research_shape(src)
     where = src.head / "config.json"
     config = _json(where)
     layer = config.get("transformer_layer_config")
@@ -236,10 +243,8 @@ def shape(path: Path) -> HeadShape:
         else 0
     keys = _weights(src.weights)
 
-    def size(value, key: str) -> int:  # a field that is not a size names itself, not int()'s complaint
-        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-            raise HeadError(f"{where}: {key} is {value!r}, not a positive integer")
-        return value
+    def size(value, key: str) -> int:
+        return _size(where, value, key)
     hidden = size(layer["hidden_size"], "transformer_layer_config.hidden_size")
     target_hidden = size(config.get("target_hidden_size") or hidden, "target_hidden_size")
     fc = keys.get("fc.weight")
@@ -262,6 +267,27 @@ def shape(path: Path) -> HeadShape:
         speculative_tokens=chosen.get("speculative_tokens"),
         verifier=spec["verifier"].get("name_or_path") if isinstance(spec.get("verifier"), dict) else None,
         window=window, full_layers=not window or "full_attention" in types)
+
+
+def _research_shape(src: HeadSource) -> HeadShape:
+    """EAGLE's config.json and the weights' shapes, as the converter carries them over (convert/eagle3: the
+    layer sizes and draft vocabulary from the config, the mapping from the weights, full attention, the four
+    norms where the config sets them): a warm start's or an existing head's shape is checked before any
+    conversion, which happens only in vocab or measure-existing."""
+    where = src.head / "config.json"
+    config, keys = _json(where), _weights(src.weights)
+    hidden = _size(where, config.get("hidden_size"), "hidden_size")
+    fc, t2d = keys.get("fc.weight"), keys.get("t2d")
+    target_hidden = _size(where, config.get("target_hidden_size") or (fc[1] // 3 if fc and len(fc) == 2 else hidden),
+                          "target_hidden_size")
+    return HeadShape(
+        path=src.head, speculators_model_type="eagle3", hidden_size=hidden, target_hidden_size=target_hidden,
+        layers=_size(where, config.get("num_hidden_layers") or 1, "num_hidden_layers"),
+        draft_vocab_size=_size(where, config.get("draft_vocab_size") or config.get("vocab_size"), "draft_vocab_size"),
+        target_vocab=t2d[0] if t2d else _size(where, config.get("vocab_size"), "vocab_size"),
+        aux_layer_ids=None, num_aux=fc[1] // target_hidden if fc and len(fc) == 2 else None,
+        has_d2t="d2t" in keys, has_t2d=t2d is not None, norms=head_values(config)[0], speculative_tokens=None,
+        verifier=None)
 
 
 def vocab_mapping(path: Path) -> tuple[Any, Any] | None:

@@ -376,6 +376,11 @@ def _held(named: str, run_dir: Path | None, copy: str) -> str:
     return named
 
 
+def _converted(source) -> str:
+    return "; a research-format head: speculators convert makes the run's copy first" \
+        if source.kind == "research" else ""
+
+
 def existing_head_findings(profile: Profile, run_dir: Path | None = None) -> list[Finding]:
     """evaluate.existing_head, where the run serves it, before any GPU work: a head of a kind vLLM serves once
     the run has its copy, and one this target can serve (the hidden states its fc reads, the vocabulary it
@@ -385,10 +390,7 @@ def existing_head_findings(profile: Profile, run_dir: Path | None = None) -> lis
     named = profile.evaluate.existing_head
     try:
         source = speculators_heads.classify(Path(_held(named, run_dir, "existing_head_dir")))
-        if source.kind == "research":
-            return [Finding("info", "existing head", f"evaluate.existing_head {named!r}: a research-format head: "
-                                                     f"speculators convert turns it into the run's own copy first")]
-        shape = speculators_heads.shape(source.head)
+        shape = speculators_heads.shape(source.head)  # a research head's as the converter will write it
         info = target_info(profile)
     except speculators_heads.HeadError as exc:
         return [Finding("block", "existing head", f"evaluate.existing_head {named!r}: {exc}")]
@@ -399,7 +401,8 @@ def existing_head_findings(profile: Profile, run_dir: Path | None = None) -> lis
                                          layers=None, training=False)
     return [Finding("block", "existing head", f"evaluate.existing_head {named!r}: {k}: {why}") for k, why in found] \
         or [Finding("ok", "existing head", f"{source.head} ({source.kind}) serves on this target: {shape.layers} "
-                                           f"layer(s), draft vocab {shape.draft_vocab_size} of {shape.target_vocab}")]
+                                           f"layer(s), draft vocab {shape.draft_vocab_size} of {shape.target_vocab}"
+                                           + _converted(source))]
 
 
 def warm_start_findings(profile: Profile, run_dir: Path | None = None) -> list[Finding]:
@@ -415,21 +418,20 @@ def warm_start_findings(profile: Profile, run_dir: Path | None = None) -> list[F
         source = speculators_heads.classify(Path(held))
     except speculators_heads.HeadError as exc:
         return [Finding("block", "warm start", f"{key} {named!r}: {exc}")]
-    if source.kind == "research":
-        return [Finding("info", "warm start", f"{key} {named!r}: a research-format head: speculators convert turns "
-                                              f"it into the run's own copy first; its shape is checked then")]
-    try:
+    try:  # a research head's shape as the converter will write it: checked before extract, not after
+        shape = speculators_heads.shape(source.head)
         info = target_info(profile)
         found = start_mismatches(profile, source.head, info.hidden, info.vocab, info.layers)
-        shape = speculators_heads.shape(source.head)
-    except (TargetInfoError, speculators_heads.HeadError) as exc:
+    except speculators_heads.HeadError as exc:
+        return [Finding("block", "warm start", f"{key} {named!r}: {exc}")]
+    except TargetInfoError as exc:
         return [Finding("warn", "warm start", f"{key} {named!r}: not checked against the target: {exc}")]
     if found:
         return [Finding("block", "warm start", f"{key} {named!r}: {k}: {why}") for k, why in found]
     what = f"the run's copy of {named}" if held != named else f"{source.head} ({source.kind})"
     out = [Finding("ok", "warm start", f"training goes on from {what}: {shape.layers} "
                                        f"layer(s), hidden {shape.hidden_size}, draft vocab {shape.draft_vocab_size} "
-                                       f"of {shape.target_vocab}")]
+                                       f"of {shape.target_vocab}" + _converted(source))]
     if not shape.has_t2d or not profile.vocab.from_head:
         why = "it has no d2t/t2d" if not shape.has_t2d else "vocab.from_head = false"
         out.append(Finding("warn", "warm start", f"the head's vocabulary mapping is dropped ({why}): the draft "
