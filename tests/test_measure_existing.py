@@ -507,3 +507,21 @@ def test_only_node_0_serves_the_existing_head():
     assert p.serves_existing()
     other = p.model_copy(update={"train": p.train.model_copy(update={"node_rank": 1})})
     assert not other.serves_existing()
+
+
+def test_the_matrixs_existing_row_serves_the_runs_copy_where_measure_existing_did_not_run(tmp_path, monkeypatch):
+    """evaluate.existing_policy = off and "existing" in evaluate.methods: deploy-measure served the path as
+    written (a research head unconverted, a run directory as such); it resolves it as measure-existing does."""
+    target = tmp_path / "target"
+    monkeypatch.setattr(StageContext, "target_dir", lambda self: target)
+    checked = []
+    monkeypatch.setattr(heads, "check_served", lambda c, h: checked.append(h))
+    other = RunDir.create(_profile(tmp_path), tmp_path / "other-run")  # a run directory: its published head
+    _speculators_head(other.draft_dir)
+    ctx = _ctx(tmp_path / "here", **{"evaluate.existing_head": str(other.root), "evaluate.existing_policy": "off",
+                                     "evaluate.methods": ["baseline", "eagle3", "existing"]})
+    assert not me.MeasureExisting().applies(ctx.profile)
+    served = heads.served_existing(ctx)
+    assert served == ctx.run.existing_head_dir and checked == [served]
+    assert json.loads((served / "config.json").read_text())["speculators_config"]["verifier"]["name_or_path"] == \
+        str(target)

@@ -12,7 +12,7 @@ from pathlib import Path
 from pipeline.data import conversations, target
 from pipeline.evaluation import diagnose
 from pipeline.layout import atomicio
-from pipeline.layout.results import DeployMeasureResult, EvaluateOfflineResult, MeasureExistingResult
+from pipeline.layout.results import DeployMeasureResult, EvaluateOfflineResult
 from pipeline.serving import vllm_modes
 from pipeline.serving.deploy import publish_draft
 from pipeline.stages import benchmark, heads  # the matrix's machinery, shared with measure-existing
@@ -46,13 +46,9 @@ class DeployMeasure(Stage):
         rows = ctx.heldout_rows()
         prompts = conversations.prompt_ids(target.load_tokenizer(ctx.target_dir()), rows)
         draft = publish_draft(ctx.draft_checkpoint(), ctx.run.draft_dir, ctx.target_dir())
-        # the existing head as measure-existing served it (a run's published head, a converted one), where it ran
         args: dict = {"eagle3": {"draft_dir": draft}}
-        if "existing" in ev.methods:  # published or converted, where measure-existing did not run (policy off)
-            if not (existing := ctx.run.result(MeasureExistingResult).head):
-                existing = str(heads.existing_head(ctx)[1])
-                heads.check_served(ctx, Path(existing))
-            args["existing"] = {"draft_dir": Path(existing)}
+        if "existing" in ev.methods:
+            args["existing"] = {"draft_dir": heads.served_existing(ctx)}
         methods = list(ev.methods) + [f"baseline-{i}" for i in range(2, ev.baseline_instances + 1)]
         if "eagle3" in methods:
             k_rows, row_args = benchmark.sweep_rows(ctx.profile, "eagle3", draft)

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from pipeline.compat import speculators_heads
 from pipeline.compat.speculators_heads import HeadError, HeadSource
+from pipeline.layout.results import MeasureExistingResult
 from pipeline.planning.preflight import start_mismatches
 from pipeline.serving.deploy import FILES, publish_draft
 from pipeline.stages.base import StageContext, StageError
@@ -52,6 +53,16 @@ def existing_head(ctx: StageContext) -> tuple[HeadSource, Path]:
     """What evaluate.existing_head names, and the speculators head directory vLLM serves
     (RunDir.existing_head_dir): measure-existing's, and deploy-measure's where that stage did not run."""
     return resolve_head(ctx, ctx.profile.evaluate.existing_head, "evaluate.existing_head", ctx.run.existing_head_dir)
+
+
+def served_existing(ctx: StageContext) -> Path:
+    """The existing head as the matrix's row serves it: measure-existing's copy where that stage ran, else
+    resolved into the run (published or converted) and checked now (evaluate.existing_policy = off)."""
+    if measured := ctx.run.result(MeasureExistingResult).head:
+        return Path(measured)
+    head = existing_head(ctx)[1]
+    check_served(ctx, head)
+    return head
 
 
 def check_served(ctx: StageContext, head: Path) -> None:
