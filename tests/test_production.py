@@ -104,7 +104,8 @@ def test_production_before_and_after_on_the_same_requests(tmp_path, cache_dir):
         assert figs["production_speedup"] == result["speedup"][levels[0]]  # the lowest concurrency's
         assert result["with_draft"] and figures["deploy"], figures["decision"]  # forced in
         assert before["traffic"]["samples"] >= 2 and before["traffic"]["weights"] == {}  # idle production
-        slower = [c for c in levels if result["speedup"][c] < 0.7 or result["speedup_interval"][c][2] < 1]
+        slower = [c for c in levels if result["speedup"][c] < 0.1 or (result["speedup_interval"][c][2] < 1
+                                                                    and result["speedup"][c] < 0.97)]
         assert slower, f"the head did not lose on this CPU: {result['speedup']} {result['speedup_interval']}"
         assert figs["rolled_back"] is True and figs["slower_levels"] == result["slower_levels"]
         status = json.loads(cli("server", "status", "--run-dir", run_dir, "--json").stdout)

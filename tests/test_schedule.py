@@ -116,13 +116,21 @@ def test_traffic_samples_go_to_the_nearest_level_on_a_log_scale():
     assert schedule.normalized({"1": 1, "8": 3, "64": 5}, [1, 8]) == {1: 0.25, 8: 0.75}
 
 
-def test_the_mix_is_the_weighted_interval_and_deploys_on_its_lower_bound():
+def test_the_mix_is_the_same_work_in_less_time_and_deploys_on_its_lower_bound():
+    """The traffic's shares are of production's time: the same work takes Σ w_c / s_c of it with the head,
+    so the expected speedup is the weighted harmonic mean, not the arithmetic one (which leans towards the
+    levels where the head wins); the levels' low figures bound it."""
     levels = {1: (1.4, 1.25, 1.5), 8: (1.1, 1.0, 1.2), 32: (1.0, 0.97, 1.03)}
     m = schedule.mix(levels, {1: 0.2, 8: 0.5, 32: 0.3})
-    assert m.expected == pytest.approx(0.28 + 0.55 + 0.3) and m.lo == pytest.approx(0.25 + 0.5 + 0.291)
+    assert m.expected == pytest.approx(1 / (0.2 / 1.4 + 0.5 / 1.1 + 0.3 / 1.0))
+    assert m.lo == pytest.approx(1 / (0.2 / 1.25 + 0.5 / 1.0 + 0.3 / 0.97)) and m.lo < m.expected < m.hi
     d = decide(levels, {1: 0.2, 8: 0.5, 32: 0.3}, 1.03, "schedule 1–2: k=3", "c=1 20 % (declared)")
-    assert d.deploy and "lower bound x1.041 >= threshold x1.03" in d.line and d.line.startswith("deploy: schedule")
+    assert d.deploy and "lower bound x1.032 >= threshold x1.03" in d.line and d.line.startswith("deploy: schedule")
     assert not decide(levels, {1: 0.2, 8: 0.5, 32: 0.3}, 1.05).deploy  # the median clears it, the bound does not
+    # a head that wins at c = 1 what it loses at c = 32: no gain for the same work, where the mean said x1.1
+    even = decide({1: (1.5,) * 3, 32: (0.7,) * 3}, {1: 0.5, 32: 0.5}, 1.1)
+    assert not even.deploy and "x0.955" in even.line, even.line
+    assert schedule.mix({1: (0.0, 0.0, 0.0)}, {1: 1.0}) is None  # a level that measured no speed decides nothing
     assert decide(levels, {64: 1.0}, 1.0).line == "do not deploy: no speedup measured at concurrency 64"
     assert decide({}, {1: 1.0}, 1.1).line == "do not deploy: the new head was not measured"
 
@@ -130,6 +138,9 @@ def test_the_mix_is_the_weighted_interval_and_deploys_on_its_lower_bound():
 def test_one_level_one_round_keeps_its_plain_line():
     assert decide({1: (1.098, 1.098, 1.098)}, {1: 1.0}, 1.10).line == \
         "do not deploy: speedup x1.098 < threshold x1.1 at concurrency 1"
+    # just below the threshold: cut, not rounded up to read as the threshold itself
+    assert decide({1: (1.0996,) * 3}, {1: 1.0}, 1.10).line == \
+        "do not deploy: speedup x1.099 < threshold x1.1 at concurrency 1"
     assert decide({1: (1.1, 1.1, 1.1)}, {1: 1.0}, 1.10).line.startswith("deploy: speedup x1.100 >= threshold x1.1")
 
 
@@ -145,6 +156,8 @@ def test_best_single_k_for_the_traffic():
 def test_instance_spread_and_spread_text():
     assert schedule.instance_spread([431.8, 585.9]) == pytest.approx(585.9 / 431.8 - 1)
     assert schedule.instance_spread([500.0]) == 0.0
+    # measured once more because two were apart: the closest two decide (over all three it never shrinks)
+    assert schedule.instance_spread([100.0, 115.0, 113.0]) == pytest.approx(115 / 113 - 1)
     s = schedule.Spread.of([405.7, 510.8, 470.0])
     assert s.text() == "470.0 (405.7–510.8, 3 rounds)" and math.isclose(s.median, 470.0)
     with pytest.raises(ValueError):

@@ -604,6 +604,10 @@ def evaluation_findings(profile: Profile, snapshot: gpu.GpuSnapshot | None = Non
                                                  "held past the target's own end, where the head never saw it "
                                                  "write (one H200: τ 3.08 → 1.97 at 64); the speedup and the "
                                                  "decision are not the head's on the target's answers"))
+    if ev.online and ev.rounds < 3 and profile.server.after_run.startswith("production-with-draft"):
+        found.append(Finding("warn", "evaluate", f"evaluate.rounds = {ev.rounds}: the decision that puts the head "
+                                                 f"into production rests on {ev.rounds} round(s) a level, whose "
+                                                 "interval is no wider than the median (3 measure it)"))
     try:
         info = target_info(profile)
     except TargetInfoError:

@@ -5,6 +5,8 @@ instances of the target alone measured apart, the traffic the levels are weighed
 decision on the lower bound of the expected speedup."""
 from __future__ import annotations
 
+import math
+import statistics
 import sys
 from contextlib import ExitStack, closing
 from dataclasses import dataclass
@@ -135,13 +137,15 @@ def decide(levels: dict[int, tuple[float, float, float]] | None, weights: dict[i
         return Decision(False, f"no speedup measured at concurrency {', '.join(map(str, missing))}")
     deploy = m.lo >= threshold
     rel = ">=" if deploy else "<"
-    # Three decimals: at two, x1.098 against x1.10 would read "x1.10 (threshold x1.10)".
+    # Three decimals: at two, x1.098 against x1.10 would read "x1.10 (threshold x1.10)"; a bound below the
+    # threshold is cut, not rounded, so that x1.0996 does not read "x1.100 < threshold x1.1".
+    lo = f"{m.lo:.3f}" if deploy else f"{math.floor(m.lo * 1000) / 1000:.3f}"
     if len(m.weights) == 1 and m.lo == m.hi:  # one level, one round: the figure is its own interval
         (c,) = m.weights
-        return Decision(deploy, f"{what + ': ' if what else ''}speedup x{m.expected:.3f} {rel} threshold "
+        return Decision(deploy, f"{what + ': ' if what else ''}speedup x{lo} {rel} threshold "
                                 f"x{threshold:g} at concurrency {c}")
     return Decision(deploy, f"{what + ': ' if what else ''}expected speedup {m.text()} under {traffic}: "
-                            f"lower bound x{m.lo:.3f} {rel} threshold x{threshold:g}")
+                            f"lower bound x{lo} {rel} threshold x{threshold:g}")
 
 
 def pooled_baseline(matrix: dict) -> dict:
@@ -163,18 +167,20 @@ def instance_check(ctx: StageContext, matrix: dict) -> dict:
     ev = ctx.profile.evaluate
     out: dict = {"bound": ev.instance_spread, "levels": {}}
     before = (atomicio.read_json(ctx.run.production_before) or {}).get("row") or {}
-    for c, level in matrix["baseline"].get("levels", {}).items():
+    for c in matrix["baseline"].get("levels", {}):
         medians = {m: row["levels"][c]["output_tok_s"] for m, row in matrix.items()
                    if mode_of(m) == "baseline" and not row.get("error") and c in row.get("levels", {})}
         entry: dict = {"baseline_instances": medians,
                        "spread": round(schedule.instance_spread(list(medians.values())), 4)}
-        if (prod := level_of(before, c).get("output_tok_s")) is not None:
-            entry["production_before"] = prod
-            entry["production_vs_baseline"] = round(prod / level["output_tok_s"] - 1, 4)
+        if (prod := level_of(before, c).get("output_tok_s")) is not None and medians:
+            entry["production_before"] = prod  # against the instances' median: one more instance can settle it
+            entry["production_vs_baseline"] = round(prod / statistics.median(medians.values()) - 1, 4)
         out["levels"][str(c)] = entry
     spreads = [e["spread"] for e in out["levels"].values()]
     out["spread"] = max(spreads, default=0.0)
-    out["decides"] = out["spread"] <= ev.instance_spread
+    # production before the run is an instance of the target alone too (schema: evaluate.instance_spread)
+    out["decides"] = out["spread"] <= ev.instance_spread and all(
+        abs(e.get("production_vs_baseline", 0)) <= ev.instance_spread for e in out["levels"].values())
     return out
 
 
@@ -182,8 +188,9 @@ def noise_line(check: dict) -> str:
     """What the instance comparison says, one line."""
     parts = []
     for c, e in check["levels"].items():
-        if len(e["baseline_instances"]) > 1:
-            parts.append(f"c={c} baseline instances {e['spread']:.0%} apart")
+        if (n := len(e["baseline_instances"])) > 1:
+            parts.append(f"c={c} baseline instances {e['spread']:.0%} apart" + (f" (the closest two of {n})"
+                                                                                 if n > 2 else ""))
         if "production_vs_baseline" in e:
             parts.append(f"c={c} production before vs baseline {e['production_vs_baseline']:+.0%}")
     return "; ".join(parts) or "one baseline instance (evaluate.baseline_instances = 2 measures the spread)"
@@ -245,8 +252,7 @@ def settled_noise(ctx: StageContext, matrix: dict, prompts: list[list[int]], arg
     measured further apart than evaluate.instance_spread."""
     ev = ctx.profile.evaluate
     noise = instance_check(ctx, matrix)
-    if not noise["decides"] or any(abs(e.get("production_vs_baseline", 0)) > ev.instance_spread
-                                   for e in noise["levels"].values()):
+    if not noise["decides"]:
         # two instances of one configuration further apart than the bound: one more baseline instance
         again = f"baseline-{ev.baseline_instances + 1}"
         ctx.note(f"instances apart beyond evaluate.instance_spread = {ev.instance_spread:g} "
@@ -258,8 +264,9 @@ def settled_noise(ctx: StageContext, matrix: dict, prompts: list[list[int]], arg
 
 def cannot_decide(noise: dict, bound: float) -> Decision:
     """Not deployed: instances of the target alone measured further apart than any speedup could tell."""
+    worst = max([noise["spread"]] + [abs(e.get("production_vs_baseline", 0)) for e in noise["levels"].values()])
     return Decision(False, f"the figures cannot decide: instances of the target alone measured "
-                           f"{noise['spread']:.0%} apart (> evaluate.instance_spread = {bound:g}): {noise_line(noise)}")
+                           f"{worst:.0%} apart (> evaluate.instance_spread = {bound:g}): {noise_line(noise)}")
 
 
 # ---- a head weighed over k: the sweep, the schedule served and measured, or one k (issue 42), for the new head

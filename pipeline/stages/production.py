@@ -13,6 +13,8 @@ from pipeline.layout.rundir import now_iso
 from pipeline.stages.base import StageContext, StageError
 from pipeline.stages.served import measure_served
 
+AFTER_FLOOR = 0.97  # production after the handover, in rounds apart from before: slower below this ratio
+
 
 def production_headers(profile) -> dict:
     """The production server's key (server.api_key_env), from the environment only."""
@@ -76,10 +78,12 @@ def after(ctx: StageContext, rec, with_draft: bool) -> dict:
                  for c in ratios}
     bound = ctx.profile.evaluate.instance_spread
     # slower beyond the noise: the median ratio below what two instances of one configuration may differ by,
-    # or (measured in rounds) every round after slower than every round before
+    # or (measured in rounds) every round after slower than every round before with the median below x0.97
+    # (issue 42's bar for "not slower"): the rounds alone are noise — three of an unchanged server fall
+    # wholly below three before one time in 20 at each level (1 / C(6, 3)), by 1 % as readily as by 20 %
     rounds = ctx.profile.evaluate.rounds > 1
     slower = [f"c={c} x{ratios[c]:.3f}" for c in sorted(ratios, key=int)
-              if ratios[c] < 1 - bound or (rounds and intervals[c][2] < 1)]
+              if ratios[c] < 1 - bound or (rounds and intervals[c][2] < 1 and ratios[c] < AFTER_FLOOR)]
     atomicio.atomic_write_json(ctx.run.production_result, {
         "before": before, "after": {"at": now_iso(), "server": rec.describe(), "argv": rec.argv, "row": row},
         "with_draft": with_draft, "speedup": ratios, "speedup_interval": intervals, "slower_levels": slower})
