@@ -134,3 +134,8 @@ def test_production_that_contradicts_the_matrix_is_said_with_what_to_do():
     assert against_matrix({"matrix": {"baseline": {"levels": {1: {"output_tok_s": 305.6}}}}}, "1", 390.4, 1.0,
                           False, "/r")[0].startswith("the target without a head")
     assert against_matrix(None, "1", 390.4, 0.5, True, "/r") == []  # no matrix (evaluate.online off)
+    # what was deployed is the row compared: a schedule (k = 0 at c = 1, x1.0 there) is no contradiction
+    scheduled = {"matrix": {**matrix["matrix"], "eagle3-schedule": {"levels": {"1": {"speedup": 0.99}}}},
+                 "deployed": {"row": "eagle3-schedule", "k": 3}}
+    assert against_matrix(scheduled, "1", 310.0, 0.95, True, "/r") == []
+    assert against_matrix(matrix, "1", 310.0, 0.95, True, "/r")[0].startswith("production with the new head")

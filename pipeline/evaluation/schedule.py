@@ -273,6 +273,18 @@ def traffic_weights(samples: list[float], levels: list[int]) -> dict[int, float]
     return {c: n / total for c, n in counts.items() if n} if total else {}
 
 
+def share_above(samples: list[float], levels: list[int]) -> float:
+    """The share of busy samples above twice the largest measured level: load no row measured, which
+    traffic_weights gives to that level and a schedule serves with k = 0."""
+    busy = [s for s in samples if s >= 0.5]
+    return sum(s > 2 * max(levels) for s in busy) / len(busy) if busy and levels else 0.0
+
+
+def above_text(share: float, most: float, levels: list[int]) -> str:
+    return (f"{share:.0%} of it above c = {2 * max(levels)} (up to {most:g} running), where nothing was measured: "
+            f"weighed as c = {max(levels)}'s (a level for it in evaluate.concurrency measures it)")
+
+
 def normalized(weights: dict, levels: list[int]) -> dict[int, float]:
     """Declared weights keyed by level (strings from TOML), normalised; levels not named weigh 0."""
     w = {int(c): float(v) for c, v in weights.items() if int(c) in levels and float(v) > 0}

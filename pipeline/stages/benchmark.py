@@ -202,7 +202,9 @@ def traffic_of(ctx: StageContext, levels: list[int]) -> tuple[dict[int, float], 
     sampled = ((atomicio.read_json(ctx.run.production_before) or {}).get("traffic") or {})
     weights = schedule.normalized(sampled.get("weights") or {}, levels)
     if weights:
-        return weights, f"production's load ({sampled.get('samples')} samples of vllm:num_requests_running)"
+        above = f"; {schedule.above_text(sampled['above'], sampled.get('max_running', 0), levels)}" \
+            if sampled.get("above") else ""
+        return weights, f"production's load ({sampled.get('samples')} samples of vllm:num_requests_running{above})"
     weights = schedule.normalized(dict(ctx.profile.evaluate.traffic), levels)
     if weights:
         return weights, "the declared traffic (evaluate.traffic)"

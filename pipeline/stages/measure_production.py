@@ -59,10 +59,14 @@ def sample_traffic(ctx: StageContext, rec) -> dict:
     samples = client.sample_running(rec.base_url, ev.traffic_window_s)
     weights = schedule.traffic_weights(samples, sorted(ev.concurrency))
     busy = [x for x in samples if x >= 0.5]
+    above = schedule.share_above(samples, sorted(ev.concurrency))
     ctx.note(f"production's load over {ev.traffic_window_s} s: {len(busy)} of {len(samples)} samples busy"
              + (f", mean {sum(busy) / len(busy):.1f} running; weights " +
                 ", ".join(f"c={c} {w:.0%}" for c, w in sorted(weights.items())) if busy else
-                " (idle: the decision weighs the levels by evaluate.traffic)"), ctx.log.info)
+                " (idle: the decision weighs the levels by evaluate.traffic)")
+             + (f"; {schedule.above_text(above, max(samples), sorted(ev.concurrency))}" if above else ""),
+             ctx.log.warning if above else ctx.log.info)
     return {"window_s": ev.traffic_window_s, "samples": len(samples), "busy": len(busy),
             "mean_running": round(sum(busy) / len(busy), 3) if busy else 0.0,
-            "max_running": max(samples, default=0.0), "weights": {str(c): round(w, 4) for c, w in weights.items()}}
+            "max_running": max(samples, default=0.0), "weights": {str(c): round(w, 4) for c, w in weights.items()},
+            **({"above": round(above, 4)} if above else {})}

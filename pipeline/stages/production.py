@@ -112,7 +112,8 @@ def against_matrix(online: dict | None, low: str, before_tok_s: float, productio
     (a share) differently as production before the run and as the matrix's baseline — two servers of one
     configuration, whose difference is the noise any speedup here stands in."""
     rows = (online or {}).get("matrix") or {}
-    base, head = level_of(rows.get("baseline"), low), level_of(rows.get("eagle3"), low)
+    deployed = ((online or {}).get("deployed") or {}).get("row") or "eagle3"  # a schedule, another k: its row
+    base, head = level_of(rows.get("baseline"), low), level_of(rows.get(deployed), low)
     lines = []
     if with_draft and head.get("speedup") and (head["speedup"] >= 1) != (production_speedup >= 1):
         lines.append(f"production with the new head ran at x{production_speedup:.2f} of production before the run "
