@@ -31,14 +31,22 @@ def profile_on(built, head, **over):  # noqa: F811
                                          "train.from_pretrained": str(head), **over})
 
 
+# keys the profile moves off their defaults against the head (2 layers, norm_before_residual true)
+AGAINST = {"train.num_layers": 3, "train.norm_before_residual": False}
+
+
 def test_preflight_names_each_key_the_head_contradicts(built):  # noqa: F811
-    found = warm_start_findings(profile_on(built, built.head))
+    found = warm_start_findings(profile_on(built, built.head, **AGAINST))
     said = " | ".join(f.message for f in blocking(found))
-    for key in ("train.num_layers", "vocab.draft_vocab_size", "extract.layer_ids", "train.norm_before_fc"):
+    for key in ("train.num_layers", "vocab.draft_vocab_size", "extract.layer_ids", "train.norm_before_residual"):
         assert key in said, said
-    assert "the head has 2 decoder layer(s), the profile asks 1" in said
-    # the window's default leaves the head its own layers (full attention here); a window asked is contradicted
-    assert "train.sliding_window" not in said
+    assert "the head has 2 decoder layer(s), the profile asks 3" in said
+    # the shape's defaults (a new head's: 1 layer, the norms, the window) leave the head its own: only the
+    # draft vocabulary and the aux layers, which size the run's files and states, are held to the profile
+    own = " | ".join(f.message for f in blocking(warm_start_findings(profile_on(built, built.head))))
+    assert "vocab.draft_vocab_size" in own and "extract.layer_ids" in own
+    for key in ("train.num_layers", "train.norm_", "train.fc_norm", "train.sliding_window"):
+        assert key not in own, own
     asked = " | ".join(f.message for f in blocking(warm_start_findings(
         profile_on(built, built.head, **{**FITS, "train.sliding_window": 1024}))))
     assert ("train.sliding_window: the head's layers have full attention, the profile asks a window of 1024: a "
@@ -56,12 +64,12 @@ def test_the_stage_says_every_contradiction_at_once(built):  # noqa: F811
     from pipeline.stages.base import StageError
     from pipeline.stages.heads import check_start
 
-    ctx = SimpleNamespace(profile=profile_on(built, built.head), target_dir=lambda: built.target)
+    ctx = SimpleNamespace(profile=profile_on(built, built.head, **AGAINST), target_dir=lambda: built.target)
     with pytest.raises(StageError) as err:
         check_start(ctx, built.head)
     said = str(err.value)
     assert "\n" not in said and said.startswith(f"train.from_pretrained = {str(built.head)!r}: ")
-    for key in ("train.num_layers", "vocab.draft_vocab_size", "extract.layer_ids", "train.norm_before_fc"):
+    for key in ("train.num_layers", "vocab.draft_vocab_size", "extract.layer_ids", "train.norm_before_residual"):
         assert f"{key}: " in said, said
     check_start(SimpleNamespace(profile=profile_on(built, built.head, **FITS), target_dir=lambda: built.target),
                 built.head)  # a head that fits passes
@@ -243,3 +251,16 @@ def test_a_resume_trains_from_the_runs_copy_when_the_source_head_is_gone(built, 
     assert found.severity == "ok" and f"training goes on from the run's copy of {source}" in found.message
     [found] = preflight.warm_start_findings(profile)  # a new run from the same profile: the source is gone
     assert found.severity == "block" and "not a directory" in found.message
+
+
+def test_a_warm_starts_fields_for_vllm_are_the_heads_not_the_profiles_defaults(built, monkeypatch):  # noqa: F811
+    """The trained head keeps the starting head's norms (speculators builds it from the head's config): the
+    serving vLLM is asked about those, named as the head's."""
+    from pipeline.planning import preflight
+    from tests.test_eagle31 import fake_vllm, reads
+    fake_vllm(monkeypatch, reads(fc_norm={"read": False}))  # the head has fc_norm = true; the profile's is false
+    profile = profile_on(built, built.head, **{"evaluate.online": True, "evaluate.methods": ["baseline", "eagle3"]})
+    assert profile.train.fc_norm is False
+    [found] = preflight.head_field_findings(profile)
+    assert found.severity == "block" and found.message.startswith(
+        f"train.from_pretrained {str(built.head)!r} (the norms it keeps): fc_norm = true"), found.message

@@ -208,7 +208,15 @@ def head_field_findings(profile: Profile, run_dir: Path | None = None) -> list[F
     if ev.online and "eagle3" in ev.methods:  # the trained head reaches vLLM only through deploy-measure
         args = _trainer_words(t)
         draft_arch = args[args.index("--draft-arch") + 1] if "--draft-arch" in args[:-1] else "llama"
-        heads.append(("train.", {f: getattr(t, f) for f in eagle3_fields.FIELDS}, draft_arch, None))
+        values: dict[str, bool | None] = {f: getattr(t, f) for f in eagle3_fields.FIELDS}
+        label = "train."
+        if (start := profile.warm_start()) is not None:  # the head's config decides a warm start's norms
+            try:
+                values = speculators_heads.shape(Path(_held(start[1], run_dir, _start_copy(profile)))).norms
+                label = f"{start[0]} {start[1]!r} (the norms it keeps): "
+            except speculators_heads.HeadError:
+                pass  # warm_start_findings blocks it
+        heads.append((label, values, draft_arch, None))
     # served by the matrix's existing row, or first by measure-existing (any policy but off)
     if profile.serves_existing():
         try:  # a run directory's head is its published one
@@ -360,12 +368,21 @@ def start_mismatches(profile, head: Path, hidden_size: int, target_vocab: int, n
     t = profile.train
     shape = speculators_heads.shape(head)
     draft = None if shape.draft_vocab_size == target_vocab and not shape.has_d2t else profile.vocab.draft_vocab_size
+    # A key left at its default (a new head's shape) leaves a warm start's head its own layers, norms and
+    # window: only a value the profile moves off it contradicts the head. The draft vocabulary and the aux
+    # layers stay strict: the vocab stage's files and the extracted states are sized by them.
+    default = {k: f.default for k, f in type(t).model_fields.items()}
     return speculators_heads.mismatches(
-        shape, hidden_size=hidden_size, target_vocab=target_vocab, draft_vocab=draft, layers=t.num_layers,
+        shape, hidden_size=hidden_size, target_vocab=target_vocab, draft_vocab=draft,
+        layers=None if t.num_layers == default["num_layers"] else t.num_layers,
         aux_layer_ids=resolve_layer_ids(profile.extract.layer_ids, n_layers)[:-1],
-        norms={f: getattr(t, f) for f in eagle3_fields.FIELDS},
-        # the default (speculators' window for a new head) leaves a warm start's head its own layers
-        window=None if t.sliding_window == type(t).model_fields["sliding_window"].default else t.sliding_window)
+        norms={f: getattr(t, f) for f in eagle3_fields.FIELDS if getattr(t, f) != default[f]},
+        window=None if t.sliding_window == default["sliding_window"] else t.sliding_window)
+
+
+def _start_copy(profile: Profile) -> str:
+    """Where a run keeps its copy of the head it trains from (RunDir's attribute)."""
+    return "existing_head_dir" if profile.train.from_pretrained == "existing" else "start_head_dir"
 
 
 def _held(named: str, run_dir: Path | None, copy: str) -> str:
@@ -412,8 +429,7 @@ def warm_start_findings(profile: Profile, run_dir: Path | None = None) -> list[F
     if (start := profile.warm_start()) is None:
         return []
     key, named = start
-    held = _held(named, run_dir, "existing_head_dir" if profile.train.from_pretrained == "existing"
-                 else "start_head_dir")
+    held = _held(named, run_dir, _start_copy(profile))
     try:
         source = speculators_heads.classify(Path(held))
     except speculators_heads.HeadError as exc:

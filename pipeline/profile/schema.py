@@ -386,9 +386,10 @@ class TrainSection(Section):
     from_pretrained: str = ""
     """Warm start (speculators --from-pretrained): train on from this head instead of from nothing. A
     speculators head, a run directory (its published head) or a research-format EAGLE-3 head (converted into
-    the run by speculators' convert), or "existing" = evaluate.existing_head. The draft's shape is the head's
-    (preflight blocks a profile key that contradicts it: train.num_layers, vocab.draft_vocab_size,
-    extract.layer_ids, the norms, train.sliding_window); its d2t/t2d stay the draft vocabulary
+    the run by speculators' convert), or "existing" = evaluate.existing_head. The draft's shape is the head's:
+    train.num_layers, the norms and train.sliding_window left at their defaults take the head's, and
+    preflight blocks one the profile sets otherwise, as it blocks vocab.draft_vocab_size and
+    extract.layer_ids unless they match the head; its d2t/t2d stay the draft vocabulary
     (vocab.from_head); pick-checkpoint measures it as checkpoint "start", so the run never deploys a head
     worse than the one it started from."""
     extra_args: list[str] = Field(default_factory=list)
