@@ -293,3 +293,36 @@ def test_load_above_the_measured_levels_is_said_in_the_decisions_traffic(tmp_pat
     weights, how = traffic_of(ctx, [1, 8, 32])
     assert weights == pytest.approx({8: 0.1667, 32: 0.8333}, abs=1e-4)
     assert "83% of it above c = 64 (up to 200 running), where nothing was measured: weighed as c = 32's" in how
+
+
+def test_the_decision_line_names_a_stalled_round_and_prints_its_bound_exactly():
+    assert decide({1: (1.2, 0.0, 1.3)}, {1: 1.0}, 1.1).line == \
+        "do not deploy: a round measured no speed at concurrency 1"
+    # 1.017 * 1000 is 1016.999… in floats: cut, it must still read x1.017
+    assert decide({1: (1.017,) * 3}, {1: 1.0}, 1.1).line.startswith("do not deploy: speedup x1.017 < threshold")
+
+
+@pytest.mark.parametrize("argv,traffic,decides,said", [
+    (["vllm", "serve"], {"busy": 0}, False, None),  # an instance of the target alone, 30 % off: no decision
+    (["vllm", "serve", "--speculative-config", "{}"], {"busy": 0}, True, "it served a head"),
+    (["vllm", "serve"], {"busy": 12}, True, "it carried the operator's load while measured"),
+], ids=["alone", "with-a-head", "under-load"])
+def test_production_before_counts_as_an_instance_only_when_it_is_one(tmp_path, argv, traffic, decides, said):
+    """A production that served a head (an earlier run's handover) or carried the operator's load while
+    measured differs from the baseline for its own reasons: said beside the figures, not a veto."""
+    from types import SimpleNamespace
+
+    from pipeline.profile import load_profile
+    from pipeline.stages.benchmark import cannot_decide, instance_check, noise_line
+    from tests.helpers import TINY
+    before = tmp_path / "production-before.json"
+    before.write_text(json.dumps({"argv": argv, "traffic": traffic,
+                                  "row": {"levels": {"1": {"output_tok_s": 130.0}}}}))
+    ctx = SimpleNamespace(profile=load_profile(TINY), run=SimpleNamespace(production_before=before))
+    noise = instance_check(ctx, {"baseline": {"levels": {"1": {"output_tok_s": 100.0}}}})
+    assert noise["decides"] is decides and noise.get("production_not_an_instance") == said
+    assert noise["levels"]["1"]["production_vs_baseline"] == pytest.approx(0.3)
+    if not decides:
+        assert "measured 30% apart" in cannot_decide(noise, 0.1).line
+    else:
+        assert f"production before is no instance of the target alone ({said})" in noise_line(noise)

@@ -264,3 +264,30 @@ def test_a_warm_starts_fields_for_vllm_are_the_heads_not_the_profiles_defaults(b
     [found] = preflight.head_field_findings(profile)
     assert found.severity == "block" and found.message.startswith(
         f"train.from_pretrained {str(built.head)!r} (the norms it keeps): fc_norm = true"), found.message
+
+
+def test_a_research_start_without_a_norm_is_checked_as_speculators_will_write_it(built, tmp_path, monkeypatch):  # noqa: F811
+    """yuhuili's configs leave norm_before_residual out; the head speculators writes after training has it
+    explicit (false), which vLLM serves as such: no block for a field that will not be absent."""
+    from pipeline.planning import preflight
+    from tests.test_eagle31 import fake_vllm, reads
+    from tests.test_speculators_heads import _research_head
+    bare = _research_head(tmp_path / "bare", config={"norm_before_residual": None})
+    fake_vllm(monkeypatch, reads())  # vLLM's adapter serves an absent norm_before_residual as true
+    profile = profile_on(built, bare, **{"evaluate.online": True, "evaluate.methods": ["baseline", "eagle3"]})
+    assert not blocking(preflight.head_field_findings(profile))
+
+
+def test_the_plan_counts_the_layers_the_head_keeps(built):  # noqa: F811
+    from pipeline.planning.steps import draft_layers
+    from pipeline.stages.deploy_measure import DeployMeasure
+    assert draft_layers(profile_on(built, built.head)) == 2  # the key at its default: the head's own
+    assert draft_layers(profile_on(built, built.head, **{"train.num_layers": 3})) is None  # the profile's (blocked)
+    assert draft_layers(load_profile(TINY)) is None  # no warm start
+    # a copy from deploy-measure on keeps vocab's copy of the "existing" head the carried mapping came from
+    existing = profile_on(built, "existing", **{"evaluate.existing_head": str(built.head)})
+    ctx = SimpleNamespace(profile=existing, run=SimpleNamespace(online_result=Path("o"), draft_dir=Path("d"),
+                                                                existing_head_dir=Path("e")))
+    assert Path("e") not in DeployMeasure().fresh_paths(ctx)
+    ctx.profile = load_profile(TINY)
+    assert Path("e") in DeployMeasure().fresh_paths(ctx)

@@ -63,7 +63,8 @@ class Run(Command):
                 if not args.start:
                     raise CliError(f"--copy-of {args.copy_of}: say where the new run starts (--from STAGE)")
                 source = RunDir.open(Path(args.copy_of))
-                profile = load_profile(args.profile or source.profile_path, overrides(args.set))
+                profile = load_profile(args.profile or source.profile_path, overrides(args.set),
+                                       held=() if args.profile else source.held())
                 select(profile, args.start, args.until)
                 run, copied = copy_of(source.root, profile, args.start, Path(args.run_dir) if args.run_dir else None)
                 print(copied.line(source.root), flush=True)

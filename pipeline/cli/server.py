@@ -85,7 +85,8 @@ def server_profile(args):
     run = RunDir.open(Path(args.run_dir)) if args.run_dir else None
     if run is None and not args.profile:
         raise ProfileError("give a PROFILE or --run-dir RUN_DIR")
-    profile = load_profile(args.profile or run.profile_path, overrides(args.set))
+    profile = load_profile(args.profile or run.profile_path, overrides(args.set),
+                           held=run.held() if run is not None and not args.profile else ())
     if run is not None and profile.server.port != (port := run.profile().server.port):
         raise ProfileError(f"server.port {profile.server.port} is not the port of run {run.root} ({port}): "
                            f"a server command with --run-dir acts on that run's server")

@@ -185,7 +185,7 @@ class DraftPlan:
     frozen_params: int
 
 
-def draft_plan(info: TargetInfo, profile: Profile) -> DraftPlan:
+def draft_plan(info: TargetInfo, profile: Profile, layers: int | None = None) -> DraftPlan:
     """speculators' EAGLE-3 Llama draft on this target: fc over the aux states, `num_layers` decoder
     layers whose first attention reads [embedding, hidden] (2H wide), lm_head over the draft vocabulary;
     the target's embeddings are loaded and frozen. Heads, KV heads, head_dim and the MLP width are the
@@ -193,6 +193,7 @@ def draft_plan(info: TargetInfo, profile: Profile) -> DraftPlan:
     target gives head_dim = qk_rope_head_dim and every head a KV head."""
     ids = resolve_layer_ids(profile.extract.layer_ids, info.layers)
     h, n_aux = info.hidden, len(ids) - 1
+    n_layers = layers or profile.train.num_layers  # `layers`: a warm start's head's own (planning.steps)
     heads = info.heads or max(1, h // 128)
     kv_heads = info.kv_heads or heads
     head_dim = info.head_dim or h // heads
@@ -200,8 +201,8 @@ def draft_plan(info: TargetInfo, profile: Profile) -> DraftPlan:
     attn = 2 * h * heads * head_dim + 2 * (2 * h * kv_heads * head_dim) + heads * head_dim * h  # q, k, v read 2H; o
     mlp = 3 * h * info.intermediate
     layer = attn + mlp + 3 * h
-    trainable = n_aux * h * h + n_aux * h + profile.train.num_layers * layer + d * h + h  # fc, its input norm, …
+    trainable = n_aux * h * h + n_aux * h + n_layers * layer + d * h + h  # fc, its input norm, …
     return DraftPlan(layer_ids=ids, trainer_layer_ids=ids[:-1], hidden=h, heads=heads, kv_heads=kv_heads,
                      head_dim=head_dim, intermediate=info.intermediate, draft_vocab=d, target_vocab=info.vocab,
-                     num_layers=profile.train.num_layers, ttt_steps=profile.train.ttt_steps,
+                     num_layers=n_layers, ttt_steps=profile.train.ttt_steps,
                      trainable_params=trainable, frozen_params=info.vocab * h)

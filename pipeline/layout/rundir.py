@@ -138,11 +138,14 @@ class RunDir:
             raise NotBuilt("build-target has not run: no demo target recorded in state.json")
         return Path(recorded)
 
+    def held(self) -> tuple[str, ...]:
+        """Profile keys whose input this run holds its own copy of (load_profile's `held`): the head a warm
+        start trains from, once start-head/ is whole — a resume, a server start or a copy needs no source."""
+        return ("train.from_pretrained",) if (self.start_head_dir / "config.json").is_file() else ()
+
     def profile(self) -> Profile:
-        # the head a warm start trains from is the run's copy once it has one: a resume needs no source
-        held = ("train.from_pretrained",) if (self.start_head_dir / "config.json").is_file() else ()
         try:
-            return load_profile(self.profile_path, held=held)
+            return load_profile(self.profile_path, held=self.held())
         except ProfileError as exc:
             raise RunDirError(str(exc)) from None
 

@@ -94,7 +94,7 @@ def _sample_tokens(profile: Profile) -> tuple[int, int, str]:
 def make_plan(profile: Profile, run_dir: Path | None = None, free: int | None = None) -> Plan:
     """`run_dir`/`free`: the disk `auto` decides against (default: where the profile's runs go)."""
     info = target_info(profile)
-    draft = draft_plan(info, profile)
+    draft = draft_plan(info, profile, steps.draft_layers(profile))
     samples, tokens, tokens_source = _sample_tokens(profile)
     t, hw, ev = profile.train, profile.hardware, profile.evaluate
     train_gpus = t.nproc_per_node * t.nnodes

@@ -32,6 +32,7 @@ from pipeline.layout.rundir import RunDir
 from pipeline.planning import vllm_probe
 from pipeline.planning.calibration import CalibrationError
 from pipeline.planning.plan import disk_verdict, make_plan, time_summary
+from pipeline.planning.steps import draft_layers
 from pipeline.profile import Profile, source_kind
 from pipeline.units import GIB, human
 
@@ -212,7 +213,9 @@ def head_field_findings(profile: Profile, run_dir: Path | None = None) -> list[F
         label = "train."
         if (start := profile.warm_start()) is not None:  # the head's config decides a warm start's norms
             try:
-                values = speculators_heads.shape(Path(_held(start[1], run_dir, _start_copy(profile)))).norms
+                kept = speculators_heads.shape(Path(_held(start[1], run_dir, _start_copy(profile)))).norms
+                # the head speculators writes after training has every field explicit: an absent one as read
+                values = {f: eagle3_fields.trained_value(v) for f, v in kept.items()}
                 label = f"{start[0]} {start[1]!r} (the norms it keeps): "
             except speculators_heads.HeadError:
                 pass  # warm_start_findings blocks it
@@ -349,7 +352,7 @@ def target_findings(profile: Profile) -> list[Finding]:
                                                f"target's vocabulary {info.vocab}: the draft vocabulary is a subset "
                                                f"of the target's (at most {info.vocab})"))
     else:
-        draft = draft_plan(info, profile)
+        draft = draft_plan(info, profile, draft_layers(profile))
         found.append(Finding("ok", "draft", f"aux layer ids {draft.layer_ids} (trainer --target-layer-ids "
                              f"{draft.trainer_layer_ids}); draft: {draft.num_layers} Llama layer(s), hidden "
                              f"{draft.hidden}, {draft.heads}/{draft.kv_heads} heads of {draft.head_dim}, "

@@ -139,6 +139,21 @@ def existing_text(profile: Profile) -> str:
     return text + "; the run trains a new head whatever it measures (evaluate.existing_policy = measure)"
 
 
+def draft_layers(profile: Profile) -> int | None:
+    """A warm start's decoder layers where train.num_layers is left at its default (the head keeps its own,
+    and the plan's parameters, memory and checkpoints are the head's); None: the profile's."""
+    from pathlib import Path
+
+    from pipeline.compat import speculators_heads
+    t = profile.train
+    if (start := profile.warm_start()) is None or t.num_layers != type(t).model_fields["num_layers"].default:
+        return None
+    try:
+        return speculators_heads.shape(Path(start[1])).layers
+    except speculators_heads.HeadError:  # what it is not, preflight says
+        return None
+
+
 def warm_start_text(profile: Profile) -> str:
     """What a warm start changes: where training starts, what it keeps of the head, what pick-checkpoint adds."""
     t, v = profile.train, profile.vocab

@@ -107,6 +107,13 @@ def existing_card(run: RunDir, profile: Profile, existing: results.MeasureExisti
     return "\n".join(lines)
 
 
+def _layers(head: Path, t) -> int:
+    """The head's decoder layers as written (a warm start keeps its starting head's), else the profile's."""
+    layer = (atomicio.read_json(head / "config.json") or {}).get("transformer_layer_config")
+    return layer["num_hidden_layers"] if isinstance(layer, dict) and isinstance(layer.get("num_hidden_layers"), int) \
+        else t.num_layers
+
+
 def model_card(run: RunDir, profile: Profile, head: Path, target: Path, out: Path, decision, forced: bool) -> str:
     state = run.read_state()
     stages = state.get("stages", {})
@@ -132,7 +139,7 @@ def model_card(run: RunDir, profile: Profile, head: Path, target: Path, out: Pat
                                    f"{_fmt(regen.generated_tokens)} tokens" if d.regenerate else "none"),
              f"- draft vocabulary: {profile.vocab.draft_vocab_size} of {_fmt(vocab.target_vocab_size)} "
              f"tokens (coverage {_fmt(vocab.coverage)})", "",
-             "## Training", "", f"- {t.epochs} epochs, lr {t.lr:g}, {t.optimizer}, {t.num_layers} layer(s), "
+             "## Training", "", f"- {t.epochs} epochs, lr {t.lr:g}, {t.optimizer}, {_layers(head, t)} layer(s), "
              f"total_seq_len {t.total_seq_len}, ttt_steps {t.ttt_steps}, extraction {profile.extract.mode}",
              f"- final train loss {_fmt(train.train_loss)}, {_fmt(train.tokens_per_s)} tokens/s; "
              f"the head: `{head.name}` ({'measured best' if ev.checkpoints == 'each' else 'last epoch'})",

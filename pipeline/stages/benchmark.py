@@ -133,13 +133,15 @@ def decide(levels: dict[int, tuple[float, float, float]] | None, weights: dict[i
         return Decision(False, "the new head was not measured")
     m = schedule.mix(levels, weights)
     if m is None:
-        missing = sorted(set(weights) - set(levels))
-        return Decision(False, f"no speedup measured at concurrency {', '.join(map(str, missing))}")
+        if missing := sorted(set(weights) - set(levels)):
+            return Decision(False, f"no speedup measured at concurrency {', '.join(map(str, missing))}")
+        stalled = sorted(c for c in weights if min(levels[c]) <= 0)
+        return Decision(False, f"a round measured no speed at concurrency {', '.join(map(str, stalled))}")
     deploy = m.lo >= threshold
     rel = ">=" if deploy else "<"
     # Three decimals: at two, x1.098 against x1.10 would read "x1.10 (threshold x1.10)"; a bound below the
     # threshold is cut, not rounded, so that x1.0996 does not read "x1.100 < threshold x1.1".
-    lo = f"{m.lo:.3f}" if deploy else f"{math.floor(m.lo * 1000) / 1000:.3f}"
+    lo = f"{m.lo:.3f}" if deploy else f"{math.floor(round(m.lo * 1000, 6)) / 1000:.3f}"  # 1.017 * 1000 = 1016.99…
     if len(m.weights) == 1 and m.lo == m.hi:  # one level, one round: the figure is its own interval
         (c,) = m.weights
         return Decision(deploy, f"{what + ': ' if what else ''}speedup x{lo} {rel} threshold "
@@ -166,7 +168,14 @@ def instance_check(ctx: StageContext, matrix: dict) -> dict:
     instances, and production before the run (measure-production) where it was measured."""
     ev = ctx.profile.evaluate
     out: dict = {"bound": ev.instance_spread, "levels": {}}
-    before = (atomicio.read_json(ctx.run.production_before) or {}).get("row") or {}
+    record = atomicio.read_json(ctx.run.production_before) or {}
+    before = record.get("row") or {}
+    # production before the run is one more instance of the target alone only where it served no head and
+    # carried no load while measured; else its gap to the baseline is the head's or the load's: said, no veto
+    why_not = ("it served a head" if "--speculative-config" in (record.get("argv") or []) else
+               "it carried the operator's load while measured" if (record.get("traffic") or {}).get("busy") else "")
+    if before and why_not:
+        out["production_not_an_instance"] = why_not
     for c in matrix["baseline"].get("levels", {}):
         medians = {m: row["levels"][c]["output_tok_s"] for m, row in matrix.items()
                    if mode_of(m) == "baseline" and not row.get("error") and c in row.get("levels", {})}
@@ -179,8 +188,8 @@ def instance_check(ctx: StageContext, matrix: dict) -> dict:
     spreads = [e["spread"] for e in out["levels"].values()]
     out["spread"] = max(spreads, default=0.0)
     # production before the run is an instance of the target alone too (schema: evaluate.instance_spread)
-    out["decides"] = out["spread"] <= ev.instance_spread and all(
-        abs(e.get("production_vs_baseline", 0)) <= ev.instance_spread for e in out["levels"].values())
+    out["decides"] = out["spread"] <= ev.instance_spread and (bool(why_not) or all(
+        abs(e.get("production_vs_baseline", 0)) <= ev.instance_spread for e in out["levels"].values()))
     return out
 
 
@@ -193,6 +202,8 @@ def noise_line(check: dict) -> str:
                                                                                  if n > 2 else ""))
         if "production_vs_baseline" in e:
             parts.append(f"c={c} production before vs baseline {e['production_vs_baseline']:+.0%}")
+    if parts and (why := check.get("production_not_an_instance")):
+        parts.append(f"production before is no instance of the target alone ({why})")
     return "; ".join(parts) or "one baseline instance (evaluate.baseline_instances = 2 measures the spread)"
 
 
@@ -266,7 +277,8 @@ def settled_noise(ctx: StageContext, matrix: dict, prompts: list[list[int]], arg
 
 def cannot_decide(noise: dict, bound: float) -> Decision:
     """Not deployed: instances of the target alone measured further apart than any speedup could tell."""
-    worst = max([noise["spread"]] + [abs(e.get("production_vs_baseline", 0)) for e in noise["levels"].values()])
+    worst = max([noise["spread"]] + ([] if noise.get("production_not_an_instance") else
+                                     [abs(e.get("production_vs_baseline", 0)) for e in noise["levels"].values()]))
     return Decision(False, f"the figures cannot decide: instances of the target alone measured "
                            f"{worst:.0%} apart (> evaluate.instance_spread = {bound:g}): {noise_line(noise)}")
 

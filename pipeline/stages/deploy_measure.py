@@ -36,7 +36,9 @@ class DeployMeasure(Stage):
 
     def fresh_paths(self, ctx: StageContext) -> list[Path]:
         # the existing head's copy, where measure-existing did not make it (a carried measure-existing keeps it)
-        return [ctx.run.online_result, ctx.run.draft_dir, ctx.run.existing_head_dir]
+        # and vocab did not either (train.from_pretrained = "existing": the head the carried mapping is from)
+        own = [] if ctx.profile.train.from_pretrained == "existing" else [ctx.run.existing_head_dir]
+        return [ctx.run.online_result, ctx.run.draft_dir, *own]
 
     def server_argv(self, ctx: StageContext) -> list[str] | None:
         return argv_for(ctx, "baseline")  # the matrix starts with the baseline on the serving port
