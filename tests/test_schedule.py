@@ -231,9 +231,17 @@ def test_weigh_asks_to_serve_a_schedule_and_falls_back_to_one_k_when_vllm_refuse
     k = schedule.best_single_k(weighed["points"], weights, {1, 4})
     assert settled["deployed"]["k"] == k and settled["deployed"]["row"] == {4: "eagle3", 1: "eagle3-k1"}[k]
     assert any("did not serve" in n for n in ctx.notes) and any("one k for every load" in n for n in ctx.notes)
-    # served: the schedule is what is deployed
-    matrix[SCHEDULE_ROW] = served[4]
+    # served as chosen (each level at its k's figures): the schedule is what is deployed
+    pts = weighed["points"]
+    matrix[SCHEDULE_ROW] = row({c: ([pts[c][k].tok_s * f for f in (0.99, 1, 1.01)], pts[c][k].tau, PP[:k])
+                                for c, k in ((int(c), k) for c, k in weighed["schedule"]["per_level"].items())})
     assert settle(ctx, matrix, pooled_baseline(matrix), weighed, weights)["deployed"]["row"] == SCHEDULE_ROW
+    # served, but slower under the traffic than one k at every load measured before it: that k is weighed
+    ctx.notes.clear()
+    matrix[SCHEDULE_ROW] = base | {"method": SCHEDULE_ROW}
+    settled = settle(ctx, matrix, pooled_baseline(matrix), weighed, weights)
+    assert settled["deployed"]["row"] == {4: "eagle3", 1: "eagle3-k1"}[k] and settled["deployed"]["k"] == k
+    assert any(n.startswith("the schedule (") and f"k={k} is weighed" in n for n in ctx.notes)
 
 
 def test_the_existing_head_is_weighed_over_k_like_the_new_one_and_apart_from_it():

@@ -372,6 +372,18 @@ def settle(ctx: StageContext, matrix: dict, base: dict, weighed: dict, weights: 
         return weighed | fallback(ctx, weighed["points"], weights,
                                   served_head_rows(matrix, ctx.profile.evaluate.k, head),
                                   f"vLLM refused it: {row['error']}")
+    # Its figures are measured now, each single k's were before: a schedule chosen level by level from the
+    # sweep can still serve worse under the traffic than one k at every load (its ranges switch k between
+    # the measured levels, its server is another instance); the higher lower bound is what is weighed.
+    row_of = served_head_rows(matrix, ctx.profile.evaluate.k, head)
+    own = schedule.mix(row_levels(row, base), weights)
+    singles = schedule.single_k_mixes(weighed["points"], weights, set(row_of))
+    k = max(singles, key=lambda j: singles[j].lo, default=None)
+    if own is not None and k is not None and singles[k].lo > own.lo:
+        ctx.note(f"the schedule ({chosen.text()}) served {own.text()} under the traffic, k={k} at every batch "
+                 f"size {singles[k].text()}: k={k} is weighed", ctx.log.warning)
+        return weighed | {"deployed": {"row": row_of[k], "k": k,
+                                       "what": f"k={k} at every batch size (above the schedule served)"}}
     return weighed | {"deployed": {"row": schedule_row(head), "k": chosen.max_k, "schedule": chosen.as_vllm(),
                                    "what": f"schedule {chosen.text()}"}}
 
