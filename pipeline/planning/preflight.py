@@ -131,13 +131,15 @@ def vllm_target_findings(profile: Profile, info) -> list[Finding]:
     elif (mla and profile.warm_start() is None and _serves_trained(profile)
           and not _trained_full_layers(profile.train)):
         # vLLM cannot put a windowed head in MLA's KV-cache group (compat/vllm_kv_groups.py): it stays a second
-        # group, which on one H200 cost the head its c = 32 throughput (bench/results/h200/mla-window/)
-        found.append(Finding("info", "head", f"{where}: the head this run trains keeps speculators' window "
+        # group, measured slower than a full-attention head on an H100 at every level and on an H200 at c = 32
+        # (bench/results/h100/mla-window/, h200/mla-window/): a warning, since the window is the trainer's default
+        found.append(Finding("warn", "head", f"{where}: the head this run trains keeps speculators' window "
                                              f"(train.sliding_window = {profile.train.sliding_window}), served as "
-                                             f"a second KV-cache group beside MLA; on one H200 (vLLM 0.26.0, a "
-                                             f"Kimi-class target) a full-attention head served 14.4k against "
-                                             f"10.6k tok/s at c = 32, alike at c = 1 and 8 (one instance each): "
-                                             f"train.sliding_window = 0 trains one"))
+                                             f"a second KV-cache group beside MLA; with vLLM 0.26.0 and a "
+                                             f"Kimi-class target a full-attention head served x1.28 / x1.37 / "
+                                             f"x1.61 of its tok/s at c = 1 / 8 / 32 on an H100, x0.93 / x0.90 / "
+                                             f"x1.36 on an H200 (one instance each): train.sliding_window = 0 "
+                                             f"trains one"))
     if info.int4_group_size and info.experts:
         q = answer.get("int4_moe") or {"error": "no INT4 answer"}
         if q.get("backend"):
