@@ -233,8 +233,9 @@ def test_weigh_asks_to_serve_a_schedule_and_falls_back_to_one_k_when_vllm_refuse
     assert any("did not serve" in n for n in ctx.notes) and any("one k for every load" in n for n in ctx.notes)
     # served as chosen (each level at its k's figures): the schedule is what is deployed
     pts = weighed["points"]
-    matrix[SCHEDULE_ROW] = row({c: ([pts[c][k].tok_s * f for f in (0.99, 1, 1.01)], pts[c][k].tau, PP[:k])
-                                for c, k in ((int(c), k) for c, k in weighed["schedule"]["per_level"].items())})
+    per_level = {int(c): j for c, j in weighed["schedule"]["per_level"].items()}  # j: not the k of above
+    matrix[SCHEDULE_ROW] = row({c: ([pts[c][j].tok_s * f for f in (0.99, 1, 1.01)], pts[c][j].tau, PP[:j])
+                                for c, j in per_level.items()})
     assert settle(ctx, matrix, pooled_baseline(matrix), weighed, weights)["deployed"]["row"] == SCHEDULE_ROW
     # served, but slower under the traffic than one k at every load measured before it: that k is weighed
     ctx.notes.clear()
