@@ -145,13 +145,16 @@ def test_one_level_one_round_keeps_its_plain_line():
     assert decide({1: (1.1, 1.1, 1.1)}, {1: 1.0}, 1.10).line.startswith("deploy: speedup x1.100 >= threshold x1.1")
 
 
-def test_best_single_k_for_the_traffic():
+def test_best_mix_for_the_traffic():
     base, served = model_matrix({1: 100.0, 8: 600.0}, {1: 0.05, 8: 0.3}, {1: 0.0, 8: 0.2})
     points = schedule.sweep(served, base, [1, 4])
-    assert schedule.best_single_k(points, {1: 1.0}, {1, 4}) == 4
-    assert schedule.best_single_k(points, {8: 1.0}, {1, 4}) == 1
+    assert schedule.best_mix(points, {1: 1.0}, {1, 4})[0] == 4
+    k, m = schedule.best_mix(points, {8: 1.0}, {1, 4})
+    assert k == 1 and m.lo == schedule.single_k_mixes(points, {8: 1.0}, {1, 4})[1].lo
+    assert schedule.best_mix(points, {8: 1.0}, {4})[0] == 4  # only what is served is weighed
+    assert schedule.best_mix(points, {8: 1.0}, {0}) is None
     base, served = model_matrix({1: 100.0}, {1: 3.0}, {1: 0.0})
-    assert schedule.best_single_k(schedule.sweep(served, base, [1, 4]), {1: 1.0}, {1, 4}) == 0  # none gains
+    assert schedule.best_mix(schedule.sweep(served, base, [1, 4]), {1: 1.0}, {1, 4})[1].lo < 1  # none gains
 
 
 def test_instance_spread_and_spread_text():
@@ -228,7 +231,7 @@ def test_weigh_asks_to_serve_a_schedule_and_falls_back_to_one_k_when_vllm_refuse
     # the schedule's server refused: one k for every load, the best for the traffic, said
     matrix[SCHEDULE_ROW] = {"error": "vLLM refused it"}
     settled = settle(ctx, matrix, pooled_baseline(matrix), weighed, weights)
-    k = schedule.best_single_k(weighed["points"], weights, {1, 4})
+    k = schedule.best_mix(weighed["points"], weights, {1, 4})[0]
     assert settled["deployed"]["k"] == k and settled["deployed"]["row"] == {4: "eagle3", 1: "eagle3-k1"}[k]
     assert any("did not serve" in n for n in ctx.notes) and any("one k for every load" in n for n in ctx.notes)
     # served as chosen (each level at its k's figures): the schedule is what is deployed
@@ -335,3 +338,68 @@ def test_production_before_counts_as_an_instance_only_when_it_is_one(tmp_path, a
         assert "measured 30% apart" in cannot_decide(noise, 0.1).line
     else:
         assert f"production before is no instance of the target alone ({said})" in noise_line(noise)
+
+
+def test_a_gain_wider_than_the_gap_between_instances_decides_and_a_narrower_one_does_not():
+    """One H200, 2026-12-07: two baseline instances 25 % apart at c = 8 kept out a head at x1.686
+    (x1.339-x2.044) under the traffic — a gain far wider than the gap. A decision to deploy now stands where
+    the expected speedup still reaches the threshold with the whole gap taken off; a narrower gain cannot
+    decide, and a head that would not be deployed anyway is not deployed."""
+    from pipeline.stages.benchmark import through_the_noise
+    noise = {"spread": 0.2536, "bound": 0.1, "levels": {
+        "1": {"baseline_instances": {"baseline": 495.9, "baseline-2": 494.2}, "spread": 0.0034,
+              "production_before": 412.7, "production_vs_baseline": -0.1673},
+        "8": {"baseline_instances": {"baseline": 3204.8, "baseline-2": 2556.4}, "spread": 0.2536,
+              "production_before": 2996.1, "production_vs_baseline": 0.0413}}}
+    weights = {1: 0.3, 8: 0.4, 32: 0.3}
+    h200 = {1: (1.659, 1.47, 1.97), 8: (1.513, 1.29, 1.84), 32: (2.029, 1.29, 2.50)}
+    wins = decide(h200, weights, 1.1, "k=3", "the declared traffic")
+    assert wins.deploy
+    kept = through_the_noise(wins, h200, weights, noise, 1.1, 0.1)
+    expected = schedule.mix(h200, weights).expected
+    assert kept.deploy and kept.reason.startswith(wins.reason)
+    assert "measured 25% apart" in kept.line and f"x{expected / 1.2536:.3f} with it taken off" in kept.line
+    # the same bounds, a gain inside the gap: x1.2 / 1.2536 < x1.1
+    narrow = {c: (1.2, 1.15, 1.3) for c in weights}
+    close = decide(narrow, weights, 1.1, "k=3", "the declared traffic")
+    assert close.deploy and not through_the_noise(close, narrow, weights, noise, 1.1, 0.1).deploy
+    assert through_the_noise(close, narrow, weights, noise, 1.1, 0.1).reason.startswith("the figures cannot decide")
+    # production before was the wider gap: it counts (it is an instance of the target alone)
+    wider = {**noise, "spread": 0.05, "levels": {**noise["levels"], "1": {**noise["levels"]["1"],
+                                                                         "production_vs_baseline": -0.6}}}
+    assert not through_the_noise(wins, h200, weights, wider, 1.1, 0.1).deploy  # 1.686 / 1.6 < 1.1
+    lost = decide({c: (0.9, 0.8, 1.0) for c in weights}, weights, 1.1)
+    assert not through_the_noise(lost, {c: (0.9, 0.8, 1.0) for c in weights}, weights, noise, 1.1, 0.1).deploy
+
+
+def test_production_after_is_slower_only_beyond_the_noise_the_run_measured():
+    """The same H200 run measured production without a head x0.76 after against before at c = 8: two
+    instances, nothing changed. Where the run's own instances measured further apart than the bound, that
+    gap is the noise production after is held to, and the rounds rule (made for instances that agree) is
+    off; where they agreed, both rules stand as before."""
+    from pipeline.stages.production import slower_levels
+    ratios = {"1": 1.038, "8": 0.759, "32": 0.959}
+    intervals = {"1": [1.038, 0.937, 1.424], "8": [0.759, 0.719, 0.768], "32": [0.959, 0.9, 1.291]}
+    assert slower_levels(ratios, intervals, 0.1, 0.05, True) == (["c=8 x0.759"], 0.1)
+    assert slower_levels(ratios, intervals, 0.1, 0.2536, True) == ([], 0.2536)
+    assert slower_levels({"8": 0.70}, {"8": [0.70, 0.6, 0.72]}, 0.1, 0.2536, True) == (["c=8 x0.700"], 0.2536)
+    # the rounds rule: every round after below every round before, median under x0.97 — with instances agreeing
+    assert slower_levels({"8": 0.95}, {"8": [0.95, 0.9, 0.99]}, 0.1, 0.05, True)[0] == ["c=8 x0.950"]
+    assert slower_levels({"8": 0.95}, {"8": [0.95, 0.9, 0.99]}, 0.1, 0.05, False)[0] == []
+    assert slower_levels({"8": 0.95}, {"8": [0.95, 0.9, 0.99]}, 0.1, 0.2, True)[0] == []
+
+
+def test_the_noise_production_after_is_held_to_is_read_from_the_runs_own_checks(tmp_path):
+    """measured_apart: the wider of deploy-measure's and measure-existing's instance checks, production
+    before included where it was an instance; 0 where neither ran."""
+    from types import SimpleNamespace
+
+    from pipeline.stages.production import measured_apart
+    online, existing = tmp_path / "online.json", tmp_path / "existing.json"
+    ctx = SimpleNamespace(run=SimpleNamespace(online_result=online, existing_result=existing))
+    assert measured_apart(ctx) == 0.0
+    online.write_text(json.dumps({"instances": {"spread": 0.12, "levels": {"1": {"production_vs_baseline": -0.17}}}}))
+    assert measured_apart(ctx) == pytest.approx(0.17)
+    existing.write_text(json.dumps({"instances": {"spread": 0.3, "levels": {},
+                                                  "production_not_an_instance": "it served a head"}}))
+    assert measured_apart(ctx) == pytest.approx(0.3)

@@ -242,12 +242,12 @@ def choose_schedule(points: dict[int, dict[int, Point]], max_batch: int, floor: 
     return Schedule(tuple((a, b, k) for a, b, k in merged), tuple(chosen))
 
 
-def best_single_k(points: dict[int, dict[int, Point]], weights: dict[int, float], served: set[int]) -> int:
-    """Where vLLM cannot serve a schedule: the one served k whose traffic-weighted speedup's lower bound is
-    highest (0 when none gains)."""
+def best_mix(points: dict[int, dict[int, Point]], weights: dict[int, float],
+             served: set[int]) -> tuple[int, Mix] | None:
+    """The one served k whose traffic-weighted speedup's lower bound is highest, with its mix (None where no
+    k > 0 is measured at every weighed level): what falls back from a schedule, gaining or not."""
     mixes = single_k_mixes(points, weights, served)
-    best = max(mixes, key=lambda k: mixes[k].lo, default=0)
-    return best if best and mixes[best].lo > 1 else 0
+    return max(mixes.items(), key=lambda km: km[1].lo, default=None)
 
 
 def single_k_mixes(points: dict[int, dict[int, Point]], weights: dict[int, float], served: set[int]) -> dict[int, Mix]:
