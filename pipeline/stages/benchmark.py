@@ -289,20 +289,39 @@ def cannot_decide(noise: dict, bound: float) -> Decision:
                            f"{noise_line(noise)}")
 
 
-def through_the_noise(decision: Decision, levels: dict, weights: dict[int, float], noise: dict,
-                      threshold: float, bound: float) -> Decision:
+def second_instance(row: str) -> str:
+    """The row of `row` served once more, by another server (as baseline-2 is the baseline's)."""
+    return f"{row}-2"
+
+
+def pooled_row(matrix: dict, row: str) -> dict:
+    """`row` with its second instance's rounds at each level (where one was measured): the head's noise
+    across servers, as pooled_baseline's is the target alone's."""
+    first, second = matrix[row], matrix.get(second_instance(row)) or {}
+    if not second or second.get("error"):
+        return first
+    levels = {c: {**level, "rounds_tok_s": schedule.level_rounds(level) + schedule.level_rounds(extra)}
+              if (extra := (second.get("levels") or {}).get(c)) else level
+              for c, level in (first.get("levels") or {}).items()}
+    return {**first, "levels": levels}
+
+
+def through_the_noise(decision: Decision, noise: dict, bound: float, second: dict | None) -> Decision:
     """Instances of the target alone measured further apart than evaluate.instance_spread: a decision to deploy
-    stands only where the expected speedup still reaches the threshold with that whole gap taken off it (the
-    head's own server may have been a fast instance by as much; its lower bound already stands against every
-    baseline instance's best round). A head that gains by less than the instances differ: cannot decide.
-    On one H200 (2026-12-07) a head at x1.686 (x1.339-x2.044) was kept out by a 25 % gap between baselines."""
-    apart = instances_apart(noise)
-    m = schedule.mix(levels, weights)
-    if not decision.deploy or m is None or m.expected / (1 + apart) < threshold:
-        return cannot_decide(noise, bound)
-    return Decision(True, f"{decision.reason}; instances of the target alone measured {apart:.0%} apart "
-                          f"(> evaluate.instance_spread = {bound:g}), which the expected x{m.expected:.3f} "
-                          f"clears (x{m.expected / (1 + apart):.3f} with it taken off): {noise_line(noise)}")
+    stands only where the head, measured on a second server too (`second`, its row), still clears the
+    threshold with its slowest round on either server against the target alone's fastest on any of its
+    servers (`decision`, decided on the pooled rounds). Else the figures cannot decide. On one H200
+    (2026-12-07) a 25 % gap between two baselines kept out a head at x1.686 (x1.339-x2.044) measured on
+    one server: whether its own server was a fast instance is what the second one tells."""
+    if second is None or second.get("error"):
+        told = f"; the head's second server: {second['error']}" if second else ""
+        return Decision(False, cannot_decide(noise, bound).reason + told)
+    if not decision.deploy:
+        return Decision(False, f"{cannot_decide(noise, bound).reason}; the head on a second server too: "
+                               f"{decision.reason}")
+    return Decision(True, f"{decision.reason}, the head measured on two servers (the target alone's "
+                          f"{instances_apart(noise):.0%} apart, > evaluate.instance_spread = {bound:g}: "
+                          f"{noise_line(noise)})")
 
 
 # ---- a head weighed over k: the sweep, the schedule served and measured, or one k (issue 42), for the new head
@@ -456,7 +475,7 @@ class Weighed:
         d = self.deployed
         if d is None or self.failure is not None:
             return None
-        return schedule.mix(row_levels(self.matrix[d["row"]], self.base), self.weights)
+        return schedule.mix(row_levels(pooled_row(self.matrix, d["row"]), self.base), self.weights)
 
     def written(self, ctx: StageContext, prompts: int) -> dict:
         """The keys eval/online.json and eval/existing.json share."""
@@ -506,6 +525,17 @@ def measure_head(ctx: StageContext, head: str, draft, label: str, methods: list[
         measure_all(ctx, [row], prompts, {row: {"draft_dir": draft, **weighed["schedule_row"]}}, matrix,
                     sources=schedule_sources)
         weighed = settle(ctx, matrix, base, weighed, weights, head)
+    deployed = weighed.get("deployed")
+    if deployed is not None and not noise["decides"] and \
+            decide(row_levels(matrix[deployed["row"]], base), weights, ev.deploy_speedup).deploy:
+        # the target alone's servers measured apart: whether the head's one server was a fast one is
+        # measured, not assumed (a second server of the row, its rounds pooled with the first's)
+        again = second_instance(deployed["row"])
+        row_args = args.get(deployed["row"]) or ({"draft_dir": draft, **weighed["schedule_row"]}
+                                                 if deployed["row"] == schedule_row(head) else {})
+        ctx.note(f"instances of the target alone apart beyond evaluate.instance_spread = {ev.instance_spread:g} "
+                 f"({noise_line(noise)}): {deployed['row']} measured on a second server ({again})", ctx.log.warning)
+        measure_all(ctx, [again], prompts, {again: row_args}, matrix)
     low = min(ev.concurrency)
     # failures: mismatches that are not near-ties of the target's own
     mismatches, failures = compare_rows(matrix, ids, low, ev.tie_logprob_gap)
@@ -514,15 +544,15 @@ def measure_head(ctx: StageContext, head: str, draft, label: str, methods: list[
         for level in r.get("levels", {}).values():
             level.pop("outputs", None)
     failure = head_failure(ctx, matrix, head, label, low, failures, len(prompts), result)
-    deployed = weighed.get("deployed")
     if failure is not None:  # a head that failed its own checks is not deployed, whatever its speed
         decision = Decision(False, failure)
     elif deployed is None:
         decision = Decision(False, weighed["why"]) if noise["decides"] else cannot_decide(noise, ev.instance_spread)
     else:
-        levels = row_levels(matrix[deployed["row"]], base)
-        decision = decide(levels, weights, ev.deploy_speedup, deployed["what"], traffic_text(weights, how))
+        decision = decide(row_levels(pooled_row(matrix, deployed["row"]), base), weights, ev.deploy_speedup,
+                          deployed["what"], traffic_text(weights, how))
         if not noise["decides"]:
-            decision = through_the_noise(decision, levels, weights, noise, ev.deploy_speedup, ev.instance_spread)
+            decision = through_the_noise(decision, noise, ev.instance_spread,
+                                         matrix.get(second_instance(deployed["row"])))
     return Weighed(matrix, base, noise, weights, how, weighed, low, mismatches, failures, failure, decision,
                    baseline_outputs)

@@ -72,8 +72,7 @@ class Handover(Stage):
                 from pipeline.stages.production import after as measure_after
                 figures |= measure_after(ctx, rec, with_draft=draft is not None)
                 if draft is not None and figures.get("slower_levels"):
-                    figures |= slower_after(ctx, after, figures["slower_levels"], decision,
-                                            figures.get("slower_beyond", 0.0))
+                    figures |= slower_after(ctx, after, figures["slower_levels"], decision)
         atomicio.atomic_write_json(ctx.run.handover_record, {**figures, "at": now_iso()})
         return HandoverResult.of(figures)
 
@@ -122,15 +121,12 @@ def start_production(ctx: StageContext, draft: Path | None, spec: dict):
                          f"(pid {rec.pid}, port {rec.port})") from None
 
 
-def slower_after(ctx: StageContext, after: str, slower: list[str], decision: Decision | None,
-                 beyond: float = 0.0) -> dict:
+def slower_after(ctx: StageContext, after: str, slower: list[str], decision: Decision | None) -> dict:
     """Production measured slower with the head than before at some level, beyond the noise: said; with
     after_run = "production-with-draft-or-rollback", production put back as it was before the run (the
     operator's argv, no head), checked against the argv measure-production recorded."""
-    bound = ctx.profile.evaluate.instance_spread  # `beyond`: the noise production.after held it to
     ctx.note(f"production with the new head is slower than before at {', '.join(slower)} (beyond "
-             + (f"evaluate.instance_spread = {bound:g})" if beyond <= bound else
-                f"the {beyond:.0%} this run measured between instances of the target alone)"), ctx.log.warning)
+             f"evaluate.instance_spread = {ctx.profile.evaluate.instance_spread:g})", ctx.log.warning)
     if after != "production-with-draft-or-rollback":
         return {"rolled_back": False}
     # before production is touched: a resume of an attempt killed from here on keeps the head out
