@@ -150,17 +150,27 @@ def decide(levels: dict[int, tuple[float, float, float]] | None, weights: dict[i
                             f"lower bound x{lo} {rel} threshold x{threshold:g}")
 
 
-def pooled_baseline(matrix: dict) -> dict:
+def pooled_baseline(matrix: dict, others: list[dict] | None = None) -> dict:
     """The baseline's row with every instance's rounds at each level (`baseline_rounds`): the noise of the
-    target alone, across servers as well as within one."""
+    target alone, across servers as well as within one. `others`: more instances of it measured outside the
+    matrix (production before the run, where it is one)."""
     base = matrix["baseline"]
+    rows = [row for m, row in matrix.items() if mode_of(m) == "baseline" and not row.get("error")] + (others or [])
     levels = {}
     for c, level in base.get("levels", {}).items():
-        pooled = [r for m, row in matrix.items()
-                  if mode_of(m) == "baseline" and not row.get("error") and c in row.get("levels", {})
-                  for r in schedule.level_rounds(row["levels"][c])]
+        pooled = [r for row in rows if (lv := level_of(row, c)) for r in schedule.level_rounds(lv)]
         levels[c] = {**level, "baseline_rounds": pooled}
     return {**base, "levels": levels}
+
+
+def production_before(ctx: StageContext) -> tuple[dict, str]:
+    """Production's row as measure-production measured it before the run ({} where it did not), and why it
+    is no instance of the target alone ("" where it is one: it served no head and carried no load while
+    measured; else its gap to the baseline is the head's or the load's)."""
+    record = atomicio.read_json(ctx.run.production_before) or {}
+    why_not = ("it served a head" if "--speculative-config" in (record.get("argv") or []) else
+               "it carried the operator's load while measured" if (record.get("traffic") or {}).get("busy") else "")
+    return record.get("row") or {}, why_not
 
 
 def instance_check(ctx: StageContext, matrix: dict) -> dict:
@@ -168,19 +178,18 @@ def instance_check(ctx: StageContext, matrix: dict) -> dict:
     instances, and production before the run (measure-production) where it was measured."""
     ev = ctx.profile.evaluate
     out: dict = {"bound": ev.instance_spread, "levels": {}}
-    record = atomicio.read_json(ctx.run.production_before) or {}
-    before = record.get("row") or {}
-    # production before the run is one more instance of the target alone only where it served no head and
-    # carried no load while measured; else its gap to the baseline is the head's or the load's: said, no veto
-    why_not = ("it served a head" if "--speculative-config" in (record.get("argv") or []) else
-               "it carried the operator's load while measured" if (record.get("traffic") or {}).get("busy") else "")
+    # production before the run is one more instance of the target alone only where it is one: else said, no veto
+    before, why_not = production_before(ctx)
     if before and why_not:
         out["production_not_an_instance"] = why_not
     for c in matrix["baseline"].get("levels", {}):
         medians = {m: row["levels"][c]["output_tok_s"] for m, row in matrix.items()
                    if mode_of(m) == "baseline" and not row.get("error") and c in row.get("levels", {})}
+        figures = [f for f in medians.values() if f]
         entry: dict = {"baseline_instances": medians,
-                       "spread": round(schedule.instance_spread(list(medians.values())), 4)}
+                       "spread": round(schedule.instance_spread(figures), 4),
+                       # all of them: where an extra instance settled two, the one apart still was
+                       "span": round(max(figures) / min(figures) - 1, 4) if figures else 0.0}
         if (prod := level_of(before, c).get("output_tok_s")) is not None and medians:
             entry["production_before"] = prod  # against the instances' median: one more instance can settle it
             entry["production_vs_baseline"] = round(prod / statistics.median(medians.values()) - 1, 4)
@@ -198,7 +207,8 @@ def noise_line(check: dict) -> str:
     parts = []
     for c, e in check["levels"].items():
         if (n := len(e["baseline_instances"])) > 1:
-            parts.append(f"c={c} baseline instances {e['spread']:.0%} apart" + (f" (the closest two of {n})"
+            every = f"; all {n} {e['span']:.0%}" if n > 2 and e.get("span", 0) > e["spread"] else ""
+            parts.append(f"c={c} baseline instances {e['spread']:.0%} apart" + (f" (the closest two of {n}{every})"
                                                                                  if n > 2 else ""))
         if "production_vs_baseline" in e:
             parts.append(f"c={c} production before vs baseline {e['production_vs_baseline']:+.0%}")
@@ -271,15 +281,17 @@ def settled_noise(ctx: StageContext, matrix: dict, prompts: list[list[int]], arg
         ctx.note(f"instances apart beyond evaluate.instance_spread = {ev.instance_spread:g} "
                  f"({noise_line(noise)}): the baseline measured once more ({again})", ctx.log.warning)
         measure_all(ctx, [again], prompts, args, matrix)
-        noise = instance_check(ctx, matrix)
+        noise = instance_check(ctx, matrix) | {"measured_again": again}
     return noise
 
 
-def instances_apart(noise: dict) -> float:
+def instances_apart(noise: dict, span: bool = False) -> float:
     """The widest gap measured between instances of the target alone (instance_check's): the baseline's
-    instances, and production before the run where it is one."""
-    return max([noise["spread"]] + ([] if noise.get("production_not_an_instance") else
-                                    [abs(e.get("production_vs_baseline", 0)) for e in noise["levels"].values()]))
+    instances (the closest two where more were measured, or with `span` all of them), and production before
+    the run where it is one."""
+    gaps = [e.get("span", e["spread"]) if span else e["spread"] for e in noise["levels"].values()]
+    return max([noise["spread"], *gaps] + ([] if noise.get("production_not_an_instance") else
+                                           [abs(e.get("production_vs_baseline", 0)) for e in noise["levels"].values()]))
 
 
 def cannot_decide(noise: dict, bound: float) -> Decision:
@@ -313,15 +325,16 @@ def through_the_noise(decision: Decision, noise: dict, bound: float, second: dic
     servers (`decision`, decided on the pooled rounds). Else the figures cannot decide. On one H200
     (2026-12-07) a 25 % gap between two baselines kept out a head at x1.686 (x1.339-x2.044) measured on
     one server: whether its own server was a fast instance is what the second one tells."""
+    apart = (f"instances of the target alone measured {instances_apart(noise, span=True):.0%} apart (> "
+             f"evaluate.instance_spread = {bound:g}): {noise_line(noise)}")
+    if not decision.deploy and second is None:  # not even its one server clears it against every instance
+        return Decision(False, f"{decision.reason} ({apart})")
     if second is None or second.get("error"):
-        told = f"; the head's second server: {second['error']}" if second else ""
-        return Decision(False, cannot_decide(noise, bound).reason + told)
+        told = f"; the head's second server: {second['error']} (on its first: {decision.reason})" if second else ""
+        return Decision(False, f"the figures cannot decide: {apart}{told}")
     if not decision.deploy:
-        return Decision(False, f"{cannot_decide(noise, bound).reason}; the head on a second server too: "
-                               f"{decision.reason}")
-    return Decision(True, f"{decision.reason}, the head measured on two servers (the target alone's "
-                          f"{instances_apart(noise):.0%} apart, > evaluate.instance_spread = {bound:g}: "
-                          f"{noise_line(noise)})")
+        return Decision(False, f"{decision.reason}, the head measured on two servers ({apart})")
+    return Decision(True, f"{decision.reason}, the head measured on two servers ({apart})")
 
 
 # ---- a head weighed over k: the sweep, the schedule served and measured, or one k (issue 42), for the new head
@@ -489,10 +502,21 @@ class Weighed:
             "deployed": self.deployed if self.decision.deploy else None,
             "traffic": {"weights": {str(c): round(w, 4) for c, w in self.weights.items()}, "from": self.how},
             "expected_speedup": m and {"median": round(m.expected, 4), "lo": round(m.lo, 4), "hi": round(m.hi, 4)},
+            **self.second_server(),
             "instances": self.noise, **self.verdict()}
 
     def verdict(self) -> dict:
         return {"decision": self.decision.line, "deploy": self.decision.deploy, "reason": self.decision.reason}
+
+    def second_server(self) -> dict:
+        """Where the considered row was measured on a second server: its name and the speedup per level the
+        decision weighed (both servers' rounds pooled), which the sweep's first-server figures are not."""
+        d = self.deployed
+        if d is None or (again := second_instance(d["row"])) not in self.matrix:
+            return {}
+        levels = row_levels(pooled_row(self.matrix, d["row"]), self.base)
+        return {"second_server": {"row": again, "levels": {
+            str(c): [round(x, 4) for x in v] for c, v in sorted(levels.items())}}}
 
     def figures(self) -> dict:
         """The figures both stages report: the decision, the instances' spread, the traffic, the mix."""
@@ -517,7 +541,11 @@ def measure_head(ctx: StageContext, head: str, draft, label: str, methods: list[
     if matrix["baseline"].get("error"):
         raise StageError(f"baseline server failed: {matrix['baseline']['error']}")
     noise = settled_noise(ctx, matrix, prompts, args)
-    base = pooled_baseline(matrix)
+    # instances of the target alone measured apart (the extra one settling it or not): every one of them is
+    # what the head is measured against, production before the run too where it is one
+    apart = not noise["decides"] or "measured_again" in noise
+    before, why_not = production_before(ctx)
+    base = pooled_baseline(matrix, [before] if apart and before and not why_not else [])
     weights, how = traffic_of(ctx, sorted(ev.concurrency))
     weighed = weigh(ctx, matrix, base, schedule.sweep_ks(ctx.profile), weights, head)
     if weighed.get("schedule_row"):
@@ -526,24 +554,27 @@ def measure_head(ctx: StageContext, head: str, draft, label: str, methods: list[
                     sources=schedule_sources)
         weighed = settle(ctx, matrix, base, weighed, weights, head)
     deployed = weighed.get("deployed")
-    if deployed is not None and not noise["decides"] and \
-            decide(row_levels(matrix[deployed["row"]], base), weights, ev.deploy_speedup).deploy:
-        # the target alone's servers measured apart: whether the head's one server was a fast one is
-        # measured, not assumed (a second server of the row, its rounds pooled with the first's)
-        again = second_instance(deployed["row"])
-        row_args = args.get(deployed["row"]) or ({"draft_dir": draft, **weighed["schedule_row"]}
-                                                 if deployed["row"] == schedule_row(head) else {})
-        ctx.note(f"instances of the target alone apart beyond evaluate.instance_spread = {ev.instance_spread:g} "
-                 f"({noise_line(noise)}): {deployed['row']} measured on a second server ({again})", ctx.log.warning)
-        measure_all(ctx, [again], prompts, {again: row_args}, matrix)
     low = min(ev.concurrency)
     # failures: mismatches that are not near-ties of the target's own
     mismatches, failures = compare_rows(matrix, ids, low, ev.tie_logprob_gap)
+    failure = head_failure(ctx, matrix, head, label, low, failures, len(prompts), result)
+    if failure is None and deployed is not None and apart and \
+            decide(row_levels(matrix[deployed["row"]], base), weights, ev.deploy_speedup).deploy:
+        # the target alone's servers measured apart: whether the head's one server was a fast one is
+        # measured, not assumed (a second server of the row, its rounds pooled with the first's, its
+        # outputs held to the baseline's as the first's are)
+        again = second_instance(deployed["row"])
+        row_args = ({"draft_dir": draft, **weighed["schedule_row"]} if deployed["row"] == schedule_row(head)
+                    else args[deployed["row"]])
+        ctx.note(f"instances of the target alone apart beyond evaluate.instance_spread = {ev.instance_spread:g} "
+                 f"({noise_line(noise)}): {deployed['row']} measured on a second server ({again})", ctx.log.warning)
+        measure_all(ctx, [again], prompts, {again: row_args}, matrix)
+        mismatches, failures = compare_rows(matrix, ids, low, ev.tie_logprob_gap)
+        failure = head_failure(ctx, matrix, head, label, low, failures, len(prompts), result)
     baseline_outputs = matrix["baseline"]["levels"][low]["outputs"]
     for r in matrix.values():
         for level in r.get("levels", {}).values():
             level.pop("outputs", None)
-    failure = head_failure(ctx, matrix, head, label, low, failures, len(prompts), result)
     if failure is not None:  # a head that failed its own checks is not deployed, whatever its speed
         decision = Decision(False, failure)
     elif deployed is None:
@@ -551,7 +582,7 @@ def measure_head(ctx: StageContext, head: str, draft, label: str, methods: list[
     else:
         decision = decide(row_levels(pooled_row(matrix, deployed["row"]), base), weights, ev.deploy_speedup,
                           deployed["what"], traffic_text(weights, how))
-        if not noise["decides"]:
+        if apart:
             decision = through_the_noise(decision, noise, ev.instance_spread,
                                          matrix.get(second_instance(deployed["row"])))
     return Weighed(matrix, base, noise, weights, how, weighed, low, mismatches, failures, failure, decision,
