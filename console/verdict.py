@@ -27,6 +27,8 @@ def verdict(online: dict | None, measured: DeployMeasureResult, offline: Evaluat
     levels = {str(c): {k: v for k, v in level.items() if isinstance(v, (int, float, str, bool))}
               for c, level in sorted((head.get("levels") or {}).items(), key=lambda kv: concurrency_order(kv[0]))
               if isinstance(level, dict)}
+    second = online.get("second_server")
+    pooled = (second.get("levels") or {}) if isinstance(second, dict) and second.get("row") == f"{row}-2" else {}
     low = level_of(head, min(online.get("concurrency") or [1]))
     # τ as tokens per decode step: the unit of the break-even τ it is compared with (step_economics)
     tau = next((t for t in (measured.tokens_per_step, low.get("tokens_per_step"), measured.mean_acceptance_length,
@@ -34,7 +36,8 @@ def verdict(online: dict | None, measured: DeployMeasureResult, offline: Evaluat
     schedule = online.get("schedule")
     schedule = schedule if isinstance(schedule, dict) else {}
     return {"deploy": decision.deploy, "reason": decision.reason, "line": decision.line, "row": row, "tau": tau,
-            "speedup": {c: level.get("speedup") for c, level in levels.items()},
+            # where the head was measured on a second server, the pooled speedup the decision weighed
+            "speedup": {c: (pooled.get(c) or [level.get("speedup")])[0] for c, level in levels.items()},
             "k_per_level": {str(c): k for c, k in (schedule.get("per_level") or {}).items()},
             "expected_speedup": online.get("expected_speedup"), "traffic": online.get("traffic"),
             "break_even_tau": measured.break_even_tau, "deploy_speedup": measured.deploy_speedup,

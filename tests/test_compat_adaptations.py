@@ -609,7 +609,9 @@ def test_a_generated_state_is_read_once_its_writer_lets_go(tmp_path, monkeypatch
         assert not lock_path.exists()
         return time.monotonic() - t0
 
-    stock_s = min(waited(stock, 0.003) for _ in range(3))
+    # the most of three: a writer that let go before the stock wait's first try (this thread descheduled for
+    # the writer's 3 ms beside two busy test workers) is read at once by either wait (CI, 2026-12-07: 0.0001 s)
+    stock_s = max(waited(stock, 0.003) for _ in range(3))
     monkeypatch.setattr(speculators_online.ConcurrentArrowDataset, "requests", 1)
     dataloader = importlib.import_module(speculators_online.REPLACED[0])
     monkeypatch.setattr(dataloader, speculators_online.REPLACED[1], dataloader.ArrowDataset)

@@ -325,7 +325,7 @@ def test_production_before_counts_as_an_instance_only_when_it_is_one(tmp_path, a
     from types import SimpleNamespace
 
     from pipeline.profile import load_profile
-    from pipeline.stages.benchmark import cannot_decide, instance_check, noise_line
+    from pipeline.stages.benchmark import apart_text, instance_check, instances_disagree, noise_line
     from tests.helpers import TINY
     before = tmp_path / "production-before.json"
     before.write_text(json.dumps({"argv": argv, "traffic": traffic,
@@ -334,8 +334,9 @@ def test_production_before_counts_as_an_instance_only_when_it_is_one(tmp_path, a
     noise = instance_check(ctx, {"baseline": {"levels": {"1": {"output_tok_s": 100.0}}}})
     assert noise["decides"] is decides and noise.get("production_not_an_instance") == said
     assert noise["levels"]["1"]["production_vs_baseline"] == pytest.approx(0.3)
+    assert instances_disagree(noise) is not decides and noise["span"] == pytest.approx(0.3 if not decides else 0)
     if not decides:
-        assert "measured 30% apart" in cannot_decide(noise, 0.1).line
+        assert "measured 30% apart" in apart_text(noise)
     else:
         assert f"production before is no instance of the target alone ({said})" in noise_line(noise)
 
@@ -347,10 +348,11 @@ def served_row(levels: dict[int, list[float]], outputs: list[str]) -> dict:
                        for c, r in levels.items()}}
 
 
-def measured_head(tmp_path, monkeypatch, rows: dict, before: dict | None = None):
+def measured_head(tmp_path, monkeypatch, rows: dict, before: dict | None = None, instances: int = 2,
+                  schedule: str = "off"):
     """measure_head over rows measured before (`rows`: each row measure_all is asked for), production before
     the run as measure-production records it (`before`), the declared traffic c = 1 and 8 alike, one k: the
-    decision and what was asked for."""
+    decision, what was asked for, and the context it ran in."""
     from pipeline.profile import load_profile
     from pipeline.stages import benchmark
     from tests.helpers import TINY
@@ -367,15 +369,17 @@ def measured_head(tmp_path, monkeypatch, rows: dict, before: dict | None = None)
 
     monkeypatch.setattr(benchmark, "measure_all", measure_all)
     ctx = Ctx(load_profile(TINY, overrides={
-        "evaluate.k": 3, "evaluate.ks": [3], "evaluate.concurrency": [1, 8], "evaluate.schedule": "off",
-        "evaluate.traffic": {"1": 0.5, "8": 0.5}, "evaluate.baseline_instances": 2, "evaluate.instance_spread": 0.1,
+        "evaluate.k": 3, "evaluate.ks": [3], "evaluate.concurrency": [1, 8], "evaluate.schedule": schedule,
+        "evaluate.traffic": {"1": 0.5, "8": 0.5}, "evaluate.baseline_instances": instances,
+        "evaluate.instance_spread": 0.1,
         "evaluate.deploy_speedup": 1.1, "evaluate.rounds": 3}))
     (path := tmp_path / "production-before.json").write_text(json.dumps(before or {}))
     ctx.run = type("Run", (), {"production_before": path, "log_path": lambda self, n: n})()
-    w = benchmark.measure_head(ctx, "eagle3", "draft", "the new head", ["baseline", "eagle3", "baseline-2"],
+    methods = ["baseline", "eagle3", *(f"baseline-{i}" for i in range(2, instances + 1))]
+    w = benchmark.measure_head(ctx, "eagle3", "draft", "the new head", methods,
                                {"eagle3": {"draft_dir": "draft"}}, [[1], [2]], ["p0", "p1"], tmp_path / "r.json",
                                sources=["", ""])
-    return w, asked_for
+    return w, asked_for, ctx
 
 
 PLAIN = {1: [482.0, 495.9, 524.0], 8: [3033.0, 3204.8, 3270.0]}
@@ -404,7 +408,7 @@ def test_the_head_is_measured_on_a_second_server_where_the_target_alones_instanc
             # measured once more since two were apart, and apart from both (the closest two give the spread)
             "baseline-3": served_row({1: [400.0, 410.0, 420.0], 8: [2000.0, 2100.0, 2200.0]}, out),
             "eagle3": served_row(HEAD, out), "eagle3-2": served_row(scaled(HEAD, second or 1), out)}
-    w, asked_for = measured_head(tmp_path, monkeypatch, rows)
+    w, asked_for, _ = measured_head(tmp_path, monkeypatch, rows)
     assert ("eagle3-2" in asked_for) is asked and w.decision.deploy is deploys, w.decision.line
     if second is not None:
         assert not w.noise["decides"]
@@ -433,13 +437,13 @@ def test_production_before_faster_than_the_baselines_is_what_the_head_is_measure
     before = {"argv": ["vllm", "serve"], "traffic": {"busy": 0}, "row": {"levels": {
         "1": {"output_tok_s": 600.0, "rounds_tok_s": [595.0, 600.0, 605.0]},
         "8": {"output_tok_s": 3900.0, "rounds_tok_s": [3880.0, 3900.0, 3920.0]}}}}
-    w, asked_for = measured_head(tmp_path, monkeypatch, rows, before)
+    w, asked_for, _ = measured_head(tmp_path, monkeypatch, rows, before)
     assert not w.decision.deploy and w.decision.line.startswith("do not deploy: k=3: expected speedup")
     assert "eagle3-2" not in asked_for  # its one server does not clear it against every instance: no second
     assert max(w.base["levels"][8]["baseline_rounds"]) == 3920.0  # production's rounds in the pool
     # the same production, but it served a head before the run: no instance, not pooled, said
     before["argv"] = ["vllm", "serve", "--speculative-config", "{}"]
-    w, asked_for = measured_head(tmp_path, monkeypatch, rows, before)
+    w, asked_for, _ = measured_head(tmp_path, monkeypatch, rows, before)
     assert "eagle3-2" not in asked_for and max(w.base["levels"][8]["baseline_rounds"]) == 3220.0
     assert w.decision.deploy, w.decision.line
 
@@ -451,10 +455,42 @@ def test_an_extra_baseline_that_settles_two_instances_still_asks_for_the_heads_s
     rows = {"baseline": served_row(PLAIN, out), "baseline-2": served_row(APART, out),
             "baseline-3": served_row(scaled(APART, 1.02), out),
             "eagle3": served_row(HEAD, out), "eagle3-2": served_row(scaled(HEAD, 0.8), out)}
-    w, asked_for = measured_head(tmp_path, monkeypatch, rows)
+    w, asked_for, _ = measured_head(tmp_path, monkeypatch, rows)
     assert w.noise["decides"] and w.noise["measured_again"] == "baseline-3"
     assert "baseline-3" in asked_for and "eagle3-2" in asked_for
-    assert "the closest two of 3; all 3 25%" in w.decision.line and "measured 25% apart" in w.decision.line
+    assert "c=8 every instance 25% apart" in w.decision.line and "measured 25% apart" in w.decision.line
+    # its second server at x0.8 of the first: on the pooled rounds it does not clear (x1.03 at c = 8)
+    assert w.decision.line.startswith("do not deploy: k=3")
+    # three baselines configured from the start, two of them beside each other: no instance measured again,
+    # the same 25 % apart, the same two servers of the head
+    w, asked_for, _ = measured_head(tmp_path, monkeypatch, rows, instances=3)
+    assert "measured_again" not in w.noise and "eagle3-2" in asked_for and not w.decision.deploy
+
+
+def test_production_before_beside_the_median_but_apart_from_one_baseline_counts(tmp_path, monkeypatch):
+    """Baselines 9.9 % apart, production before 9.6 % above their median and 15 % above the first: every
+    check against the median passes, but two instances of the target alone are 15 % apart — the head is
+    measured against production too, on two servers (a reviewer's case against the second version)."""
+    out = ["a", "b"]
+    plain = {1: [99.0, 100.0, 101.0], 8: [990.0, 1000.0, 1010.0]}
+    rows = {"baseline": served_row(plain, out), "baseline-2": served_row(scaled(plain, 1.099), out),
+            "eagle3": served_row(scaled(plain, 1.25), out), "eagle3-2": served_row(scaled(plain, 1.25), out)}
+    before = {"argv": ["vllm", "serve"], "traffic": {"busy": 0}, "row": {"levels": {
+        str(c): {"output_tok_s": r[1] * 1.15, "rounds_tok_s": [t * 1.15 for t in r]} for c, r in plain.items()}}}
+    w, asked_for, _ = measured_head(tmp_path, monkeypatch, rows, before)
+    assert w.noise["decides"] and "measured_again" not in w.noise and w.noise["span"] == pytest.approx(0.15)
+    assert max(w.base["levels"][8]["baseline_rounds"]) == pytest.approx(1010.0 * 1.15)  # production pooled
+    assert not w.decision.deploy and "measured 15% apart" in w.decision.line, w.decision.line  # x1.076 < x1.1
+
+
+def test_a_head_that_gains_nowhere_among_instances_apart_says_so_not_cannot_decide(tmp_path, monkeypatch):
+    out = ["a", "b"]
+    rows = {"baseline": served_row(PLAIN, out), "baseline-2": served_row(APART, out),
+            "baseline-3": served_row({1: [400.0, 410.0, 420.0], 8: [2000.0, 2100.0, 2200.0]}, out),
+            "eagle3": served_row(scaled(PLAIN, 0.7), out)}
+    w, asked_for, _ = measured_head(tmp_path, monkeypatch, rows, schedule="auto")
+    assert "eagle3-2" not in asked_for and not w.decision.deploy
+    assert "cannot decide" not in w.decision.line and "instances of the target alone measured" in w.decision.line
 
 
 def test_a_head_that_failed_its_outputs_gets_no_second_server_and_a_second_that_fails_them_is_refused(
@@ -463,23 +499,23 @@ def test_a_head_that_failed_its_outputs_gets_no_second_server_and_a_second_that_
     rows = {"baseline": served_row(PLAIN, out), "baseline-2": served_row(APART, out),
             "baseline-3": served_row({1: [400.0, 410.0, 420.0], 8: [2000.0, 2100.0, 2200.0]}, out),
             "eagle3": served_row(HEAD, ["a", "x"]), "eagle3-2": served_row(HEAD, out)}
-    w, asked_for = measured_head(tmp_path, monkeypatch, rows)
+    w, asked_for, _ = measured_head(tmp_path, monkeypatch, rows)
     assert "eagle3-2" not in asked_for and not w.decision.deploy and "differ for 1/2" in w.decision.line
     rows["eagle3"], rows["eagle3-2"] = served_row(HEAD, out), served_row(HEAD, ["x", "b"])
-    w, asked_for = measured_head(tmp_path, monkeypatch, rows)
+    w, asked_for, _ = measured_head(tmp_path, monkeypatch, rows)
     assert "eagle3-2" in asked_for and not w.decision.deploy and "(eagle3-2) differ" in w.decision.line
 
 
 def test_a_head_whose_second_server_failed_cannot_be_decided():
     from pipeline.layout.decision import Decision
     from pipeline.stages.benchmark import pooled_row, through_the_noise
-    noise = {"spread": 0.25, "levels": {"8": {"baseline_instances": {"baseline": 3204.8, "baseline-2": 2556.4},
-                                               "spread": 0.25}}}
+    noise = {"spread": 0.25, "span": 0.25, "bound": 0.1, "levels": {"8": {
+        "baseline_instances": {"baseline": 3204.8, "baseline-2": 2556.4}, "spread": 0.25, "span": 0.25}}}
     won = Decision(True, "k=3: expected speedup x1.6")
-    out = through_the_noise(won, noise, 0.1, {"error": "the server died"})
+    out = through_the_noise(won, noise, {"error": "the server died"})
     assert not out.deploy and out.reason.startswith("the figures cannot decide")
     assert out.reason.endswith("; the head's second server: the server died (on its first: k=3: expected speedup x1.6)")
-    assert not through_the_noise(won, noise, 0.1, None).deploy
+    assert not through_the_noise(won, noise, None).deploy
     first = {"levels": {1: {"output_tok_s": 2.0, "rounds_tok_s": [1.0, 2.0, 3.0]}}}
     assert pooled_row({"eagle3": first, "eagle3-2": {"error": "x"}}, "eagle3") is first
     both = pooled_row({"eagle3": first, "eagle3-2": {"levels": {1: {"output_tok_s": 5.0}}}}, "eagle3")
@@ -500,3 +536,23 @@ def test_production_after_is_slower_beyond_the_profiles_bound_or_in_every_round(
     assert slower_levels(ratios, intervals, 0.3, False) == []
     assert slower_levels({"8": 0.95}, {"8": [0.95, 0.9, 1.01]}, 0.1, True) == []  # a round after above one before
     assert slower_levels({"8": 0.98}, {"8": [0.98, 0.95, 0.99]}, 0.1, True) == []  # above x0.97
+
+
+def test_the_report_and_the_console_show_what_the_decision_weighed_on_two_servers(tmp_path, monkeypatch):
+    """Where the head was measured on a second server, the report adds the pooled per-level figures and the
+    span of every instance, and the console's per-level speedup is the pooled one, not the first server's."""
+    from console.verdict import verdict
+    from pipeline.layout.results import DeployMeasureResult, EvaluateOfflineResult
+    from pipeline.report.notes import sweep_lines
+    out = ["a", "b"]
+    rows = {"baseline": served_row(PLAIN, out), "baseline-2": served_row(APART, out),
+            "baseline-3": served_row(scaled(APART, 1.02), out),
+            "eagle3": served_row(HEAD, out), "eagle3-2": served_row(scaled(HEAD, 0.9), out)}
+    w, _, ctx = measured_head(tmp_path, monkeypatch, rows)
+    res = json.loads(json.dumps(w.written(ctx, 2), default=str))
+    pooled = res["second_server"]["levels"]
+    text = "\n".join(sweep_lines(res))
+    assert f"measured on a second server too (eagle3-2), both servers' rounds: c=1 x{pooled['1'][0]:.3f}" in text
+    assert "every instance 25% apart" in text
+    v = verdict(res, DeployMeasureResult.of({}), EvaluateOfflineResult.of({}))
+    assert v["speedup"]["8"] == pooled["8"][0] != res["matrix"]["eagle3"]["levels"]["8"]["speedup"]

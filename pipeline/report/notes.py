@@ -113,6 +113,8 @@ def sweep_lines(res: dict) -> list[str]:
         said = ([f"baseline instances {e.get('spread', 0):.0%} apart"] if len(e.get("baseline_instances", {})) > 1
                 else []) + ([f"production {e['production_vs_baseline']:+.0%} of the baseline"]
                             if "production_vs_baseline" in e else [])
+        if e.get("span", 0) > max(e.get("spread", 0), abs(e.get("production_vs_baseline", 0))):
+            said.append(f"every instance {e['span']:.0%} apart")
         bound = f"; bound {inst['bound']:.0%}" if said and inst.get("bound") is not None else ""
         lines.append(f"the target alone at c={c}: " + ", ".join(parts) + " tok/s"
                      + (f" ({'; '.join(said)}{bound})" if said else ""))

@@ -185,17 +185,19 @@ def instance_check(ctx: StageContext, matrix: dict) -> dict:
     for c in matrix["baseline"].get("levels", {}):
         medians = {m: row["levels"][c]["output_tok_s"] for m, row in matrix.items()
                    if mode_of(m) == "baseline" and not row.get("error") and c in row.get("levels", {})}
-        figures = [f for f in medians.values() if f]
         entry: dict = {"baseline_instances": medians,
-                       "spread": round(schedule.instance_spread(figures), 4),
-                       # all of them: where an extra instance settled two, the one apart still was
-                       "span": round(max(figures) / min(figures) - 1, 4) if figures else 0.0}
+                       "spread": round(schedule.instance_spread(list(medians.values())), 4)}
+        every = [f for f in medians.values() if f]
         if (prod := level_of(before, c).get("output_tok_s")) is not None and medians:
             entry["production_before"] = prod  # against the instances' median: one more instance can settle it
             entry["production_vs_baseline"] = round(prod / statistics.median(medians.values()) - 1, 4)
+            every += [prod] if prod and not why_not else []
+        # every instance of the target alone, production before too where it is one: where an extra baseline
+        # settled two (the closest two agree), the one apart still was — what decides on one server or two
+        entry["span"] = round(max(every) / min(every) - 1, 4) if every else 0.0
         out["levels"][str(c)] = entry
-    spreads = [e["spread"] for e in out["levels"].values()]
-    out["spread"] = max(spreads, default=0.0)
+    out["spread"] = max((e["spread"] for e in out["levels"].values()), default=0.0)
+    out["span"] = max((e["span"] for e in out["levels"].values()), default=0.0)
     # production before the run is an instance of the target alone too (schema: evaluate.instance_spread)
     out["decides"] = out["spread"] <= ev.instance_spread and (bool(why_not) or all(
         abs(e.get("production_vs_baseline", 0)) <= ev.instance_spread for e in out["levels"].values()))
@@ -207,11 +209,12 @@ def noise_line(check: dict) -> str:
     parts = []
     for c, e in check["levels"].items():
         if (n := len(e["baseline_instances"])) > 1:
-            every = f"; all {n} {e['span']:.0%}" if n > 2 and e.get("span", 0) > e["spread"] else ""
-            parts.append(f"c={c} baseline instances {e['spread']:.0%} apart" + (f" (the closest two of {n}{every})"
+            parts.append(f"c={c} baseline instances {e['spread']:.0%} apart" + (f" (the closest two of {n})"
                                                                                  if n > 2 else ""))
         if "production_vs_baseline" in e:
             parts.append(f"c={c} production before vs baseline {e['production_vs_baseline']:+.0%}")
+        if e.get("span", 0) > max(e["spread"], abs(e.get("production_vs_baseline", 0))):
+            parts.append(f"c={c} every instance {e['span']:.0%} apart")
     if parts and (why := check.get("production_not_an_instance")):
         parts.append(f"production before is no instance of the target alone ({why})")
     return "; ".join(parts) or "one baseline instance (evaluate.baseline_instances = 2 measures the spread)"
@@ -285,20 +288,17 @@ def settled_noise(ctx: StageContext, matrix: dict, prompts: list[list[int]], arg
     return noise
 
 
-def instances_apart(noise: dict, span: bool = False) -> float:
-    """The widest gap measured between instances of the target alone (instance_check's): the baseline's
-    instances (the closest two where more were measured, or with `span` all of them), and production before
-    the run where it is one."""
-    gaps = [e.get("span", e["spread"]) if span else e["spread"] for e in noise["levels"].values()]
-    return max([noise["spread"], *gaps] + ([] if noise.get("production_not_an_instance") else
-                                           [abs(e.get("production_vs_baseline", 0)) for e in noise["levels"].values()]))
+def apart_text(noise: dict) -> str:
+    """The widest gap between any two instances of the target alone at one level (instance_check's span:
+    the baseline's instances, production before the run where it is one) and where it was measured."""
+    return (f"instances of the target alone measured {noise['span']:.0%} apart (> evaluate.instance_spread = "
+            f"{noise['bound']:g}): {noise_line(noise)}")
 
 
-def cannot_decide(noise: dict, bound: float) -> Decision:
-    """Not deployed: instances of the target alone measured further apart than any speedup could tell."""
-    return Decision(False, f"the figures cannot decide: instances of the target alone measured "
-                           f"{instances_apart(noise):.0%} apart (> evaluate.instance_spread = {bound:g}): "
-                           f"{noise_line(noise)}")
+def instances_disagree(noise: dict) -> bool:
+    """Any two instances of the target alone further apart than evaluate.instance_spread at one level (an
+    extra baseline that settled two included): a head is then decided on two servers of its own."""
+    return noise["span"] > noise["bound"]
 
 
 def second_instance(row: str) -> str:
@@ -318,20 +318,19 @@ def pooled_row(matrix: dict, row: str) -> dict:
     return {**first, "levels": levels}
 
 
-def through_the_noise(decision: Decision, noise: dict, bound: float, second: dict | None) -> Decision:
+def through_the_noise(decision: Decision, noise: dict, second: dict | None) -> Decision:
     """Instances of the target alone measured further apart than evaluate.instance_spread: a decision to deploy
     stands only where the head, measured on a second server too (`second`, its row), still clears the
     threshold with its slowest round on either server against the target alone's fastest on any of its
     servers (`decision`, decided on the pooled rounds). Else the figures cannot decide. On one H200
     (2026-12-07) a 25 % gap between two baselines kept out a head at x1.686 (x1.339-x2.044) measured on
     one server: whether its own server was a fast instance is what the second one tells."""
-    apart = (f"instances of the target alone measured {instances_apart(noise, span=True):.0%} apart (> "
-             f"evaluate.instance_spread = {bound:g}): {noise_line(noise)}")
+    apart = apart_text(noise)
     if not decision.deploy and second is None:  # not even its one server clears it against every instance
         return Decision(False, f"{decision.reason} ({apart})")
     if second is None or second.get("error"):
         told = f"; the head's second server: {second['error']} (on its first: {decision.reason})" if second else ""
-        return Decision(False, f"the figures cannot decide: {apart}{told}")
+        return Decision(False, f"the figures cannot decide: {apart}{told}")  # the head measured on one server
     if not decision.deploy:
         return Decision(False, f"{decision.reason}, the head measured on two servers ({apart})")
     return Decision(True, f"{decision.reason}, the head measured on two servers ({apart})")
@@ -520,7 +519,7 @@ class Weighed:
 
     def figures(self) -> dict:
         """The figures both stages report: the decision, the instances' spread, the traffic, the mix."""
-        out = {**self.verdict(), "instance_spread": self.noise["spread"],
+        out = {**self.verdict(), "instance_spread": self.noise.get("span", self.noise["spread"]),
                "traffic": traffic_text(self.weights, self.how),
                "baseline_tok_s": self.matrix["baseline"]["levels"][self.low]["output_tok_s"]}
         if (m := self.mix()) is not None:
@@ -541,9 +540,9 @@ def measure_head(ctx: StageContext, head: str, draft, label: str, methods: list[
     if matrix["baseline"].get("error"):
         raise StageError(f"baseline server failed: {matrix['baseline']['error']}")
     noise = settled_noise(ctx, matrix, prompts, args)
-    # instances of the target alone measured apart (the extra one settling it or not): every one of them is
+    # instances of the target alone measured apart (an extra one settling two or not): every one of them is
     # what the head is measured against, production before the run too where it is one
-    apart = not noise["decides"] or "measured_again" in noise
+    apart = instances_disagree(noise)
     before, why_not = production_before(ctx)
     base = pooled_baseline(matrix, [before] if apart and before and not why_not else [])
     weights, how = traffic_of(ctx, sorted(ev.concurrency))
@@ -578,12 +577,11 @@ def measure_head(ctx: StageContext, head: str, draft, label: str, methods: list[
     if failure is not None:  # a head that failed its own checks is not deployed, whatever its speed
         decision = Decision(False, failure)
     elif deployed is None:
-        decision = Decision(False, weighed["why"]) if noise["decides"] else cannot_decide(noise, ev.instance_spread)
+        decision = Decision(False, weighed["why"] + (f" ({apart_text(noise)})" if apart else ""))
     else:
         decision = decide(row_levels(pooled_row(matrix, deployed["row"]), base), weights, ev.deploy_speedup,
                           deployed["what"], traffic_text(weights, how))
         if apart:
-            decision = through_the_noise(decision, noise, ev.instance_spread,
-                                         matrix.get(second_instance(deployed["row"])))
+            decision = through_the_noise(decision, noise, matrix.get(second_instance(deployed["row"])))
     return Weighed(matrix, base, noise, weights, how, weighed, low, mismatches, failures, failure, decision,
                    baseline_outputs)

@@ -18,7 +18,7 @@ from pipeline.layout.results import MeasureExistingResult
 from pipeline.layout.rundir import now_iso
 from pipeline.stages import heads
 from pipeline.stages.base import DECISION_KEYS, Stage, StageContext, StageError, argv_for
-from pipeline.stages.benchmark import measure_head, pooled_row, row_levels, sweep_rows
+from pipeline.stages.benchmark import measure_head, row_levels, sweep_rows
 from pipeline.stages.production import heldout_prompt_ids, heldout_sources
 
 ROW = "existing"  # its row in the matrix (deploy-measure's name for the same head), its server's log name
@@ -88,8 +88,7 @@ class MeasureExisting(Stage):
         row, decision, deployed = w.matrix[ROW], w.decision, w.deployed
         skips = decision.deploy and ev.existing_policy == "deploy"
         k = (deployed or {}).get("k") or ev.k  # the largest k of a schedule, as deploy-measure records it
-        pooled = pooled_row(w.matrix, ROW)  # its second server's rounds too, where instances disagreed
-        levels = {} if row.get("error") else level_figures(row, w.base, row_levels(pooled, w.base))
+        levels = {} if row.get("error") else level_figures(row, w.base, row_levels(row, w.base))
         atomicio.atomic_write_json(ctx.run.existing_result, {
             "at": now_iso(), "existing_head": ev.existing_head, "kind": source.kind, "source": str(source.head),
             "head": str(head), "k": k, "prompt_ids": ids, **w.written(ctx, len(prompts)), "levels": levels,
