@@ -525,9 +525,9 @@ class EvaluateSection(Section):
     before the run measures it."""
     instance_spread: Annotated[float, Field(ge=0)] = 0.1
     """Two instances of one configuration (production before vs the matrix's baseline, baseline instances)
-    further apart than this share: the baseline is measured once more; still apart, a head that would be
-    deployed is measured on a second server too and decided on both servers' rounds, else the figure
-    cannot decide (not deployed)."""
+    further apart than this share: the baseline is measured once more; where any two instances stay that far
+    apart, a head that would be deployed is measured on a second server too and decided on both servers'
+    rounds against every instance's, else the figure cannot decide (not deployed)."""
     baseline_instances: Annotated[int, Field(ge=1, le=3)] = 1
     """The baseline served this many times (fresh servers, one after another), its spread measured."""
     num_prompts: Positive = 16
