@@ -331,9 +331,7 @@ def through_the_noise(decision: Decision, noise: dict, second: dict | None) -> D
     if second is None or second.get("error"):
         told = f"; the head's second server: {second['error']} (on its first: {decision.reason})" if second else ""
         return Decision(False, f"the figures cannot decide: {apart}{told}")  # the head measured on one server
-    if not decision.deploy:
-        return Decision(False, f"{decision.reason}, the head measured on two servers ({apart})")
-    return Decision(True, f"{decision.reason}, the head measured on two servers ({apart})")
+    return Decision(decision.deploy, f"{decision.reason}, the head measured on two servers ({apart})")
 
 
 # ---- a head weighed over k: the sweep, the schedule served and measured, or one k (issue 42), for the new head
@@ -519,7 +517,7 @@ class Weighed:
 
     def figures(self) -> dict:
         """The figures both stages report: the decision, the instances' spread, the traffic, the mix."""
-        out = {**self.verdict(), "instance_spread": self.noise.get("span", self.noise["spread"]),
+        out = {**self.verdict(), "instance_spread": self.noise["span"],
                "traffic": traffic_text(self.weights, self.how),
                "baseline_tok_s": self.matrix["baseline"]["levels"][self.low]["output_tok_s"]}
         if (m := self.mix()) is not None:
