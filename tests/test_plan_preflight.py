@@ -319,6 +319,20 @@ def test_the_kimi_plans_count_regeneration_evaluation_and_every_server_start():
         assert line in table
 
 
+def test_the_plan_counts_the_servers_a_noisy_comparison_adds():
+    """Where production before the run is measured, two instances of the target alone can disagree: the
+    matrix then serves one more baseline and the head's second server, and the plan counts them (at most)."""
+    quiet = load_profile("gpu-demo", {"evaluate.production_before_after": False, "server.after_run": "production"},
+                         check_inputs=False)
+    noisy = load_profile("gpu-demo", check_inputs=False)
+    assert schedule.noise_rows(quiet) == [] and len(schedule.noise_rows(noisy)) == 2
+    a, b = (plan.make_plan(p) for p in (quiet, noisy))
+    assert b.matrix.seconds > a.matrix.seconds and "only where instances disagree" in b.matrix.why
+    assert b.server_starts["offline"] == a.server_starts["offline"] + 2  # start_together = 1
+    no_head = load_profile("gpu-demo", {"evaluate.methods": ["baseline", "ngram"]}, check_inputs=False)
+    assert schedule.noise_rows(no_head) == ["baseline-2"]  # one more baseline; no head to serve twice
+
+
 @pytest.mark.parametrize("sets,check,says", [
     ({"data.regenerate_backend": "transformers"}, "regenerate", "data.regenerate_backend = \"transformers\""),
     ({"evaluate.offline": "on"}, "evaluate", "evaluate.offline = \"on\""),

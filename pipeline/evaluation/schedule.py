@@ -110,6 +110,17 @@ def matrix_rows(profile) -> list[str]:
     return rows + (head_rows(profile, "eagle3") if "eagle3" in ev.methods else [])
 
 
+def noise_rows(profile) -> list[str]:
+    """The servers deploy-measure adds only where two instances of the target alone (the baseline's, production
+    before the run) measure further apart than evaluate.instance_spread: one more baseline instance, and the
+    deployed head's second server (stages.benchmark: settled_noise, second_instance)."""
+    ev = profile.evaluate
+    if ev.baseline_instances < 2 and not ev.production_before_after:
+        return []  # one instance of the target alone: nothing to disagree
+    heads = [m for m in ev.methods if m == "eagle3"] + (["existing"] if ev.existing_head else [])
+    return [f"baseline-{ev.baseline_instances + 1}"] + (["the deployed head's second server"] if heads else [])
+
+
 def tau_at(per_position: list[float], k: int) -> float:
     """Tokens per step of a chain of k drafts from the per-position acceptance a chain of ≥ k measured."""
     return 1.0 + sum(per_position[:k])

@@ -71,7 +71,7 @@ def matrix_plan(profile: Profile, serve_gpus: int) -> StepPlan:
     if not ev.online:
         return StepPlan(False, 0, Rate(None, ""), 0.0, 0, "evaluate.online = false")
     rate = decode_rate(profile, serve_gpus)
-    rows = schedule.matrix_rows(profile)
+    rows = schedule.matrix_rows(profile) + (noisy := schedule.noise_rows(profile))
 
     def level_tokens(c: int) -> int:  # a round is at least evaluate.waves waves of c requests
         return max(ev.num_prompts, ev.waves * c) * ev.max_new_tokens * ev.rounds
@@ -80,7 +80,9 @@ def matrix_plan(profile: Profile, serve_gpus: int) -> StepPlan:
     seconds = (len(rows) * sum(level_tokens(c) / (rate.tokens_per_s * min(c, full) / full) for c in ev.concurrency)
                if rate.tokens_per_s else None)
     return StepPlan(True, tokens, rate, seconds, serve_gpus,
-                    f"{len(rows)} servers ({', '.join(rows)}; the schedule's at most) × concurrency {ev.concurrency} "
+                    f"{len(rows)} servers ({', '.join(rows)}; the schedule's at most"
+                    + (f"; the last {len(noisy)} only where instances disagree" if noisy else "")
+                    + f") × concurrency {ev.concurrency} "
                     f"× {ev.num_prompts} prompts × {ev.max_new_tokens} tokens"
                     + (f" × {ev.rounds} rounds" if ev.rounds > 1 else "")
                     + (f", ≥ {ev.waves} waves a round" if ev.waves > 1 else ""))
@@ -170,13 +172,14 @@ def count_server_starts(profile: Profile) -> int:
     """Starts of the target's server over a run, offline and online alike: regeneration, prepare's render
     server (extract reuses an extraction server), extraction (online: one server, handed from prepare or
     the cache extraction to the trainer, or started by it), one per matrix row (schedule.matrix_rows: the
-    methods, the head at other k, its schedule; starts side by side overlap), the handover's production."""
+    methods, the head at other k, its schedule; noise_rows: the servers added where instances disagree; starts
+    side by side overlap), the handover's production."""
     d, ex, ev = profile.data, profile.extract, profile.evaluate
     starts = int(d.regenerate and d.regenerate_backend == "vllm")
     # the extraction server (started by prepare's render when rendered, then reused), else prepare's baseline renderer
     starts += int(ex.backend == "vllm" or (d.tokenize == "render" and not d.regenerate))
     if ev.online:
-        rows = schedule.matrix_rows(profile)
+        rows = schedule.matrix_rows(profile) + schedule.noise_rows(profile)  # at most
         together = max(1, min(ev.start_together, len(rows)))
         starts += -(-len(rows) // together)
     starts += int(profile.server.after_run != "stop")
