@@ -147,7 +147,9 @@ def print_summary(run) -> None:
         acc = " / ".join(f"{a:.2f}" for a in online.acceptance_per_position)
         print(f"vLLM: mean acceptance length {online.mean_acceptance_length:.3f} (per position {acc}), "
               f"{online.speculative_tok_s:.1f} vs {online.baseline_tok_s:.1f} tok/s baseline "
-              f"(x{online.speedup}), outputs identical to baseline = {online.identical_outputs}")
+              f"(x{online.speedup}), outputs identical to baseline = {online.identical_outputs}"
+              + (f" ({online.numeric_ties} apart at near-ties of the target's own: numerics, not the head)"
+                 if not online.identical_outputs and online.numeric_ties else ""))
     if line := notes.ngram_comparison(ev, online):
         print(line)
     if decision := online.verdict():

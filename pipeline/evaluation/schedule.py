@@ -54,6 +54,18 @@ def level_rounds(level: dict) -> list[float]:
     return [float(x) for x in (level.get("rounds_tok_s") or [level["output_tok_s"]])]
 
 
+def server_samples(levels: list[dict]) -> list[float]:
+    """What one side of a comparison (the head's servers, or the target alone's) stands on at one level: a lone
+    server's rounds, or each server at its median round where several were measured. An instance keeps its
+    speed and two of one argv land up to x1.8 apart (NOTES.md "The noise between instances"), while a round
+    that is off is not kept: pooled as rounds, every server added could only widen the interval (on one H100,
+    2026-12-07, a head x1.23-x1.51 above the target alone's fastest server at every level read x1.076 on the
+    slowest first round of one server against the fastest round of another)."""
+    if len(levels) == 1:
+        return level_rounds(levels[0])
+    return [statistics.median(level_rounds(level)) for level in levels]
+
+
 def speedup_interval(head: list[float], base: list[float]) -> tuple[float, float, float]:
     """(median, low, high) of the head's speedup over the baseline from their rounds: median over median, the
     head's worst over the baseline's best, and the reverse."""

@@ -45,6 +45,8 @@ class Decided(Result):
     mean_acceptance_length: float | None = None
     acceptance_per_position: list[float] = []
     identical_outputs: bool | None = None
+    numeric_ties: int | None = None
+    """Outputs apart from the baseline's only where the target's own two best tokens are a near-tie (numerics)."""
     speedup: float | None = None
     baseline_tok_s: float | None = None
 

@@ -73,8 +73,8 @@ def matrix_plan(profile: Profile, serve_gpus: int) -> StepPlan:
     rate = decode_rate(profile, serve_gpus)
     rows = schedule.matrix_rows(profile) + (noisy := schedule.noise_rows(profile))
 
-    def level_tokens(c: int) -> int:  # a round is at least evaluate.waves waves of c requests
-        return max(ev.num_prompts, ev.waves * c) * ev.max_new_tokens * ev.rounds
+    def level_tokens(c: int) -> int:  # a round is at least evaluate.waves waves of c requests, after one wave
+        return (max(ev.num_prompts, ev.waves * c) * ev.rounds + c) * ev.max_new_tokens  # not measured
     tokens = sum(level_tokens(c) for c in ev.concurrency) * len(rows)
     full = profile.data.regenerate_concurrency
     seconds = (len(rows) * sum(level_tokens(c) / (rate.tokens_per_s * min(c, full) / full) for c in ev.concurrency)

@@ -151,14 +151,15 @@ def decide(levels: dict[int, tuple[float, float, float]] | None, weights: dict[i
 
 
 def pooled_baseline(matrix: dict, others: list[dict] | None = None) -> dict:
-    """The baseline's row with every instance's rounds at each level (`baseline_rounds`): the noise of the
-    target alone, across servers as well as within one. `others`: more instances of it measured outside the
+    """The baseline's row with what every instance measured at each level (`baseline_rounds`: one server's
+    rounds, or each server's median round where several were measured — schedule.server_samples): the noise of
+    the target alone, across servers as well as within one. `others`: more instances of it measured outside the
     matrix (production before the run, where it is one)."""
     base = matrix["baseline"]
     rows = [row for m, row in matrix.items() if mode_of(m) == "baseline" and not row.get("error")] + (others or [])
     levels = {}
     for c, level in base.get("levels", {}).items():
-        pooled = [r for row in rows if (lv := level_of(row, c)) for r in schedule.level_rounds(lv)]
+        pooled = schedule.server_samples([lv for row in rows if (lv := level_of(row, c))])
         levels[c] = {**level, "baseline_rounds": pooled}
     return {**base, "levels": levels}
 
@@ -240,7 +241,7 @@ def traffic_text(weights: dict[int, float], how: str) -> str:
 
 
 def row_levels(row: dict, base: dict) -> dict[int, tuple[float, float, float]]:
-    """A measured row's speedup per level as (median, low, high) against the pooled baseline's rounds."""
+    """A measured row's speedup per level as (median, low, high) against the pooled baseline's samples."""
     out = {}
     for c, level in (row.get("levels") or {}).items():
         b = level_of(base, c)
@@ -307,12 +308,12 @@ def second_instance(row: str) -> str:
 
 
 def pooled_row(matrix: dict, row: str) -> dict:
-    """`row` with its second instance's rounds at each level (where one was measured): the head's noise
-    across servers, as pooled_baseline's is the target alone's."""
+    """`row` with its second instance at each level (where one was measured): each server at its median round,
+    the head's noise across servers, as pooled_baseline's is the target alone's."""
     first, second = matrix[row], matrix.get(second_instance(row)) or {}
     if not second or second.get("error"):
         return first
-    levels = {c: {**level, "rounds_tok_s": schedule.level_rounds(level) + schedule.level_rounds(extra)}
+    levels = {c: {**level, "rounds_tok_s": schedule.server_samples([level, extra])}
               if (extra := (second.get("levels") or {}).get(c)) else level
               for c, level in (first.get("levels") or {}).items()}
     return {**first, "levels": levels}
@@ -321,8 +322,8 @@ def pooled_row(matrix: dict, row: str) -> dict:
 def through_the_noise(decision: Decision, noise: dict, second: dict | None) -> Decision:
     """Instances of the target alone measured further apart than evaluate.instance_spread: a decision to deploy
     stands only where the head, measured on a second server too (`second`, its row), still clears the
-    threshold with its slowest round on either server against the target alone's fastest on any of its
-    servers (`decision`, decided on the pooled rounds). Else the figures cannot decide. On one H200
+    threshold with its slower server against the target alone's fastest server, each at its median round
+    (`decision`, decided on pooled_row and pooled_baseline). Else the figures cannot decide. On one H200
     (2026-12-07) a 25 % gap between two baselines kept out a head at x1.686 (x1.339-x2.044) measured on
     one server: whether its own server was a fast instance is what the second one tells."""
     apart = apart_text(noise)
@@ -507,7 +508,7 @@ class Weighed:
 
     def second_server(self) -> dict:
         """Where the considered row was measured on a second server: its name and the speedup per level the
-        decision weighed (both servers' rounds pooled), which the sweep's first-server figures are not."""
+        decision weighed (both servers, each at its median round), which the sweep's first-server figures are not."""
         d = self.deployed
         if d is None or (again := second_instance(d["row"])) not in self.matrix:
             return {}
@@ -558,7 +559,7 @@ def measure_head(ctx: StageContext, head: str, draft, label: str, methods: list[
     if failure is None and deployed is not None and apart and \
             decide(row_levels(matrix[deployed["row"]], base), weights, ev.deploy_speedup).deploy:
         # the target alone's servers measured apart: whether the head's one server was a fast one is
-        # measured, not assumed (a second server of the row, its rounds pooled with the first's, its
+        # measured, not assumed (a second server of the row, weighed beside the first, its
         # outputs held to the baseline's as the first's are)
         again = second_instance(deployed["row"])
         row_args = ({"draft_dir": draft, **weighed["schedule_row"]} if deployed["row"] == schedule_row(head)

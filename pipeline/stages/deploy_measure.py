@@ -80,7 +80,7 @@ class DeployMeasure(Stage):
             figures.update(mean_acceptance_length=lv["mean_acceptance_length"],
                            acceptance_per_position=lv["acceptance_per_position"], speedup=lv["speedup"],
                            speculative_tok_s=lv["output_tok_s"], identical_outputs=eagle["identical_outputs"],
-                           tokens_per_step=lv["tokens_per_step"],
+                           numeric_ties=eagle.get("numeric_ties"), tokens_per_step=lv["tokens_per_step"],
                            **step_economics(base_low, lv, ev.deploy_speedup),
                            **streamed_split(base_low, lv))
             if offline_tau is None:  # the offline evaluator did not compare it with training already

@@ -24,6 +24,10 @@ def measure_served(ctx: StageContext, method: str, rec, start_s: float, prompts:
         ev = p.evaluate
         for c in sorted(ev.concurrency):
             sent = round_requests(prompts, c, ev.waves)
+            # one wave at this concurrency first, not measured: over three GPU runs (bench/results, 2026-12-06/07)
+            # a level's first round at c >= 8 was its slowest of three in 17 of 30 rows (10 by chance)
+            send_all(rec.base_url, p.server.served_model_name, sent[:c], ev.max_new_tokens, c, headers=headers,
+                     min_tokens=ev.min_new_tokens)
             rounds = []
             for r in range(ev.rounds):  # each round with its own counters: a level's figures are one round's
                 label = f", round {r + 1}/{ev.rounds}" if ev.rounds > 1 else ""
