@@ -559,7 +559,8 @@ def test_the_report_and_the_console_show_what_the_decision_weighed_on_two_server
     res = json.loads(json.dumps(w.written(ctx, 2), default=str))
     pooled = res["second_server"]["levels"]
     text = "\n".join(sweep_lines(res))
-    assert f"measured on a second server too (eagle3-2), both servers' rounds: c=1 x{pooled['1'][0]:.3f}" in text
+    assert ("measured on a second server too (eagle3-2), each server at its median round: "
+            f"c=1 x{pooled['1'][0]:.3f}") in text
     assert "every instance 25% apart" in text
     v = verdict(res, DeployMeasureResult.of({}), EvaluateOfflineResult.of({}))
     assert v["speedup"]["8"] == pooled["8"][0] != res["matrix"]["eagle3"]["levels"]["8"]["speedup"]

@@ -103,8 +103,9 @@ def sweep_lines(res: dict) -> list[str]:
         lines.append(f"expected speedup of what was considered for deployment under it: x{exp['median']:.3f} "
                      f"(x{exp['lo']:.3f}–x{exp['hi']:.3f})")
     if (second := res.get("second_server")) and second.get("levels"):  # what the decision weighed, per level
-        lines.append(f"measured on a second server too ({second['row']}), both servers' rounds: " + ", ".join(
-            f"c={c} x{m:.3f} (x{lo:.3f}–x{hi:.3f})" for c, (m, lo, hi) in second["levels"].items()))
+        lines.append(f"measured on a second server too ({second['row']}), each server at its median round: "
+                     + ", ".join(f"c={c} x{m:.3f} (x{lo:.3f}–x{hi:.3f})"
+                                 for c, (m, lo, hi) in second["levels"].items()))
     inst = res.get("instances") or {}
     for c, e in (inst.get("levels") or {}).items():
         parts = [f"{m} {v:.1f}" for m, v in e.get("baseline_instances", {}).items()]
