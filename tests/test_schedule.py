@@ -395,15 +395,15 @@ def scaled(levels: dict, f: float) -> dict:
 
 @pytest.mark.parametrize("second,deploys,asked", [
     (1.0, True, True),    # its second server as fast: the head clears the threshold on both
-    (0.6, False, True),   # its first server was a fast instance: on the pooled rounds it does not
+    (0.6, False, True),   # its first server was a fast instance: on both servers it does not
     (None, True, False),  # the target alone's instances agree: one server of the head decides
 ], ids=["fast-again", "slow-again", "instances-agree"])
 def test_the_head_is_measured_on_a_second_server_where_the_target_alones_instances_disagree(
         tmp_path, monkeypatch, second, deploys, asked):
     """One H200, 2026-12-07: two baseline instances 25 % apart at c = 8 kept out a head at x1.686 under the
     traffic, measured on one server. Where the target alone's servers disagree, whether the head's own server
-    was a fast one is measured: the deployed row once more on another server, its rounds pooled with the
-    first's, and the decision taken on the head's slowest round against the target alone's fastest."""
+    was a fast one is measured: the deployed row once more on another server, and the decision taken on the
+    head's slower server against the target alone's fastest, each at its median round."""
     from pipeline.stages import benchmark
     out = ["a", "b"]
     rows = {"baseline": served_row(PLAIN, out), "baseline-2": served_row(APART if second else PLAIN, out),
@@ -415,7 +415,7 @@ def test_the_head_is_measured_on_a_second_server_where_the_target_alones_instanc
     if second is not None:
         assert not w.noise["decides"]
         lo = schedule.mix(benchmark.row_levels(benchmark.pooled_row(w.matrix, "eagle3"), w.base), w.weights).lo
-        assert (lo >= 1.1) is deploys  # decided on the pooled rounds, not on the first server's alone
+        assert (lo >= 1.1) is deploys  # decided on both servers, not on the first server's alone
         assert w.mix().lo == pytest.approx(lo)
         assert "the head measured on two servers (instances of the target alone" in w.decision.line
         assert w.decision.line.startswith("deploy: k=3" if deploys else "do not deploy: k=3")
@@ -588,3 +588,25 @@ def test_a_head_measured_on_two_servers_is_weighed_server_by_server(tmp_path, mo
     extremes = {c: min(rounds["eagle3"][c] + rounds["eagle3-2"][c]) / max(rounds["baseline"][c] + rounds[
         "baseline-2"][c]) for c in (1, 8)}
     assert max(extremes.values()) < 1.1 < min(lo.values())
+
+
+def test_each_server_at_its_median_keeps_a_stall_and_asks_a_second_server_from_the_first_ones_median(
+        tmp_path, monkeypatch):
+    """A hostile read of the server-by-server rule: a round that stalled on the head's second server is not a
+    round the median may drop; the first server's one slow round does not keep a second server from being
+    asked; an even count of rounds stands on a round that was measured (the lower middle)."""
+    out = ["a", "b"]
+    far = {1: [400.0, 410.0, 420.0], 8: [2000.0, 2100.0, 2200.0]}
+    stalled = {1: [0.0, 821.2, 830.0], 8: [0.0, 4471.9, 4480.0]}
+    rows = {"baseline": served_row(PLAIN, out), "baseline-2": served_row(APART, out),
+            "baseline-3": served_row(far, out), "eagle3": served_row(HEAD, out), "eagle3-2": served_row(stalled, out)}
+    w, asked_for, _ = measured_head(tmp_path, monkeypatch, rows)
+    assert "eagle3-2" in asked_for and not w.decision.deploy and "no speed" in w.decision.line, w.decision.line
+    # the first server's first round at c = 1 x0.81 of the target alone's fastest median (495.9): on its rounds
+    # it would not clear (x1.0007 under the traffic), on its median it does, and so do both servers'
+    rows["eagle3"] = served_row({1: [400.0, 821.2, 922.0], 8: HEAD[8]}, out)
+    rows["eagle3-2"] = served_row(HEAD, out)
+    w, asked_for, _ = measured_head(tmp_path, monkeypatch, rows)
+    assert "eagle3-2" in asked_for and w.decision.deploy, w.decision.line
+    assert schedule.middle_round({"rounds_tok_s": [1400.0, 1000.0]}) == 1000.0
+    assert schedule.server_samples([{"rounds_tok_s": [3.0, 1.0]}, {"rounds_tok_s": [5.0, 4.0, 6.0]}]) == [1.0, 5.0]

@@ -2,8 +2,9 @@
 traffic with the noise beside every figure.
 
 A served figure is never one number here: each level is measured in rounds (evaluate.rounds), and a figure is
-their median with the min–max beside it (`Spread`). A speedup's interval is the head's worst round over the
-baseline's best and the reverse, every baseline instance's rounds included: the noise a decision stands in.
+their median with the min–max beside it (`Spread`). A speedup's interval is the head's worst over the
+baseline's best and the reverse — of a lone server's rounds, or of each server's median round where a side was
+measured on several (`server_samples`): the noise a decision stands in.
 
 The sweep (`sweep`): the head served at some k (evaluate.ks) at each concurrency; a k not served is predicted
 from what was: its tokens per step from the per-position acceptance a longer draft measured (a chain's
@@ -54,16 +55,24 @@ def level_rounds(level: dict) -> list[float]:
     return [float(x) for x in (level.get("rounds_tok_s") or [level["output_tok_s"]])]
 
 
+def middle_round(level: dict) -> float:
+    """A server's figure at one level: its median round (the lower middle of an even count, a round that was
+    measured, as served.median_round picks); 0 where a round stalled (no speed), which decide refuses."""
+    rounds = sorted(level_rounds(level))
+    return 0.0 if rounds[0] <= 0 else rounds[(len(rounds) - 1) // 2]
+
+
 def server_samples(levels: list[dict]) -> list[float]:
     """What one side of a comparison (the head's servers, or the target alone's) stands on at one level: a lone
     server's rounds, or each server at its median round where several were measured. An instance keeps its
-    speed and two of one argv land up to x1.8 apart (NOTES.md "The noise between instances"), while a round
-    that is off is not kept: pooled as rounds, every server added could only widen the interval (on one H100,
-    2026-12-07, a head x1.23-x1.51 above the target alone's fastest server at every level read x1.076 on the
-    slowest first round of one server against the fastest round of another)."""
+    speed and two of one argv land up to x1.8 apart (NOTES.md "The noise between instances"); a round that is
+    off is not kept where its server has others beside it: pooled as rounds, every server added could only widen
+    the interval (on one H100, 2026-12-07, a head x1.23-x1.51 above the target alone's fastest server at every
+    level read x1.076 on the slowest first round of one server against the fastest round of another). A lone
+    server's rounds are all the noise known of its side, so adding a server can narrow the interval too."""
     if len(levels) == 1:
         return level_rounds(levels[0])
-    return [statistics.median(level_rounds(level)) for level in levels]
+    return [middle_round(level) for level in levels]
 
 
 def speedup_interval(head: list[float], base: list[float]) -> tuple[float, float, float]:
@@ -140,8 +149,9 @@ def tau_at(per_position: list[float], k: int) -> float:
 
 def sweep(served: dict[int, dict], baseline: dict, ks: list[int]) -> dict[int, dict[int, Point]]:
     """Every k of `ks` (and 0, the baseline) at every concurrency the baseline was measured at.
-    `served`: k → the head's matrix row at that k; `baseline`: the baseline's row (its rounds may include
-    other instances': `baseline_rounds`). A row's levels are keyed by concurrency (int or str)."""
+    `served`: k → the head's matrix row at that k; `baseline`: the baseline's row (`baseline_rounds`: its
+    rounds, or each instance's median round where several were measured: server_samples). A row's levels are
+    keyed by concurrency (int or str)."""
     out: dict[int, dict[int, Point]] = {}
     for c_key, base_level in (baseline.get("levels") or {}).items():
         c = int(c_key)

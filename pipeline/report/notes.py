@@ -73,7 +73,8 @@ def sweep_lines(res: dict) -> list[str]:
     if not sweep:
         return []
     ks = sorted({int(k) for pts in sweep.values() for k in pts if int(k) > 0})
-    lines = ["## The head at each k (speedup over the baseline: median, min–max over rounds and instances)", "",
+    lines = ["## The head at each k (speedup over the baseline: median, min–max over rounds, or over servers "
+             "where several were measured)", "",
              "| concurrency | " + " | ".join(f"k={k}" for k in ks) + " | k chosen |",
              "|---|" + "---|" * len(ks) + "---|"]
     chosen = ((res.get("schedule") or {}).get("per_level")) or {}

@@ -319,6 +319,13 @@ def pooled_row(matrix: dict, row: str) -> dict:
     return {**first, "levels": levels}
 
 
+def at_middle(row: dict) -> dict:
+    """`row` with each level at its median round alone: as it will stand beside a second server of its own
+    (pooled_row), so that a second server is asked wherever the two could clear the threshold together."""
+    return {**row, "levels": {c: {**level, "rounds_tok_s": [schedule.middle_round(level)]}
+                              for c, level in (row.get("levels") or {}).items()}}
+
+
 def through_the_noise(decision: Decision, noise: dict, second: dict | None) -> Decision:
     """Instances of the target alone measured further apart than evaluate.instance_spread: a decision to deploy
     stands only where the head, measured on a second server too (`second`, its row), still clears the
@@ -557,7 +564,7 @@ def measure_head(ctx: StageContext, head: str, draft, label: str, methods: list[
     mismatches, failures = compare_rows(matrix, ids, low, ev.tie_logprob_gap)
     failure = head_failure(ctx, matrix, head, label, low, failures, len(prompts), result)
     if failure is None and deployed is not None and apart and \
-            decide(row_levels(matrix[deployed["row"]], base), weights, ev.deploy_speedup).deploy:
+            decide(row_levels(at_middle(matrix[deployed["row"]]), base), weights, ev.deploy_speedup).deploy:
         # the target alone's servers measured apart: whether the head's one server was a fast one is
         # measured, not assumed (a second server of the row, weighed beside the first, its
         # outputs held to the baseline's as the first's are)
