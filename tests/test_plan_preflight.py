@@ -388,3 +388,29 @@ def test_an_mla_target_on_a_gpu_box_is_told_of_the_windowed_heads_cost(monkeypat
     assert heads(**{"train.extra_args": ["--full-attention-indices", "0"]}) == []
     answer["platform"] = "cpu"
     assert heads() == []  # the windowed head is what a CPU box serves beside MLA
+
+
+def test_the_matrix_is_timed_by_the_levels_an_earlier_run_measured(tmp_path):
+    """An earlier run of the profile measured the target alone at each level: the next plan's matrix is timed by
+    those (the line below the full batch is a bound, ×8 slow at c = 1 on one H100); a level it did not measure
+    leaves the bound."""
+    sets = {"run.runs_dir": str(tmp_path), "evaluate.production_before_after": False, "server.after_run": "production"}
+    profile = load_profile("gpu-demo", sets, check_inputs=False)
+    bound = plan.make_plan(profile).matrix
+    earlier = tmp_path / "earlier"
+    earlier.mkdir()
+    (earlier / "profile.toml").write_text('name = "gpu-demo"\n')
+    measured = {"1": 519.0, "8": 2689.0, "32": 8234.0}
+    (earlier / "state.json").write_text(json.dumps({"stages": {"deploy-measure": {
+        "status": "done", "figures": {"baseline_levels_tok_s": measured}}}}))
+    timed = plan.make_plan(profile).matrix
+    ev, rows = profile.evaluate, len(schedule.matrix_rows(profile))
+    assert timed.rate.kind == "measured" and f"measured: {earlier}" in timed.why
+    assert timed.seconds == pytest.approx(rows * sum(
+        (max(ev.num_prompts, ev.waves * c) * ev.rounds + c) * ev.max_new_tokens / measured[str(c)]
+        for c in ev.concurrency))
+    assert timed.seconds < bound.seconds / 3 and timed.tokens == bound.tokens
+    del measured["32"]
+    (earlier / "state.json").write_text(json.dumps({"stages": {"deploy-measure": {
+        "status": "done", "figures": {"baseline_levels_tok_s": measured}}}}))
+    assert plan.make_plan(profile).matrix.seconds == pytest.approx(bound.seconds)

@@ -106,6 +106,17 @@ def decode_rate(profile: Profile, gpus: int) -> Rate:
                  "decode_tokens_per_s", gpus, lambda cal, box: calibration.decode_rate(cal, box, concurrency), False)
 
 
+def matrix_rates(profile: Profile) -> tuple[dict[int, float], str] | None:
+    """The target alone's tok/s at each concurrency as an earlier run of this profile served it (its matrix's
+    baseline: deploy-measure, measure-existing), and where; None where none was measured."""
+    def levels(figures: dict) -> dict[int, float] | None:
+        got = figures.get("baseline_levels_tok_s") or {}
+        return {int(c): float(v) for c, v in got.items() if isinstance(v, (int, float)) and v > 0} or None
+
+    m = history.measured(profile, ("deploy-measure", "measure-existing"), levels)
+    return (m[0], f"measured: {m[1]}") if m else None  # type: ignore[return-value]
+
+
 def server_start_estimate(profile: Profile) -> ServerStart:
     """Seconds of one start of the target's vLLM server: an earlier run's (a real start, not a reuse),
     else hardware.server_start_s, else the checkpoint read at 1 GiB/s plus a minute."""

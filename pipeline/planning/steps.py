@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from pipeline.data.targetinfo import DraftPlan, TargetInfo
 from pipeline.evaluation import schedule
 from pipeline.evaluation.offline_policy import transformers_fit
-from pipeline.planning import history
+from pipeline.planning import history, rates
 from pipeline.planning.rates import Rate, decode_rate
 from pipeline.profile import Profile
 from pipeline.units import GIB
@@ -65,27 +65,38 @@ def regenerate_plan(profile: Profile, info: TargetInfo, samples: int, tokens: in
 
 def matrix_plan(profile: Profile, serve_gpus: int) -> StepPlan:
     """The benchmark matrix: each method's server decodes num_prompts × max_new_tokens at each
-    concurrency, evaluate.rounds times; decode tokens/s taken linear in concurrency up to
-    data.regenerate_concurrency (an estimate: memory-bound decode)."""
+    concurrency, evaluate.rounds times; at the target alone's tok/s at each level where an earlier run of the
+    profile measured them, else decode tokens/s taken linear in concurrency up to data.regenerate_concurrency
+    (memory-bound decode: a step at c is no slower than at the full batch, so a bound — on one H100 the target
+    alone served 519 tok/s at c = 1 where that line gave 63, 2026-12-07)."""
     ev = profile.evaluate
     if not ev.online:
         return StepPlan(False, 0, Rate(None, ""), 0.0, 0, "evaluate.online = false")
-    rate = decode_rate(profile, serve_gpus)
     rows = schedule.matrix_rows(profile) + (noisy := schedule.noise_rows(profile))
 
     def level_tokens(c: int) -> int:  # a round is at least evaluate.waves waves of c requests, after one wave
         return (max(ev.num_prompts, ev.waves * c) * ev.rounds + c) * ev.max_new_tokens  # not measured
     tokens = sum(level_tokens(c) for c in ev.concurrency) * len(rows)
-    full = profile.data.regenerate_concurrency
-    seconds = (len(rows) * sum(level_tokens(c) / (rate.tokens_per_s * min(c, full) / full) for c in ev.concurrency)
-               if rate.tokens_per_s else None)
+    measured = rates.matrix_rates(profile)
+    if measured and all(c in measured[0] for c in ev.concurrency):
+        seconds: float | None = len(rows) * sum(level_tokens(c) / measured[0][c] for c in ev.concurrency)
+        rate = Rate(round(tokens / seconds, 1) if seconds else None,
+                    f"{measured[1]} (the target alone at each level; the heads' rows timed as it)", "measured")
+    else:
+        rate = decode_rate(profile, serve_gpus)
+        full = profile.data.regenerate_concurrency
+        seconds = (len(rows) * sum(level_tokens(c) / (rate.tokens_per_s * min(c, full) / full)
+                                   for c in ev.concurrency) if rate.tokens_per_s else None)
     return StepPlan(True, tokens, rate, seconds, serve_gpus,
                     f"{len(rows)} servers ({', '.join(rows)}; the schedule's at most"
                     + (f"; the last {len(noisy)} only where instances disagree" if noisy else "")
                     + f") × concurrency {ev.concurrency} "
                     f"× {ev.num_prompts} prompts × {ev.max_new_tokens} tokens"
                     + (f" × {ev.rounds} rounds" if ev.rounds > 1 else "")
-                    + (f", ≥ {ev.waves} waves a round" if ev.waves > 1 else ""))
+                    + (f", ≥ {ev.waves} waves a round" if ev.waves > 1 else "")
+                    + ("; timed by the target alone's tok/s at each level, " + rate.source if rate.kind == "measured"
+                       else "; decode taken linear in concurrency below data.regenerate_concurrency: a bound, "
+                            "no earlier run of this profile measured the levels"))
 
 
 def checkpoint_count(profile: Profile) -> int:

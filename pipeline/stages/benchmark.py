@@ -527,7 +527,10 @@ class Weighed:
         """The figures both stages report: the decision, the instances' spread, the traffic, the mix."""
         out = {**self.verdict(), "instance_spread": self.noise["span"],
                "traffic": traffic_text(self.weights, self.how),
-               "baseline_tok_s": self.matrix["baseline"]["levels"][self.low]["output_tok_s"]}
+               "baseline_tok_s": self.matrix["baseline"]["levels"][self.low]["output_tok_s"],
+               # the target alone at each level: what the planner times the next run's matrix by
+               "baseline_levels_tok_s": {str(c): lv["output_tok_s"]
+                                         for c, lv in self.matrix["baseline"].get("levels", {}).items()}}
         if (m := self.mix()) is not None:
             out.update(expected_speedup=round(m.expected, 4), expected_speedup_lo=round(m.lo, 4),
                        expected_speedup_hi=round(m.hi, 4))
