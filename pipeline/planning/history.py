@@ -5,10 +5,13 @@ from __future__ import annotations
 import contextlib
 import json
 import tomllib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TypeVar
 
 from pipeline.profile import Profile
+
+T = TypeVar("T")
 
 
 def _earlier_runs(profile: Profile) -> Iterator[tuple[Path, dict]]:
@@ -20,7 +23,8 @@ def _earlier_runs(profile: Profile) -> Iterator[tuple[Path, dict]]:
                 yield state_file.parent, json.loads(state_file.read_text())
 
 
-def measured(profile: Profile, stages: tuple[str, ...], value_of, done: bool = False) -> tuple[float, Path] | None:
+def measured(profile: Profile, stages: tuple[str, ...], value_of: Callable[[dict], T | None],
+             done: bool = False) -> tuple[T, Path] | None:
     """The newest earlier run of this profile in which `value_of` finds a figure of one of `stages` (`done`:
     of a finished stage only), with that figure."""
     for run_dir, state in _earlier_runs(profile):

@@ -114,7 +114,7 @@ def matrix_rates(profile: Profile) -> tuple[dict[int, float], str] | None:
         return {int(c): float(v) for c, v in got.items() if isinstance(v, (int, float)) and v > 0} or None
 
     m = history.measured(profile, ("deploy-measure", "measure-existing"), levels)
-    return (m[0], f"measured: {m[1]}") if m else None  # type: ignore[return-value]
+    return (m[0], f"measured: {m[1]}") if m else None
 
 
 def server_start_estimate(profile: Profile) -> ServerStart:
