@@ -4,7 +4,7 @@ and its recorded figures. Any field may be missing, and a level may carry fields
 (a k schedule, a traffic mix): the data passes a level's plain values through, the text shows what exists."""
 from __future__ import annotations
 
-from pipeline.layout.matrix import level_of
+from pipeline.layout.matrix import level_of, second_instance
 from pipeline.layout.results import DeployMeasureResult, EvaluateOfflineResult, RunSnapshot, decision_in
 
 
@@ -28,7 +28,8 @@ def verdict(online: dict | None, measured: DeployMeasureResult, offline: Evaluat
               for c, level in sorted((head.get("levels") or {}).items(), key=lambda kv: concurrency_order(kv[0]))
               if isinstance(level, dict)}
     second = online.get("second_server")
-    pooled = (second.get("levels") or {}) if isinstance(second, dict) and second.get("row") == f"{row}-2" else {}
+    second = second if isinstance(second, dict) and second.get("row") == second_instance(row) else {}
+    pooled = second.get("levels") or {}
     low = level_of(head, min(online.get("concurrency") or [1]))
     # τ as tokens per decode step: the unit of the break-even τ it is compared with (step_economics)
     tau = next((t for t in (measured.tokens_per_step, low.get("tokens_per_step"), measured.mean_acceptance_length,

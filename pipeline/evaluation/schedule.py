@@ -134,7 +134,7 @@ def matrix_rows(profile) -> list[str]:
 def noise_rows(profile) -> list[str]:
     """The servers deploy-measure adds only where two instances of the target alone (the baseline's, production
     before the run) measure further apart than evaluate.instance_spread: one more baseline instance, and the
-    deployed head's second server (stages.benchmark: settled_noise, second_instance)."""
+    deployed head's second server (stages.benchmark.settled_noise, layout.matrix.second_instance)."""
     ev = profile.evaluate
     if ev.baseline_instances < 2 and not ev.production_before_after:
         return []  # one instance of the target alone: nothing to disagree

@@ -16,7 +16,7 @@ from pipeline.evaluation import schedule
 from pipeline.host import portlock, procs
 from pipeline.layout import atomicio
 from pipeline.layout.decision import Decision
-from pipeline.layout.matrix import level_of
+from pipeline.layout.matrix import level_of, second_instance
 from pipeline.serving import ports, vllm_modes
 from pipeline.serving.client import in_threads
 from pipeline.serving.server import ServerError, port_in_use, port_owner
@@ -300,11 +300,6 @@ def instances_disagree(noise: dict) -> bool:
     """Any two instances of the target alone further apart than evaluate.instance_spread at one level (an
     extra baseline that settled two included): a head is then decided on two servers of its own."""
     return noise["span"] > noise["bound"]
-
-
-def second_instance(row: str) -> str:
-    """The row of `row` served once more, by another server (as baseline-2 is the baseline's)."""
-    return f"{row}-2"
 
 
 def pooled_row(matrix: dict, row: str) -> dict:
