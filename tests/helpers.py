@@ -3,8 +3,8 @@ condition, the real CLI in a subprocess, run to its end (`cli`) or started in th
 and the stand-in for an interpreter with vLLM (`standin_python`, tests/vllm_standin.py). Fixtures live in
 tests/conftest.py, which re-exports these for the tests that import them from there."""
 import os
+import random
 import shlex
-import socket
 import subprocess
 import sys
 import time
@@ -16,22 +16,40 @@ TINY_MLA = ROOT / "tests" / "profiles" / "tiny-mla.toml"
 STANDIN = ROOT / "tests" / "vllm_standin.py"
 
 
-def free_port() -> int:
-    """A TCP port free on 127.0.0.1 now (the kernel's pick), e.g. a run's serving port no other run holds."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+# Ports for the tests' servers come from below the kernel's ephemeral range (Linux: 32768-60999), a slice of
+# their own for each test worker, each handed out once per process. A port the kernel picked (bind to 0) is
+# free only until the kernel hands it out again: vLLM's own internal ports, a client's outgoing connections
+# and the other worker's picks all draw from that range, and the fresh-clone CI of c995df3 lost a two-node
+# test to "Address already in use" between the pick and the server's bind.
+PORT_SLICE = 1500
+_handed: set[int] = set()
+
+
+def _port_slice() -> range:
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw")
+    lo = 20000 + (int(worker) if worker.isdigit() else 0) % 8 * PORT_SLICE
+    return range(lo, lo + PORT_SLICE)
+
+
+def free_port(width: int = 1) -> int:
+    """A TCP port p free on 127.0.0.1 now, p .. p + width - 1 all free and never handed out before in this
+    process: a run's serving port no other run holds (width 2: a benchmark matrix's two servers side by side)."""
+    from pipeline.serving.server import port_in_use
+
+    ports = _port_slice()
+    start = random.randrange(len(ports))
+    for i in range(len(ports) - width):
+        p = ports[(start + i) % (len(ports) - width)]
+        block = range(p, p + width)
+        if not _handed.intersection(block) and not any(port_in_use("127.0.0.1", q) for q in block):
+            _handed.update(block)
+            return p
+    raise RuntimeError(f"no {width} free consecutive ports in {ports.start}-{ports.stop - 1}")
 
 
 def free_port_pair() -> int:
     """A port p with p + 1 free too: a benchmark matrix's two servers side by side."""
-    from pipeline.serving.server import port_in_use
-
-    for _ in range(50):
-        p = free_port()
-        if p < 65000 and not port_in_use("127.0.0.1", p + 1):
-            return p
-    raise RuntimeError("no two consecutive free ports")
+    return free_port(2)
 
 
 def copy_run_dir(src: Path, dst: Path, **sections) -> Path:
