@@ -158,7 +158,7 @@ def test_an_earlier_runs_measurement_still_comes_first(tmp_path, monkeypatch):
     path = calibration_file(tmp_path)
     p = load_profile("kimi-k2.5-rtx6000x8-lowered", {"hardware.calibration": str(path)}, check_inputs=False)
     monkeypatch.setattr(history, "measured", lambda profile, stages, value_of, done=False:
-                        (1234.0, tmp_path / "run") if done else None)
+                        (v, tmp_path / "run") if done and (v := value_of({"tokens_per_s": 1234.0})) else None)
     assert plan.make_plan(p).extract == rates.Rate(1234.0, f"measured: {tmp_path / 'run'}", "measured")
 
 

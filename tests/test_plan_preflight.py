@@ -66,6 +66,13 @@ def test_planner_uses_rates_measured_by_an_earlier_run(finished_run):
     assert p.extract.source == f"measured: {finished_run}" and p.extract.tokens_per_s > 0
     assert p.train.source == f"measured: {finished_run}" and p.train.tokens_per_s > 0
     assert p.tokens_source == "measured mean tokens per row"
+    # the real trainer's start-up and epochs beyond its steps, recorded and added
+    state = json.loads((finished_run / "state.json").read_text())["stages"]["train"]
+    figures, wall = state["figures"], state["train_seconds"]
+    assert 0 < figures["startup_s"] < wall and figures["epoch_overhead_s"] >= 0
+    assert f"measured: {finished_run}" in p.trainer_overhead
+    assert p.train_s == pytest.approx(p.tokens * plan.TRAIN_RATIO * profile.train.epochs / p.train.tokens_per_s
+                                      + figures["startup_s"] + profile.train.epochs * figures["epoch_overhead_s"])
 
 
 @pytest.mark.integration  # preflight asks vLLM (a probe, unless cached)
@@ -414,3 +421,32 @@ def test_the_matrix_is_timed_by_the_levels_an_earlier_run_measured(tmp_path):
     (earlier / "state.json").write_text(json.dumps({"stages": {"deploy-measure": {
         "status": "done", "figures": {"baseline_levels_tok_s": measured}}}}))
     assert plan.make_plan(profile).matrix.seconds == pytest.approx(bound.seconds)
+
+
+def test_the_training_time_counts_the_trainers_start_up_and_epochs_an_earlier_run_measured(tmp_path):
+    """The steady rate prices the steps alone (177 s of training planned as seconds on the H100 flow of
+    2026-12-07); an earlier run's start-up and per-epoch overhead are added, the epochs the profile asks, and
+    the figures the train stage records give back that run's wall on that run's tokens."""
+    from pipeline.stages.train import trainer_overhead
+
+    sets = {"run.runs_dir": str(tmp_path), "evaluate.production_before_after": False, "server.after_run": "production",
+            "train.epochs": 5}
+    profile = load_profile("gpu-demo", sets, check_inputs=False)
+    alone = plan.make_plan(profile)
+    assert "not counted" in alone.trainer_overhead
+    earlier = tmp_path / "earlier"
+    earlier.mkdir()
+    (earlier / "profile.toml").write_text('name = "gpu-demo"\n')
+    tokens, rate, wall = 238005, 159500.0, 177.06  # that run's: prepared tokens, steady rate, 3 epochs' wall
+    figures = {"tokens_per_s": rate, **trainer_overhead(wall, 61.0, 3, tokens, rate)}
+    assert figures["startup_s"] + 3 * figures["epoch_overhead_s"] + tokens * plan.TRAIN_RATIO * 3 / rate \
+        == pytest.approx(wall, abs=0.2)
+    (earlier / "state.json").write_text(json.dumps({"stages": {"train": {"status": "done", "figures": figures}}}))
+    p = plan.make_plan(profile)
+    assert p.train.source == f"measured: {earlier}" and f"measured: {earlier}" in p.trainer_overhead
+    steps_s = p.tokens * plan.TRAIN_RATIO * 5 / rate
+    assert p.train_s == pytest.approx(steps_s + figures["startup_s"] + 5 * figures["epoch_overhead_s"])
+    assert p.totals["offline"]["wall_s"] - p.extract_s - p.train_s == pytest.approx(
+        alone.totals["offline"]["wall_s"] - alone.extract_s - alone.train_s)  # the rest of the run as it was
+    # a wall shorter than its start-up and steps (the rate's median step above the mean) is no negative epoch
+    assert trainer_overhead(30.0, 40.0, 1, tokens, rate)["epoch_overhead_s"] == 0.0

@@ -114,6 +114,10 @@ class TrainResult(Result):
     """The median logged step's, the first (compile) left out, all ranks."""
     train_loss: float | None = None
     val_loss_epoch: float | None = None
+    startup_s: float | None = None
+    """To the first logged step: the planner's trainer start-up (rates.trainer_overhead)."""
+    epoch_overhead_s: float | None = None
+    """Each epoch's wall beyond its steps at tokens_per_s: validation, the checkpoint's save."""
 
 
 class PickCheckpointResult(Result):

@@ -57,6 +57,7 @@ class Plan:
     existing: str = ""  # measure-existing: what it serves first, and whether training may be skipped ("" = n/a)
     may_skip_training: bool = False  # evaluate.existing_policy = deploy: the existing head may spare the training
     warm_start: str = ""  # train.from_pretrained: where training starts from ("" = from nothing)
+    trainer_overhead: str = ""  # the trainer's start-up and validation in the training time, or why not
 
     def disk_for(self, mode: str) -> int:
         states = self.disk_hidden_states if mode == "offline" else self.online.disk_states
@@ -112,11 +113,14 @@ def make_plan(profile: Profile, run_dir: Path | None = None, free: int | None = 
     train = rates.training_rate(profile, train_gpus)
     trained = tokens * TRAIN_RATIO * t.epochs
     extract_s = tokens / extract.tokens_per_s if extract.tokens_per_s else None
-    train_s = trained / train.tokens_per_s if train.tokens_per_s else None
+    overhead = rates.trainer_overhead(profile)
+    extra_train_s = overhead.seconds(t.epochs) if overhead else 0.0
+    steps_s = trained / train.tokens_per_s if train.tokens_per_s else None
+    train_s = steps_s + extra_train_s if steps_s is not None else None
     gpu_hours = ((extract_s * extract_gpus + train_s * train_gpus) / 3600
                  if extract_s is not None and train_s is not None and hw.gpus else None)
     memory = steps.train_memory(draft, profile, info)
-    online = online_plan(profile, tokens, samples, hidden / max(tokens, 1), served, trained, train_s, memory)
+    online = online_plan(profile, tokens, samples, hidden / max(tokens, 1), served, trained, steps_s, memory)
     regen = steps.regenerate_plan(profile, info, samples, tokens, extract_gpus)
     runs_offline_eval, why = offline_evaluation(profile, info)
     evaluate_offline = StepPlan(runs_offline_eval, 0, Rate(None, ""), None, 0, why)
@@ -131,7 +135,7 @@ def make_plan(profile: Profile, run_dir: Path | None = None, free: int | None = 
     starts = dict.fromkeys(("offline", "online"), steps.count_server_starts(profile) + vllm_picks)
     totals = {}
     for m, core_s, core_gpu_h in (("offline", extract_s and train_s and extract_s + train_s, gpu_hours),
-                                  ("online", online.wall_s, online.gpu_hours)):
+                                  ("online", online.wall_s and online.wall_s + extra_train_s, online.gpu_hours)):
         parts = [core_s, regen.seconds, matrix.seconds, picks.seconds if vllm_picks else 0.0,
                  0.0 if not starts[m] else start.seconds * starts[m] if start.seconds else None]
         wall = sum(parts) if all(p is not None for p in parts) else None  # type: ignore[arg-type]
@@ -148,7 +152,10 @@ def make_plan(profile: Profile, run_dir: Path | None = None, free: int | None = 
                 server_starts=starts, totals=totals, guesses=guesses,
                 break_even_tau=calibration.break_even_tau(*cb) if cb else None, existing=steps.existing_text(profile),
                 may_skip_training=bool(steps.existing_servers(profile)) and ev.existing_policy == "deploy",
-                warm_start=steps.warm_start_text(profile))
+                warm_start=steps.warm_start_text(profile),
+                trainer_overhead=overhead.source if overhead else (
+                    "not counted: no earlier run of this profile measured the trainer's start-up and validation "
+                    "(the training time is its steps alone)"))
     if profile.extract.mode == "auto" and profile.extract.backend != "vllm":
         plan = replace(plan, mode="offline", mode_why="auto: online needs extract.backend = \"vllm\"")
     elif profile.extract.mode == "auto":
@@ -305,6 +312,7 @@ def _notes(p: Plan, width: int) -> list[str]:
     """Where each figure of one profile comes from, a wrapped list."""
     items: list[tuple[str | None, str]] = [
         ("tokens", p.tokens_source), ("extraction", p.extract.source), ("training", p.train.source),
+        ("trainer start-up and validation", p.trainer_overhead),
         ("mode", p.mode_why), ("regeneration", f"{p.regenerate.why} ({p.regenerate.rate.source or '-'})"),
         ("offline evaluator", p.evaluate_offline.why), ("matrix", p.matrix.why),
         ("checkpoints", p.checkpoints.why), ("server start", p.server_start.source)]

@@ -18,6 +18,7 @@ from pipeline.host import procs
 from pipeline.layout import atomicio
 from pipeline.layout.checkpoints import final_checkpoint, kept_sub_epoch, quarantine_incomplete
 from pipeline.layout.results import TrainResult
+from pipeline.planning import plan
 from pipeline.serving import mooncake, online_training, ports, vllm_modes
 from pipeline.serving.server import explain_failure
 from pipeline.stages import heads
@@ -168,7 +169,8 @@ class Train(Stage):
         step_ms: list[float] = []
         fetch_ms: list[float] = []  # of each logged step, the time it waited for its batch (states online)
         steps = 0
-        epoch = int(resumed.name) + 1 if resumed else 0
+        epoch = first_epoch = int(resumed.name) + 1 if resumed else 0
+        first_step_at: list[float] = []  # the first logged step: the trainer's start-up ends there
 
         def on_line(line: str) -> None:
             nonlocal epoch, steps
@@ -179,6 +181,7 @@ class Train(Stage):
             step = metrics.pop("global_step", None)
             if any(k.startswith("train/") for k in metrics):
                 steps += 1
+                first_step_at[:] = first_step_at or [time.monotonic()]
                 if "profile/step_ms" in metrics:
                     step_ms.append(metrics["profile/step_ms"])
                     fetch_ms.append(metrics.get("profile/fetch_ms", 0.0))
@@ -206,7 +209,8 @@ class Train(Stage):
         log = ctx.run.log_path(self.name)
         this_attempt = log.stat().st_size if log.exists() else 0  # the log keeps every attempt's lines
         rc = ctx.run_child(cmd, env=env, on_line=on_line)
-        ctx.run.update_stage(self.name, train_seconds=round(time.monotonic() - t0, 2))
+        wall = time.monotonic() - t0
+        ctx.run.update_stage(self.name, train_seconds=round(wall, 2))
         if rc != 0:
             failure = f"speculators train exited with {rc}; see {log}: {procs.last_error_line(log)}"
             said = procs.read_log(log, this_attempt) or ""
@@ -225,16 +229,28 @@ class Train(Stage):
         if ckpt is None or int(ckpt.name) != t.epochs - 1:
             raise StageError(f"speculators train exited 0 but the last complete epoch is "
                              f"{ckpt.name if ckpt else 'none'}, expected {t.epochs - 1}")
+        rate = steady_tokens_per_s(step_ms, ctx.profile)
         figures = {"checkpoint": str(ckpt), "epochs": t.epochs, "logged_steps": steps,
                    # the planner's measured rate: median step after the first (compile), all ranks
-                   "tokens_per_s": steady_tokens_per_s(step_ms, ctx.profile),
+                   "tokens_per_s": rate,
                    "data_wait_share": data_wait_share(step_ms, fetch_ms),
                    "resumed_from_epoch": int(resumed.name) if resumed else None, "quarantined": moved,
                    "from_pretrained": str(start) if start else None,
                    **({"kept_sub_epoch": len(kept_sub_epoch(save))} if speculators_compat.KEEP_ENV in env else {})}
         figures.update({k.replace("/", "_"): round(v, 4) for k, v in last.items()
                         if k == "train/loss" or (k.startswith("val/") and re.search(r"(loss|acc)", k))})
+        tokens = (ctx.run.stage_state("prepare").get("figures") or {}).get("tokens")
+        if first_step_at and tokens and rate:
+            figures.update(trainer_overhead(wall, first_step_at[0] - t0, t.epochs - first_epoch, tokens, rate))
         return figures
+
+
+def trainer_overhead(wall_s: float, startup_s: float, epochs: int, tokens: int, tokens_per_s: float) -> dict:
+    """The planner's overhead figures (rates.trainer_overhead): the start-up, and each epoch's wall beyond its
+    steps at the steady rate (validation, the checkpoint's save, logging), as the plan reads them back."""
+    steps_s = tokens * plan.TRAIN_RATIO * epochs / tokens_per_s
+    per_epoch = max(0.0, (wall_s - startup_s - steps_s) / epochs) if epochs > 0 else 0.0
+    return {"startup_s": round(startup_s, 1), "epoch_overhead_s": round(per_epoch, 1)}
 
 
 def data_wait_share(step_ms: list[float], fetch_ms: list[float]) -> float | None:
