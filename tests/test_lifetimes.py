@@ -250,11 +250,11 @@ def test_a_runs_baseline_reused_as_production_becomes_the_operators(standin_pyth
     target.mkdir()
     dead_run = tmp_path / "runs" / "killed"
     base = serving_ports.start_mode(profile, "baseline", target, log_path=tmp_path / "base.log",
-                                    cache_root=tmp_path / "c", say=lambda text: None, owner=str(dead_run))
+                                    say=lambda text: None, owner=str(dead_run))
     try:
         said: list[str] = []
         prod = serving_ports.start_mode(profile, "production", target, log_path=tmp_path / "prod.log",
-                                        cache_root=tmp_path / "c", say=said.append, owner="")
+                                        say=said.append, owner="")
         assert prod.pid == base.pid and any("reusing the running production server" in s for s in said)
         status = serving_ports.controller(profile).status()
         assert (status["mode"], status["run"]) == ("production", "")
@@ -275,7 +275,7 @@ def test_preflight_says_an_adopted_production_comes_back_from_the_profile(standi
                                   "server.after_run": "production"})
     (tmp_path / "target").mkdir()
     rec = serving_ports.start_mode(profile, "production", tmp_path / "target", log_path=tmp_path / "p.log",
-                                   cache_root=tmp_path / "c", say=lambda text: None, owner="")
+                                   say=lambda text: None, owner="")
     try:
         ctl = serving_ports.controller(profile)
         (said,) = [f for f in port_findings(profile) if f.check == "production"]  # the tool's own argv
@@ -314,7 +314,7 @@ def test_a_run_that_fails_after_stopping_production_brings_it_back(standin_pytho
     run = RunDir.create(profile, tmp_path / "run")
     ctl = serving_ports.controller(profile)
     prod = serving_ports.start_mode(profile, "production", target, log_path=tmp_path / "p.log",
-                                    cache_root=tmp_path / "c", say=lambda text: None, owner="")
+                                    say=lambda text: None, owner="")
     try:
         ctx = StageContext(run=run, profile=profile, log=logging.getLogger("t"), stage="regenerate")
         lease = ctx.lease("ngram")  # another argv than production's: production is stopped for it
@@ -354,7 +354,7 @@ def test_a_run_that_fails_after_stopping_production_brings_it_back(standin_pytho
         assert ctl.status()["state"] == "none"
         # a production record whose server is gone: nothing is recorded as stopped by the run
         dead = serving_ports.start_mode(profile, "production", target, log_path=tmp_path / "p.log",
-                                        cache_root=tmp_path / "c", say=lambda text: None, owner="")
+                                        say=lambda text: None, owner="")
         procs.stop_group(dead.pgid, grace=2)
         run.update_state(production_stopped=None)
         ctx.lease("ngram").release()
@@ -376,12 +376,12 @@ def test_a_missing_production_key_stops_nothing(standin_python, tmp_path, monkey
     (tmp_path / "target").mkdir()
     monkeypatch.setenv("E3_TEST_KEY", "k-123")
     rec = serving_ports.start_mode(profile, "production", tmp_path / "target", log_path=tmp_path / "p.log",
-                                   cache_root=tmp_path / "c", say=lambda text: None, owner="")
+                                   say=lambda text: None, owner="")
     try:
         monkeypatch.delenv("E3_TEST_KEY")
         with pytest.raises(ServerError, match="server.api_key_env = 'E3_TEST_KEY'"):
             serving_ports.start_mode(profile, "production", tmp_path / "target", log_path=tmp_path / "p.log",
-                                     cache_root=tmp_path / "c", say=lambda text: None, owner="", restart=True)
+                                     say=lambda text: None, owner="", restart=True)
         status = serving_ports.controller(profile).status()
         assert (status["state"], status["pid"]) == ("running", rec.pid)
     finally:

@@ -46,7 +46,7 @@ def test_multi_node_argv_uses_hs_connectors_mooncake(tmp_path):
     gpu = vllm_modes.accelerator_available()
     assert kv["kv_connector"] == ("MooncakeHiddenStatesConnector" if gpu else "CpuMooncakeHiddenStatesConnector")
     assert kv["kv_connector_extra_config"]["mooncake"]["master_server_address"] == "10.0.0.1:50051"
-    assert vllm_modes.server_env(p, tmp_path)["CUDA_VISIBLE_DEVICES"] == "0,1,2,3"
+    assert vllm_modes.server_env(p)["CUDA_VISIBLE_DEVICES"] == "0,1,2,3"
     # speculators' online dataset checks the served model id against --verifier-name-or-path
     assert argv[argv.index("--served-model-name") + 1] == str(tmp_path)
 

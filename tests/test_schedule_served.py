@@ -23,7 +23,7 @@ def test_a_schedule_is_served_and_production_load_is_read_from_metrics(vllm_run,
     assert vllm_kv_groups.FLAG not in argv, argv
     ctl = ServerController(tmp_path / "server.json")
     rec = ctl.start(argv, host="127.0.0.1", port=port, mode="speculative", log=tmp_path / "server.log",
-                    env=vllm_modes.server_env(p, tmp_path / "cache", "speculative"),
+                    env=vllm_modes.server_env(p, "speculative"),
                     health_timeout=p.server.health_timeout)
     try:
         prompts = [list(range(10 + i, 30 + i)) for i in range(8)]

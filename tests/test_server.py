@@ -41,7 +41,7 @@ def test_start_healthy_adopt_then_sigkill_api_server_then_stop_cleans_group(tmp_
     argv = vllm_modes.server_argv(p, "baseline", demo_target) + ["--api-key", SECRET]
     ctl = ServerController(tmp_path / "srv.json")
     rec = ctl.start(argv, host="127.0.0.1", port=port, mode="baseline", log=tmp_path / "server.log",
-                    env=vllm_modes.server_env(p, tmp_path))
+                    env=vllm_modes.server_env(p))
     assert http_get(f"{rec.base_url}/health")[0] == 200
     assert http_get(f"{rec.base_url}/v1/models")[0] == 401  # the key is in force
     models = json.loads(http_get(f"{rec.base_url}/v1/models", headers={"Authorization": f"Bearer {SECRET}"})[1])
@@ -103,7 +103,7 @@ def test_bad_model_path_reports_the_servers_reason(tmp_path):
     ctl = ServerController(tmp_path / "srv.json")
     with pytest.raises(ServerError) as err:
         ctl.start(vllm_modes.server_argv(p, "baseline", broken), host="127.0.0.1", port=port, mode="baseline",
-                  log=tmp_path / "server.log", env=vllm_modes.server_env(p, tmp_path))
+                  log=tmp_path / "server.log", env=vllm_modes.server_env(p))
     msg = str(err.value)
     assert "exited with" in msg and "before becoming healthy" in msg and "\n" not in msg
     assert "no_such_architecture" in msg  # vLLM's own reason, from its log

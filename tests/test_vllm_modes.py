@@ -80,8 +80,8 @@ def test_api_key_only_through_environment(monkeypatch, tmp_path):
     monkeypatch.setenv("MY_VLLM_KEY", "abc-secret-123")
     p = profile(**{"server.api_key_env": "MY_VLLM_KEY"})
     assert "abc-secret-123" not in " ".join(vllm_modes.server_argv(p, "production", Path("/t")))
-    assert vllm_modes.server_env(p, tmp_path, "production")["VLLM_API_KEY"] == "abc-secret-123"
-    assert "VLLM_API_KEY" not in vllm_modes.server_env(p, tmp_path, "extraction")
+    assert vllm_modes.server_env(p, "production")["VLLM_API_KEY"] == "abc-secret-123"
+    assert "VLLM_API_KEY" not in vllm_modes.server_env(p, "extraction")
 
 
 def test_a_production_key_missing_from_the_environment_starts_nothing(monkeypatch, tmp_path):
@@ -93,8 +93,8 @@ def test_a_production_key_missing_from_the_environment_starts_nothing(monkeypatc
     monkeypatch.delenv("MY_VLLM_KEY", raising=False)
     p = profile(**{"server.api_key_env": "MY_VLLM_KEY", "server.after_run": "production"})
     with pytest.raises(ServerError, match=r"server.api_key_env = 'MY_VLLM_KEY': \$MY_VLLM_KEY is not set"):
-        vllm_modes.server_env(p, tmp_path, "production")
-    assert "VLLM_API_KEY" not in vllm_modes.server_env(p, tmp_path, "baseline")  # internal servers: keyless
+        vllm_modes.server_env(p, "production")
+    assert "VLLM_API_KEY" not in vllm_modes.server_env(p, "baseline")  # internal servers: keyless
     (block,) = preflight.key_findings(p)
     assert block.severity == "block" and "server.api_key_env = 'MY_VLLM_KEY'" in block.message
     assert preflight.key_findings(profile(**{"server.api_key_env": "MY_VLLM_KEY"})) == []  # after_run = stop
@@ -155,3 +155,14 @@ def test_an_ipv6_host_is_free_or_taken_as_its_own_family():
         listener.bind(("::", port))
         listener.listen()
         assert port_in_use("::", port) and port_in_use("::1", port)
+
+
+def test_vllms_caches_are_shared_by_the_runs_of_one_cache_dir(tmp_path):
+    """vLLM keys its caches by content (a model class's inspection by its module's hash, compiled graphs by
+    config and versions): every run of run.cache_dir shares them, as every server of a user shares
+    ~/.cache/vllm."""
+    p = load_profile(TINY, {"run.cache_dir": str(tmp_path / "shared")})
+    env = vllm_modes.server_env(p, "baseline")
+    assert env["VLLM_CACHE_ROOT"] == str(tmp_path / "shared" / "server-cache" / "vllm")
+    assert env["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "shared" / "server-cache" / "inductor")
+    assert vllm_modes.server_env(p.with_port(1234), "production")["VLLM_CACHE_ROOT"] == env["VLLM_CACHE_ROOT"]

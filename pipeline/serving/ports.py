@@ -265,7 +265,7 @@ def stop_servers_on_ports(profiles: list[Profile], say: Say, own_run: str = "") 
         raise errors[0]
 
 
-def start_mode(profile: Profile, mode: str, target_dir: Path, *, log_path: Path, cache_root: Path, say: Say,
+def start_mode(profile: Profile, mode: str, target_dir: Path, *, log_path: Path, say: Say,
                on_wait=lambda s: None, force: bool = False, owner: str = "", expect: int | None = None,
                by: str = "", restart: bool = False, **mode_args) -> ServerRecord:
     """Serve `mode` on the port: reuse the running server if it is exactly this command and healthy
@@ -282,7 +282,7 @@ def start_mode(profile: Profile, mode: str, target_dir: Path, *, log_path: Path,
         # this process (or, owner "", the operator) owns it now, as `mode`: an orphan's owner was dead, and a
         # run's baseline of production's argv handed on as production is no longer that run's to stop
         return ctl.claim(owner, mode)
-    env = vllm_modes.server_env(profile, cache_root, mode)  # before anything is stopped: it may refuse (a key)
+    env = vllm_modes.server_env(profile, mode)  # before anything is stopped: it may refuse (a key)
     stop_server_on_port(profile, say, force, expect=expect, by=by, own_run=owner)
     say(f"starting {mode} server: {' '.join(procs.redact_argv(argv))}")
     return ctl.start(argv, host=vllm_modes.bind_host(profile, mode), port=profile.server.port, mode=mode,
@@ -293,8 +293,8 @@ def start_mode(profile: Profile, mode: str, target_dir: Path, *, log_path: Path,
 def start_production(profile: Profile, run, target_dir: Path, say: Say, **mode_args) -> ServerRecord:
     """The operator's production started again by a run (the handover, or a failed run putting back what it
     stopped): owner "", so that no cleanup of the run ever stops it; its log in the run's."""
-    return start_mode(profile, "production", target_dir, log_path=run.log_path("server-production"),
-                      cache_root=run.cache_root, say=say, owner="", **mode_args)
+    return start_mode(profile, "production", target_dir, log_path=run.log_path("server-production"), say=say,
+                      owner="", **mode_args)
 
 
 def adopt(profile: Profile, force: bool = False):
@@ -406,9 +406,9 @@ def start_server(profile: Profile, run, mode: str, *, say: Say, force: bool = Fa
                  storage: str | None = None) -> ServerRecord:
     """The operator's server start, the CLI's `server start` and the console's: `mode` on the profile's port
     from a run (its target, draft, hidden-state storage; its logs and cache) or, with no run, from the
-    profile and the paths given (logs under runs_dir/.servers, cache under cache_dir/.cache)."""
+    profile and the paths given (logs under runs_dir/.servers); vLLM's caches are run.cache_dir's
+    (vllm_modes.server_cache)."""
     target_dir, mode_args = mode_inputs(profile, run, mode, draft, storage)
     logs = run.logs_dir if run else Path(profile.run.runs_dir).resolve() / ".servers"
-    cache = run.cache_root if run else Path(profile.run.cache_dir).resolve() / ".cache"
-    return start_mode(profile, mode, target_dir, log_path=logs / f"server-{mode}.log", cache_root=cache, say=say,
+    return start_mode(profile, mode, target_dir, log_path=logs / f"server-{mode}.log", say=say,
                       force=force, expect=expect, by=by, restart=restart, **mode_args)

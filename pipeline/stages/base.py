@@ -96,7 +96,7 @@ class StageContext:
             self.run.update_state(production_stopped={"by": self.stage, "pid": there.pid, "port": there.port,
                                                       "argv": there.argv})
         rec = ports.start_mode(p, mode, self.target_dir(), log_path=self.run.log_path(f"server-{name or mode}"),
-                               cache_root=self.run.cache_root, say=self.log.info, on_wait=on_wait,
+                               say=self.log.info, on_wait=on_wait,
                                owner=str(self.run.root), **mode_args)
         start_s = round(time.perf_counter() - t0, 1)
         self.emit("server", mode=mode, method=name or mode, pid=rec.pid, port=rec.port, start_s=start_s)
