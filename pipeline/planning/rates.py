@@ -97,7 +97,7 @@ def training_rate(profile: Profile, gpus: int) -> Rate:
 def trainer_overhead(profile: Profile) -> TrainerOverhead | None:
     """The trainer's start-up and per-epoch overhead as an earlier run of this profile measured them; None
     where none did. The steady rate leaves both out: on the H100 flow of 2026-12-07 training took 177 s where
-    its 642 k tokens at the measured 159,500 tok/s are 4 s (NOTES "The plan and the measured flow")."""
+    its 642 k tokens at the measured 159,500 tok/s are 4 s (NOTES "The plan for that flow")."""
     def both(figures: dict) -> tuple[float, float] | None:
         start, epoch = figures.get("startup_s"), figures.get("epoch_overhead_s")
         return (float(start), float(epoch)) if isinstance(start, (int, float)) and isinstance(epoch, (int, float)) \

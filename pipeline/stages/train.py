@@ -240,7 +240,9 @@ class Train(Stage):
         figures.update({k.replace("/", "_"): round(v, 4) for k, v in last.items()
                         if k == "train/loss" or (k.startswith("val/") and re.search(r"(loss|acc)", k))})
         tokens = (ctx.run.stage_state("prepare").get("figures") or {}).get("tokens")
-        if first_step_at and tokens and rate:
+        # offline only: online, an epoch's wall also waits on the server's states, which the plan's online
+        # wall counts already (the slower of generation and training)
+        if endpoint is None and first_step_at and tokens and rate:
             figures.update(trainer_overhead(wall, first_step_at[0] - t0, t.epochs - first_epoch, tokens, rate))
         return figures
 
