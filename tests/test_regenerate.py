@@ -41,10 +41,11 @@ def test_regenerate_through_vllm_resumes_after_sigkill_and_equals_the_targets_gr
     long = _jsonl(tmp_path / "long.jsonl", [{"id": "too-long", "messages": [
         {"role": "user", "content": "word " * 600}, {"role": "assistant", "content": "a"}]}])  # 1,200 tokens
     sets = [f'run.cache_dir="{cache_dir}"', f"server.port={port}", "data.regenerate_concurrency=2",
-            f'data.conversations=[{{source = "{long}"}}, {{source = "demo"}}]', "data.regenerate_failure_budget=0.05",
+            f'data.conversations=[{{source = "{long}"}}, {{source = "demo"}}]', "data.regenerate_failure_budget=0.1",
             "data.regenerate_max_retries=1", 'evaluate.offline="off"', "evaluate.start_together=2",
             'evaluate.schedule="off"',  # one head server: the k sweep and the schedule are the vllm_run fixture's
-            'evaluate.methods=["baseline", "eagle3"]']  # n-gram: the vllm_run fixture's too
+            'evaluate.methods=["baseline", "eagle3"]',  # n-gram: the vllm_run fixture's too
+            "data.num_conversations=20"]  # half the tiny profile's: the transformers side is the slow one (MoE)
     args = [a for kv in sets for a in ("--set", kv)]
     run_dir = tmp_path / "run"
     proc = spawn_cli("run", TINY_KIMI, "--no-tui", "--until", "regenerate", "--run-dir", run_dir, *args,
@@ -85,7 +86,7 @@ def test_regenerate_through_vllm_resumes_after_sigkill_and_equals_the_targets_gr
     other = tmp_path / "transformers"
     proc = cli("run", TINY_KIMI, "--no-tui", "--until", "regenerate", "--run-dir", other,
                "--set", f'run.cache_dir="{cache_dir}"', "--set", f"server.port={free_port()}",
-               "--set", sets[3], "--set", 'data.regenerate_backend="transformers"')
+               "--set", sets[3], "--set", sets[-1], "--set", 'data.regenerate_backend="transformers"')
     assert proc.returncode == 0, proc.stderr[-3000:]
     vllm_rows = _lines(run.regenerated_conversations)
     fits = [line for line in _lines(RunDir.open(other).regenerated_conversations)
