@@ -93,7 +93,7 @@ def level(profile_arg: str, work: Path, c: int, sets: list[str], again_pass: boo
     convs = unique_ids(train)
     t0 = time.perf_counter()
     rec = ports.start_mode(profile, "regenerate", target, log_path=run.log_path("server-regenerate"),
-                           cache_root=run.cache_root, say=print)
+                           say=print)
     start_s = time.perf_counter() - t0
     d = profile.data
     _, sampling = vllm_flags.regenerate_limits(d.seq_length, d.regenerate_max_tokens, d.regenerate_sampling)
@@ -109,7 +109,7 @@ def level(profile_arg: str, work: Path, c: int, sets: list[str], again_pass: boo
         again = None
         if again_pass:
             rec = ports.start_mode(profile, "regenerate", target, log_path=run.log_path("server-regenerate"),
-                                   cache_root=run.cache_root, say=print)
+                                   say=print)
             again = asyncio.run(bare(rec.base_url, str(target), convs, c, d.seq_length, sampling))
             print(f"c={c}: bare client again {again}", flush=True)
     finally:

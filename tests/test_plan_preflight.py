@@ -423,7 +423,7 @@ def test_the_matrix_is_timed_by_the_levels_an_earlier_run_measured(tmp_path):
     assert plan.make_plan(profile).matrix.seconds == pytest.approx(bound.seconds)
 
 
-def test_the_training_time_counts_the_trainers_start_up_and_epochs_an_earlier_run_measured(tmp_path):
+def test_the_training_time_counts_the_trainers_start_up_and_epochs_an_earlier_run_measured(tmp_path, monkeypatch):
     """The steady rate prices the steps alone (177 s of training planned as seconds on the H100 flow of
     2026-12-07); an earlier run's start-up and per-epoch overhead are added, the epochs the profile asks, and
     the figures the train stage records give back that run's wall on that run's tokens."""
@@ -448,5 +448,10 @@ def test_the_training_time_counts_the_trainers_start_up_and_epochs_an_earlier_ru
     assert p.train_s == pytest.approx(steps_s + figures["startup_s"] + 5 * figures["epoch_overhead_s"])
     assert p.totals["offline"]["wall_s"] - p.extract_s - p.train_s == pytest.approx(
         alone.totals["offline"]["wall_s"] - alone.extract_s - alone.train_s)  # the rest of the run as it was
+    extra = figures["startup_s"] + 5 * figures["epoch_overhead_s"]
+    monkeypatch.setattr(plan.rates, "trainer_overhead", lambda profile: None)
+    steps_only = plan.make_plan(profile)
+    assert p.online.wall_s - steps_only.online.wall_s == pytest.approx(extra)  # online as offline
+    assert p.online.gpu_hours > steps_only.online.gpu_hours
     # a wall shorter than its start-up and steps (the rate's median step above the mean) is no negative epoch
     assert trainer_overhead(30.0, 40.0, 1, tokens, rate)["epoch_overhead_s"] == 0.0

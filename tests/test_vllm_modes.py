@@ -166,3 +166,8 @@ def test_vllms_caches_are_shared_by_the_runs_of_one_cache_dir(tmp_path):
     assert env["VLLM_CACHE_ROOT"] == str(tmp_path / "shared" / "server-cache" / "vllm")
     assert env["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "shared" / "server-cache" / "inductor")
     assert vllm_modes.server_env(p.with_port(1234), "production")["VLLM_CACHE_ROOT"] == env["VLLM_CACHE_ROOT"]
+
+    # a cache_dir this user cannot write (here: a file where the folder would be) leaves vLLM its own default
+    (tmp_path / "file").write_text("")
+    blocked = load_profile(TINY, {"run.cache_dir": str(tmp_path / "file")})
+    assert "VLLM_CACHE_ROOT" not in vllm_modes.server_env(blocked, "baseline")

@@ -67,7 +67,7 @@ class RunDir:
     eval_dir = RunPath("eval")
     node_record = RunPath("train-node.json")  # another node's share of a training job
 
-    cache_root = RunPath(".cache")  # HF, vLLM, inductor, triton caches of this run
+    cache_root = RunPath(".cache")  # HF, the trainer's inductor and triton caches of this run (vLLM's: cache_dir's)
     job_record = RunPath("job.json")
     job_log = RunPath("logs/job.log")
     trackers_dir = RunPath("logs/trackers")  # speculators' metric loggers (train.loggers)

@@ -121,6 +121,10 @@ def make_plan(profile: Profile, run_dir: Path | None = None, free: int | None = 
                  if extract_s is not None and train_s is not None and hw.gpus else None)
     memory = steps.train_memory(draft, profile, info)
     online = online_plan(profile, tokens, samples, hidden / max(tokens, 1), served, trained, steps_s, memory)
+    if online.wall_s is not None and extra_train_s:  # the trainer's start-up and epochs, online as offline
+        gpus = online.gpu_hours * 3600 / online.wall_s if online.gpu_hours and online.wall_s else 0.0
+        online = replace(online, wall_s=online.wall_s + extra_train_s,
+                         gpu_hours=online.gpu_hours + extra_train_s * gpus / 3600 if online.gpu_hours else None)
     regen = steps.regenerate_plan(profile, info, samples, tokens, extract_gpus)
     runs_offline_eval, why = offline_evaluation(profile, info)
     evaluate_offline = StepPlan(runs_offline_eval, 0, Rate(None, ""), None, 0, why)
@@ -135,7 +139,7 @@ def make_plan(profile: Profile, run_dir: Path | None = None, free: int | None = 
     starts = dict.fromkeys(("offline", "online"), steps.count_server_starts(profile) + vllm_picks)
     totals = {}
     for m, core_s, core_gpu_h in (("offline", extract_s and train_s and extract_s + train_s, gpu_hours),
-                                  ("online", online.wall_s and online.wall_s + extra_train_s, online.gpu_hours)):
+                                  ("online", online.wall_s, online.gpu_hours)):
         parts = [core_s, regen.seconds, matrix.seconds, picks.seconds if vllm_picks else 0.0,
                  0.0 if not starts[m] else start.seconds * starts[m] if start.seconds else None]
         wall = sum(parts) if all(p is not None for p in parts) else None  # type: ignore[arg-type]

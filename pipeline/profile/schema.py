@@ -674,7 +674,8 @@ class HardwareSection(Section):
 class RunSection(Section):
     runs_dir: str = "runs"
     cache_dir: str = ""
-    """What runs share (built demo targets, vLLM's answers to preflight's probes); "" = the per-user cache,
+    """What runs share (built demo targets, vLLM's answers to preflight's probes, vLLM's own caches in
+    server-cache/ where it is writable); "" = the per-user cache,
     $XDG_CACHE_HOME/eagle3-console (~/.cache/eagle3-console): the same from every working directory."""
 
 

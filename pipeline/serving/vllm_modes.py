@@ -5,6 +5,7 @@ speculative (target + the trained EAGLE-3 head, at one k or a k per batch size),
 suffix (suffix decoding: vLLM's method "suffix", the arctic-inference package)."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -143,10 +144,20 @@ def server_cache(profile: Profile) -> Path:
     return Path(profile.run.cache_dir).resolve() / "server-cache"
 
 
-def server_env(profile: Profile, mode: str = "production") -> dict:
+def cache_env(profile: Profile) -> dict:
+    """vLLM's cache variables: server_cache's where this user can write it, else none, and vLLM keeps its own
+    default (~/.cache/vllm): a read-only cache_dir, or one another user created, must not stop a server."""
     shared = server_cache(profile)
-    env = {"HF_HUB_OFFLINE": "1", "NO_COLOR": "1", "PYTHONUNBUFFERED": "1",
-           "VLLM_CACHE_ROOT": str(shared / "vllm"), "TORCHINDUCTOR_CACHE_DIR": str(shared / "inductor"),
+    with contextlib.suppress(OSError):
+        for sub in ("vllm", "inductor"):
+            (shared / sub).mkdir(parents=True, exist_ok=True)
+    if not all(os.access(shared / sub, os.W_OK | os.X_OK) for sub in ("vllm", "inductor")):
+        return {}
+    return {"VLLM_CACHE_ROOT": str(shared / "vllm"), "TORCHINDUCTOR_CACHE_DIR": str(shared / "inductor")}
+
+
+def server_env(profile: Profile, mode: str = "production") -> dict:
+    env = {"HF_HUB_OFFLINE": "1", "NO_COLOR": "1", "PYTHONUNBUFFERED": "1", **cache_env(profile),
            "VLLM_CPU_KVCACHE_SPACE": str(profile.server.cpu_kvcache_gib),
            # engine workers import the CPU connector from this repository
            "PYTHONPATH": repo_on_path(os.environ.get("PYTHONPATH"))}

@@ -169,7 +169,7 @@ class Train(Stage):
         step_ms: list[float] = []
         fetch_ms: list[float] = []  # of each logged step, the time it waited for its batch (states online)
         steps = 0
-        epoch = first_epoch = int(resumed.name) + 1 if resumed else 0
+        epoch = int(resumed.name) + 1 if resumed else 0
         first_step_at: list[float] = []  # the first logged step: the trainer's start-up ends there
 
         def on_line(line: str) -> None:
@@ -240,10 +240,11 @@ class Train(Stage):
         figures.update({k.replace("/", "_"): round(v, 4) for k, v in last.items()
                         if k == "train/loss" or (k.startswith("val/") and re.search(r"(loss|acc)", k))})
         tokens = (ctx.run.stage_state("prepare").get("figures") or {}).get("tokens")
-        # offline only: online, an epoch's wall also waits on the server's states, which the plan's online
-        # wall counts already (the slower of generation and training)
-        if endpoint is None and first_step_at and tokens and rate:
-            figures.update(trainer_overhead(wall, first_step_at[0] - t0, t.epochs - first_epoch, tokens, rate))
+        # from a whole offline job on one node only: online, an epoch also waits on the server's states (the
+        # plan's online wall counts them already); across nodes the start-up holds the rendezvous, however late
+        # the other node came; a resume may start inside an epoch (a sub-epoch checkpoint) that it would count
+        if endpoint is None and t.nnodes == 1 and not resumed and first_step_at and tokens and rate:
+            figures.update(trainer_overhead(wall, first_step_at[0] - t0, t.epochs, tokens, rate))
         return figures
 
 

@@ -205,7 +205,7 @@ def cmd_prefill(a) -> int:
     target_dir, mode_args = ports.mode_inputs(profile, run, "baseline")
     t0 = time.perf_counter()
     rec = ports.start_mode(profile, "baseline", target_dir, log_path=run.log_path("server-baseline"),
-                           cache_root=run.cache_root, say=lambda m: print(m[:300], flush=True), **mode_args)
+                           say=lambda m: print(m[:300], flush=True), **mode_args)
     start_s = round(time.perf_counter() - t0, 1)
     print(f"baseline server healthy after {start_s} s: pid {rec.pid}, {rec.base_url}", flush=True)
     status = ports.controller(profile).status()
