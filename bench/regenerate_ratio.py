@@ -92,8 +92,7 @@ def level(profile_arg: str, work: Path, c: int, sets: list[str], again_pass: boo
     train, _ = conversations.split_heldout(loaded.conversations, profile.data.heldout)
     convs = unique_ids(train)
     t0 = time.perf_counter()
-    rec = ports.start_mode(profile, "regenerate", target, log_path=run.log_path("server-regenerate"),
-                           say=print)
+    rec = ports.start_mode(profile, "regenerate", target, log_path=run.log_path("server-regenerate"), say=print)
     start_s = time.perf_counter() - t0
     d = profile.data
     _, sampling = vllm_flags.regenerate_limits(d.seq_length, d.regenerate_max_tokens, d.regenerate_sampling)

@@ -405,7 +405,7 @@ def start_server(profile: Profile, run, mode: str, *, say: Say, force: bool = Fa
                  by: str = "", restart: bool = False, draft: str | None = None,
                  storage: str | None = None) -> ServerRecord:
     """The operator's server start, the CLI's `server start` and the console's: `mode` on the profile's port
-    from a run (its target, draft, hidden-state storage; its logs and cache) or, with no run, from the
+    from a run (its target, draft, hidden-state storage; its logs) or, with no run, from the
     profile and the paths given (logs under runs_dir/.servers); vLLM's caches are run.cache_dir's
     (vllm_modes.server_cache)."""
     target_dir, mode_args = mode_inputs(profile, run, mode, draft, storage)
