@@ -427,7 +427,7 @@ def test_the_training_time_counts_the_trainers_start_up_and_epochs_an_earlier_ru
     """The steady rate prices the steps alone (177 s of training planned as seconds on the H100 flow of
     2026-12-07); an earlier run's start-up and per-epoch overhead are added, the epochs the profile asks, and
     the figures the train stage records give back that run's wall on that run's tokens."""
-    from pipeline.stages.train import trainer_overhead
+    from pipeline.stages.train import overhead_figures
 
     sets = {"run.runs_dir": str(tmp_path), "evaluate.production_before_after": False, "server.after_run": "production",
             "train.epochs": 5}
@@ -438,7 +438,7 @@ def test_the_training_time_counts_the_trainers_start_up_and_epochs_an_earlier_ru
     earlier.mkdir()
     (earlier / "profile.toml").write_text('name = "gpu-demo"\n')
     tokens, rate, wall = 238005, 159500.0, 177.06  # that run's: prepared tokens, steady rate, 3 epochs' wall
-    figures = {"tokens_per_s": rate, **trainer_overhead(wall, 61.0, 3, tokens, rate)}
+    figures = {"tokens_per_s": rate, **overhead_figures(wall, 61.0, 3, tokens, rate)}
     assert figures["startup_s"] + 3 * figures["epoch_overhead_s"] + tokens * plan.TRAIN_RATIO * 3 / rate \
         == pytest.approx(wall, abs=0.2)
     (earlier / "state.json").write_text(json.dumps({"stages": {"train": {"status": "done", "figures": figures}}}))
@@ -454,4 +454,4 @@ def test_the_training_time_counts_the_trainers_start_up_and_epochs_an_earlier_ru
     assert p.online.wall_s - steps_only.online.wall_s == pytest.approx(extra)  # online as offline
     assert p.online.gpu_hours > steps_only.online.gpu_hours
     # a wall shorter than its start-up and steps (the rate's median step above the mean) is no negative epoch
-    assert trainer_overhead(30.0, 40.0, 1, tokens, rate)["epoch_overhead_s"] == 0.0
+    assert overhead_figures(30.0, 40.0, 1, tokens, rate)["epoch_overhead_s"] == 0.0

@@ -49,12 +49,13 @@ class OnlinePlan:
 
 
 def online_plan(profile: Profile, tokens: int, samples: int, state_bytes_per_token: float, extract: Rate,
-                train_tokens: float, train_s: float | None, train_mem: int) -> OnlinePlan:
+                train_tokens: float, train_s: float | None, train_mem: int, overhead_s: float = 0.0) -> OnlinePlan:
     """Online training: states of the first rows up to extract.cache_gib are extracted once; the rest
     is generated again every epoch (train and validation rows) while the draft trains, each sample's
     states deleted once loaded. On disk in flight: the requests the data loaders keep open
     (train.requests_per_worker per worker, one worker at least, per rank), at the longest sequence, and no
-    more than one packed batch a worker (its requests are that batch's rows)."""
+    more than one packed batch a worker (its requests are that batch's rows). `overhead_s`: the trainer's
+    start-up and epochs beyond its steps (rates.trainer_overhead), on the wall as offline."""
     ex, t = profile.extract, profile.train
     cache = min(int(ex.cache_gib * GIB), int(tokens * state_bytes_per_token))
     cached_tokens = int(cache / state_bytes_per_token) if state_bytes_per_token else 0
@@ -79,7 +80,7 @@ def online_plan(profile: Profile, tokens: int, samples: int, state_bytes_per_tok
         wall = best.wall_s
         recommended = (f"serve on {best.serve} GPU(s), train on {best.train} ({best.bottleneck} bound)" if best.train
                        else f"serve and train on the same {best.serve} GPUs: {best.why}")
-    wall = wall + cache_s if wall is not None else None
+    wall = wall + cache_s + overhead_s if wall is not None else None
     gpus = profile.hardware.gpus or (profile.server.tensor_parallel_size + ranks)
     return OnlinePlan(cached_rows=cached_rows, disk_cache=cache, disk_in_flight=in_flight,
                       generate_tokens=generate_tokens, generate_s=generate_s, wall_s=wall,

@@ -120,11 +120,8 @@ def make_plan(profile: Profile, run_dir: Path | None = None, free: int | None = 
     gpu_hours = ((extract_s * extract_gpus + train_s * train_gpus) / 3600
                  if extract_s is not None and train_s is not None and hw.gpus else None)
     memory = steps.train_memory(draft, profile, info)
-    online = online_plan(profile, tokens, samples, hidden / max(tokens, 1), served, trained, steps_s, memory)
-    if online.wall_s is not None and extra_train_s:  # the trainer's start-up and epochs, online as offline
-        gpus = online.gpu_hours * 3600 / online.wall_s if online.gpu_hours and online.wall_s else 0.0
-        online = replace(online, wall_s=online.wall_s + extra_train_s,
-                         gpu_hours=online.gpu_hours + extra_train_s * gpus / 3600 if online.gpu_hours else None)
+    online = online_plan(profile, tokens, samples, hidden / max(tokens, 1), served, trained, steps_s, memory,
+                         extra_train_s)
     regen = steps.regenerate_plan(profile, info, samples, tokens, extract_gpus)
     runs_offline_eval, why = offline_evaluation(profile, info)
     evaluate_offline = StepPlan(runs_offline_eval, 0, Rate(None, ""), None, 0, why)

@@ -244,11 +244,11 @@ class Train(Stage):
         # plan's online wall counts them already); across nodes the start-up holds the rendezvous, however late
         # the other node came; a resume may start inside an epoch (a sub-epoch checkpoint) that it would count
         if endpoint is None and t.nnodes == 1 and not resumed and first_step_at and tokens and rate:
-            figures.update(trainer_overhead(wall, first_step_at[0] - t0, t.epochs, tokens, rate))
+            figures.update(overhead_figures(wall, first_step_at[0] - t0, t.epochs, tokens, rate))
         return figures
 
 
-def trainer_overhead(wall_s: float, startup_s: float, epochs: int, tokens: int, tokens_per_s: float) -> dict:
+def overhead_figures(wall_s: float, startup_s: float, epochs: int, tokens: int, tokens_per_s: float) -> dict:
     """The planner's overhead figures (rates.trainer_overhead): the start-up, and each epoch's wall beyond its
     steps at the steady rate (validation, the checkpoint's save, logging), as the plan reads them back."""
     steps_s = tokens * plan.TRAIN_RATIO * epochs / tokens_per_s
