@@ -1,17 +1,19 @@
 """The target's next release in miniature (issue 44 item 4): the demo target is the "old" release, the same
 target trained further on other conversations (demo_target.next_release_steps) the "new" one. Three runs of
-the demo profile through the pipeline's own CLI, τ from the offline evaluator at every epoch (evaluate.online =
-false: no vLLM server, the matrix is not what this measures):
+the demo profile (or gpu-demo's, --profile) through the pipeline's own CLI, each to pick-checkpoint: τ at every
+epoch from the offline evaluator (the CPU demo) or one vLLM server a checkpoint (gpu-demo); the matrix is not
+what this measures:
 
   old   the old target, a head trained from nothing (its chosen checkpoint is "the old head")
   cold  the new target, a head trained from nothing
-  warm  the new target, the old head trained on (train.from_pretrained): pick-checkpoint measures the old head
-        on the new target as checkpoint "start" before its epochs
+  warm  the new target, the old head trained on (train.from_pretrained): a copy of the cold run from vocab on
+        (the same rows and hidden states); pick-checkpoint measures the old head on the new target as
+        checkpoint "start" before its epochs
 
 Prints, side by side: the old head's τ on the old and the new target (what the release cost it), τ per epoch
 of the cold and the warm start, and the training time each needed to reach the cold start's final τ.
 
-    .venv/bin/python bench/next_release.py [--work DIR] [--steps 200] [--warm-epochs N] [--warm-lr LR]
+    .venv/bin/python bench/next_release.py [--work DIR] [--profile demo] [--steps 200] [--warm-epochs N] [--warm-lr LR]
                                            [--set KEY=VALUE ...] [--warm-set KEY=VALUE ... --warm-tag TAG]
 
 A warm start with its own epochs or learning rate is its own run (warm-e3, warm-e3-lr0.001): a second call
@@ -32,17 +34,28 @@ sys.path.insert(0, str(ROOT))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
-def run(work: Path, name: str, sets: list[str]) -> Path:
+def run(work: Path, name: str, profile: str, sets: list[str], copy_of: Path | None = None) -> Path:
+    """One run through pick-checkpoint (τ per epoch is all this measures; the matrix and evaluate-offline
+    would only add time). With copy_of: a copy of that run from vocab on, so the warm start trains on the
+    cold start's own rows and hidden states (the two differ only in their starting head)."""
     run_dir = work / name
+    tail = ["--no-tui", "--until", "pick-checkpoint"]
     if (run_dir / "state.json").is_file():
-        args = [sys.executable, "-m", "pipeline", "run", "--resume", str(run_dir), "--no-tui"]
+        args = [sys.executable, "-m", "pipeline", "run", "--resume", str(run_dir), *tail]
+    elif copy_of is not None:
+        args = [sys.executable, "-m", "pipeline", "run", "--copy-of", str(copy_of), "--from", "vocab",
+                "--run-dir", str(run_dir), *tail, *[a for s in sets for a in ("--set", s)]]
     else:
-        args = [sys.executable, "-m", "pipeline", "run", str(ROOT / "profiles" / "demo.toml"), "--no-tui",
-                "--run-dir", str(run_dir), *[a for s in sets for a in ("--set", s)]]
+        args = [sys.executable, "-m", "pipeline", "run", profile, "--run-dir", str(run_dir), *tail,
+                *[a for s in sets for a in ("--set", s)]]
     print(f"[{name}] {' '.join(args[3:])}", flush=True)
-    done = subprocess.run(args, cwd=ROOT, text=True, capture_output=True)
-    if done.returncode != 0:
-        sys.exit(f"[{name}] failed ({done.returncode}): {(done.stderr or done.stdout).strip().splitlines()[-1:]}")
+    log = work / f"{name}.log"  # the run's own output, followed by a device call's wait while it runs
+    with log.open("a") as out:
+        code = subprocess.run(args, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT).returncode
+    if code != 0:
+        lines = [ln for ln in log.read_text(errors="replace").splitlines() if ln.strip()]
+        last = [ln for ln in lines if "error:" in ln][-1:] or lines[-1:]
+        sys.exit(f"[{name}] failed ({code}): {last} (whole output: {log})")
     return run_dir
 
 
@@ -78,6 +91,7 @@ def time_to(figures: dict, tau: float) -> float | None:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--work", type=Path, default=None, help="runs and cache here (kept; a second call resumes)")
+    ap.add_argument("--profile", default="demo", help="demo (CPU) or gpu-demo (one GPU, τ through vLLM)")
     ap.add_argument("--steps", type=int, default=200, help="demo_target.next_release_steps")
     ap.add_argument("--warm-epochs", type=int, default=None,
                     help="train.epochs of the warm start (default: the cold's)")
@@ -89,11 +103,14 @@ def main() -> int:
     args = ap.parse_args()
     work = args.work or Path(tempfile.mkdtemp(prefix="next-release-"))
     work.mkdir(parents=True, exist_ok=True)
-    common = ["evaluate.online=false", f'run.cache_dir="{work / "cache"}"', f'run.runs_dir="{work}"', *args.set]
+    # τ per checkpoint: the offline evaluator where the profile runs it (the CPU demo), else one vLLM server a
+    # checkpoint (gpu-demo: evaluate.offline = "off"); every run stops after pick-checkpoint, before the matrix
+    common = ['evaluate.checkpoints="each"', f'run.cache_dir="{work / "cache"}"',
+              f'run.runs_dir="{work}"', *args.set]
     new = [*common, f"demo_target.next_release_steps={args.steps}"]
-    old = epochs(run(work, "old", common))
-    cold = epochs(run(work, "cold", new))
-    warm_sets = [*new, f'train.from_pretrained="{old["chosen_path"]}"']
+    old = epochs(run(work, "old", args.profile, common))
+    cold = epochs(run(work, "cold", args.profile, new))
+    warm_sets = [f'train.from_pretrained="{old["chosen_path"]}"']
     name = "warm"
     if args.warm_epochs:
         warm_sets.append(f"train.epochs={args.warm_epochs}")
@@ -106,7 +123,7 @@ def main() -> int:
 
         warm_sets += args.warm_set
         name += "-" + (args.warm_tag or hashlib.sha1("\n".join(args.warm_set).encode()).hexdigest()[:6])
-    warm = epochs(run(work, name, warm_sets))
+    warm = epochs(run(work, name, args.profile, warm_sets, copy_of=work / "cold"))
 
     final = cold["taus"][str(max(int(k) for k in cold["taus"] if k.isdigit()))]
     on_old = old["taus"][old["chosen"]]

