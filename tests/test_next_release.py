@@ -23,6 +23,10 @@ def test_the_old_target_keeps_its_key_and_the_new_one_has_its_own():
     assert cache_key(old) == cache_key(old.model_copy(update={"next_release_seed": 1}))  # defaults kept out
     assert cache_key(new) != cache_key(old) != cache_key(spec(**{"demo_target.next_release_steps": 3,
                                                                   "demo_target.next_release_seed": 2}))
+    slow = spec(**{"demo_target.next_release_steps": 3, "demo_target.next_release_lr": 1e-4})
+    assert cache_key(slow) not in (cache_key(new), cache_key(old))  # another release, the same old one
+    with pytest.raises(ProfileError, match=r"demo_target.next_release_lr"):
+        spec(**{"demo_target.next_release_lr": -1})
     with pytest.raises(ProfileError, match=r"demo_target.next_release_steps.*corpus_conversations > 0"):
         spec(**{"demo_target.next_release_steps": 3, "demo_target.corpus_conversations": 0})
 
@@ -30,8 +34,9 @@ def test_the_old_target_keeps_its_key_and_the_new_one_has_its_own():
 def test_the_new_release_is_the_old_one_trained_further(tmp_path):
     from safetensors.torch import load_file
 
-    new_dir = build_target(spec(**{"demo_target.next_release_steps": 3}), tmp_path)
-    old_dir = tmp_path / f"demo-target-{cache_key(spec())}"
+    new_dir = build_target(spec(**{"demo_target.next_release_steps": 3, "demo_target.next_release_seed": 2,
+                                   "demo_target.next_release_lr": 1e-3}), tmp_path)
+    old_dir = tmp_path / f"demo-target-{cache_key(spec())}"  # whatever seed and rate the new release asks
     assert (old_dir / "model.safetensors").is_file()  # built on the way, cached as itself
     assert build_target(spec(), tmp_path) == old_dir  # and found there
     assert (new_dir / "tokenizer.json").read_text() == (old_dir / "tokenizer.json").read_text()
@@ -41,3 +46,4 @@ def test_the_new_release_is_the_old_one_trained_further(tmp_path):
     record = json.loads((new_dir / PRETRAIN_RECORD).read_text())
     assert record["next_release"]["old_target"] == str(old_dir) and record["next_release"]["corpus_steps"] == 3
     assert record["corpus_steps"] == 3 and record["next_release"]["corpus_loss_last"] > 0
+    assert record["next_release"]["corpus_lr"] == 1e-3 != record["corpus_lr"]

@@ -90,7 +90,7 @@ def pretrain(model, tokenizer, spec: DemoTargetSection,
     model.eval().to("cpu")
     trained = spec.corpus_steps * spec.corpus_batch * spec.corpus_seq
     return {"corpus_rows": len(rows), "corpus_tokens": tokens, "corpus_steps": spec.corpus_steps,
-            "corpus_epochs": round(trained / tokens, 1),
+            "corpus_lr": spec.corpus_lr, "corpus_epochs": round(trained / tokens, 1),
             "corpus_loss_first": round(first, 3), "corpus_loss_last": round(last, 3),
             "corpus_seconds": round(seconds, 1), "corpus_tokens_per_s": round(trained / seconds, 1),
             "corpus_device": device, "corpus_dtype": spec.corpus_dtype, "corpus_loss_curve": curve}

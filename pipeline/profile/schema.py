@@ -105,6 +105,9 @@ class DemoTargetSection(Section):
     (next_release_seed's demo conversations); its answers change, so a head of the old one drafts worse on it.
     0 = the spec's own target. Llama with a learned corpus only."""
     next_release_seed: int = 1
+    next_release_lr: Annotated[float, Field(ge=0)] = 0.0
+    """The further training's peak learning rate; 0 = corpus_lr. Smaller moves the target less: a release
+    closer to the old one, as a post-training at a low rate is."""
 
     @model_validator(mode="after")
     def _rules(self) -> DemoTargetSection:

@@ -47,10 +47,12 @@ TEMPLATE_VERSIONS = {"kimi_k25": 1}  # part of the cache key of the architecture
 LLAMA_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
                 "max_position_embeddings", "tokenizer_source_files", "seed")
 CORPUS_FIELDS = ("corpus_conversations", "corpus_seed", "corpus_steps", "corpus_lr", "corpus_batch", "corpus_seq",
-                 "corpus_source_files", "corpus_dtype", "corpus_answers", "next_release_steps", "next_release_seed")
+                 "corpus_source_files", "corpus_dtype", "corpus_answers", "next_release_steps", "next_release_seed",
+                 "next_release_lr")
 # Fields added after targets were cached: at their defaults they leave a spec's key as it was.
 DEFAULTS_KEPT_OUT = {"corpus_source_files": 0, "corpus_dtype": "float32", "corpus_device": "auto",
-                     "corpus_answers": "docstring", "next_release_steps": 0, "next_release_seed": 1}
+                     "corpus_answers": "docstring", "next_release_steps": 0, "next_release_seed": 1,
+                     "next_release_lr": 0.0}
 PRETRAIN_RECORD = "pretrain.json"  # what teaching the target its corpus measured, kept with the weights
 
 
@@ -263,11 +265,14 @@ def next_release(spec: DemoTargetSection, cache_dir: Path, tmp: Path, on_step):
     answers. Its record keeps the old one's with the further training's beside it."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    old = build_target(spec.model_copy(update={"next_release_steps": 0}), cache_dir, on_step)
+    # the old spec without any next-release field: its key is the old target's whatever seed or rate the new asks
+    old = build_target(spec.model_copy(update={k: DEFAULTS_KEPT_OUT[k] for k in
+                                               ("next_release_steps", "next_release_seed", "next_release_lr")}),
+                       cache_dir, on_step)
     tokenizer = AutoTokenizer.from_pretrained(old)
     model = AutoModelForCausalLM.from_pretrained(old, dtype="auto")
     further = spec.model_copy(update={"corpus_seed": spec.next_release_seed, "corpus_steps": spec.next_release_steps,
-                                      "seed": spec.seed + 1})
+                                      "corpus_lr": spec.next_release_lr or spec.corpus_lr, "seed": spec.seed + 1})
     record = demo_pretrain.pretrain(model, tokenizer, further, on_step)
     base = json.loads((old / PRETRAIN_RECORD).read_text()) if (old / PRETRAIN_RECORD).is_file() else {}
     atomicio.atomic_write_json(tmp / PRETRAIN_RECORD, {**base, "next_release": {
