@@ -80,6 +80,15 @@ def epochs(run_dir: Path) -> dict:
                                  if e["label"] == (picked.get("chosen") or {}).get("label")), None)}
 
 
+def epochs_to(figures: dict, tau: float) -> int | None:
+    """Epochs trained until the first measured checkpoint at or above `tau` (0 for the starting head): apart
+    from the seconds, which carry the trainer's start-up (≈ 5 s on the CPU demo) in both runs' first epoch."""
+    for label, t in figures["taus"].items():
+        if t >= tau:
+            return 0 if label == "start" else int(label) + 1
+    return None
+
+
 def time_to(figures: dict, tau: float) -> float | None:
     """Training seconds until the first measured checkpoint at or above `tau` (0 for the starting head)."""
     for label, t in figures["taus"].items():
@@ -142,12 +151,15 @@ def main() -> int:
             return f"{v:>8.1f}" if v is not None and key in f["taus"] else f"{'':>8}"
         print(f"{label:<11}{cell(cold, label)}{cell(warm, label)}{secs(cold, label)}{secs(warm, label)}")
     tc, tw = time_to(cold, final), time_to(warm, final)
-    print(f"\nthe cold start's final τ {final:.3f}: cold reached it in {tc} s of training, warm in {tw} s"
-          + (f" (×{tw / tc:.2f} of the cold's time)" if tc and tw is not None else "")
+    ec, ew = epochs_to(cold, final), epochs_to(warm, final)
+    print(f"\nthe cold start's final τ {final:.3f}: cold reached it in {tc} s of training ({ec} epochs), warm in "
+          f"{tw} s ({ew} epochs)" + (f" (×{tw / tc:.2f} of the cold's time, ×{ew / ec:.2f} of its epochs)"
+                                     if tc and tw is not None and ec and ew is not None else "")
           + f"; train stages {cold['train_s']} s (cold) and {warm['train_s']} s (warm)")
     (work / f"result-{name}.json").write_text(json.dumps({
         "warm_run": name, "old": old, "cold": cold, "warm": warm, "old_head_tau_old": on_old,
-        "old_head_tau_new": on_new, "cold_final_tau": final, "cold_time_s": tc, "warm_time_s": tw}))
+        "old_head_tau_new": on_new, "cold_final_tau": final, "cold_time_s": tc, "warm_time_s": tw,
+        "cold_epochs": ec, "warm_epochs": ew}))
     print(f"figures: {work / f'result-{name}.json'}")
     return 0
 
