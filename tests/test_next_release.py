@@ -26,7 +26,9 @@ def test_the_old_target_keeps_its_key_and_the_new_one_has_its_own():
     slow = spec(**{"demo_target.next_release_steps": 3, "demo_target.next_release_lr": 1e-4})
     assert cache_key(slow) not in (cache_key(new), cache_key(old))  # another release, the same old one
     with pytest.raises(ProfileError, match=r"demo_target.next_release_lr"):
-        spec(**{"demo_target.next_release_lr": -1})
+        spec(**{"demo_target.next_release_steps": 3, "demo_target.next_release_lr": -1})
+    with pytest.raises(ProfileError, match=r"demo_target.next_release_lr.*needs next_release_steps > 0"):
+        spec(**{"demo_target.next_release_lr": 1e-3})
     with pytest.raises(ProfileError, match=r"demo_target.next_release_steps.*corpus_conversations > 0"):
         spec(**{"demo_target.next_release_steps": 3, "demo_target.corpus_conversations": 0})
 

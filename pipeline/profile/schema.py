@@ -115,6 +115,9 @@ class DemoTargetSection(Section):
         if self.next_release_steps and (self.architecture != "llama" or not self.corpus_conversations):
             raise rule(key + "next_release_steps", self.next_release_steps,
                        "needs architecture = 'llama' and corpus_conversations > 0 (a learned target to train further)")
+        if self.next_release_lr and not self.next_release_steps:
+            raise rule(key + "next_release_lr", self.next_release_lr,
+                       "needs next_release_steps > 0 (the release it paces)")
         sizes = []
         if self.architecture != "llama":
             sizes += ["q_lora_rank", "kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim",
