@@ -80,21 +80,14 @@ def epochs(run_dir: Path) -> dict:
                                  if e["label"] == (picked.get("chosen") or {}).get("label")), None)}
 
 
-def epochs_to(figures: dict, tau: float) -> int | None:
-    """Epochs trained until the first measured checkpoint at or above `tau` (0 for the starting head): apart
-    from the seconds, which carry the trainer's start-up (≈ 5 s on the CPU demo) in both runs' first epoch."""
+def reached(figures: dict, tau: float) -> tuple[float, int] | tuple[None, None]:
+    """Training seconds and epochs until the first measured checkpoint at or above `tau` (0, 0 for the starting
+    head). The epochs apart from the seconds: both runs' first epoch carries the trainer's start-up (≈ 5 s on
+    the CPU demo)."""
     for label, t in figures["taus"].items():
         if t >= tau:
-            return 0 if label == "start" else int(label) + 1
-    return None
-
-
-def time_to(figures: dict, tau: float) -> float | None:
-    """Training seconds until the first measured checkpoint at or above `tau` (0 for the starting head)."""
-    for label, t in figures["taus"].items():
-        if t >= tau:
-            return 0.0 if label == "start" else figures["epoch_end_s"].get(int(label))
-    return None
+            return (0.0, 0) if label == "start" else (figures["epoch_end_s"].get(int(label)), int(label) + 1)
+    return None, None
 
 
 def main() -> int:
@@ -150,8 +143,7 @@ def main() -> int:
             v = 0.0 if key == "start" else f["epoch_end_s"].get(int(key))
             return f"{v:>8.1f}" if v is not None and key in f["taus"] else f"{'':>8}"
         print(f"{label:<11}{cell(cold, label)}{cell(warm, label)}{secs(cold, label)}{secs(warm, label)}")
-    tc, tw = time_to(cold, final), time_to(warm, final)
-    ec, ew = epochs_to(cold, final), epochs_to(warm, final)
+    (tc, ec), (tw, ew) = reached(cold, final), reached(warm, final)
     print(f"\nthe cold start's final τ {final:.3f}: cold reached it in {tc} s of training ({ec} epochs), warm in "
           f"{tw} s ({ew} epochs)" + (f" (×{tw / tc:.2f} of the cold's time, ×{ew / ec:.2f} of its epochs)"
                                      if tc and tw is not None and ec and ew is not None else "")
