@@ -32,7 +32,8 @@ case "$PHASE" in target|part|first|train|serve|cost|launch|wait|next-release) ;;
 OUT=${OUT:-$PWD/out}; mkdir -p "$OUT"
 W=${GPU_DEMO_WORK:-/tmp/gpudemo}; R=$W/run; mkdir -p "$W"
 T0=$(date +%s); el() { echo "[$(( $(date +%s) - T0 ))s]"; }
-SETS=(--set "run.runs_dir=\"$W/runs\"" --set "run.cache_dir=\"$W/cache\"")
+# the run's keys beyond the profile (the next-release phase passes them on; its bench places runs and cache itself)
+SETS=()
 # GPU_DEMO_SET: more profile overrides for the run's creation, one KEY=VALUE a line (e.g. a shorter
 # pre-training where a device budget cannot hold the whole flow: the run's state.json records the profile)
 while IFS= read -r kv; do [ -n "$kv" ] && SETS+=(--set "$kv"); done <<< "${GPU_DEMO_SET:-}"
@@ -73,7 +74,8 @@ run_until() {  # the run's stages up to $1: created on the first call, resumed a
   # 1500) none: a serve phase of 586 s lost its handover to 570 (H100, 2026-12-06)
   local lim=${GPU_DEMO_STAGE_S:-570}
   if [ -f "$R/profile.toml" ]; then timeout "$lim" $PY -m pipeline run --resume "$R" --no-tui --until "$1"
-  else timeout "$lim" $PY -m pipeline run profiles/gpu-demo.toml --no-tui --run-dir "$R" --until "$1" "${SETS[@]}"; fi
+  else timeout "$lim" $PY -m pipeline run profiles/gpu-demo.toml --no-tui --run-dir "$R" --until "$1" \
+         --set "run.runs_dir=\"$W/runs\"" --set "run.cache_dir=\"$W/cache\"" "${SETS[@]}"; fi
   local rc=$?; echo "$(el) run --until $1: exit $rc"; return $rc
 }
 quiet() { grep -vE '^\[[a-z-]+\] [0-9]+/[0-9]+ ' ; }  # progress lines off the output's tail
@@ -172,9 +174,8 @@ print(f(Path(sys.argv[1])) or '')" "$R/checkpoints" 2>/dev/null)
     NR=(--set evaluate.production_before_after=false --set server.after_run=\"stop\" --set data.regenerate=false
         --set train.epochs=3 --set data.num_conversations=1000 --set demo_target.corpus_conversations=1000
         --set demo_target.corpus_steps=250)
-    for ((i = 4; i < ${#SETS[@]}; i++)); do NR+=("${SETS[$i]}"); done  # past runs_dir and cache_dir: the bench's
     timeout "${GPU_DEMO_NR_S:-1700}" $PY -u bench/next_release.py --profile profiles/gpu-demo.toml --work "$W/nr" \
-      --steps "${GPU_DEMO_NR_STEPS:-100}" "${NR[@]}" 2>&1 | cut -c1-600 | tee "$OUT/next-release.txt"
+      --steps "${GPU_DEMO_NR_STEPS:-100}" "${NR[@]}" "${SETS[@]}" 2>&1 | cut -c1-600 | tee "$OUT/next-release.txt"
     cp "$W"/nr/result-*.json "$OUT/" 2>/dev/null ;;
   serve)
     run_until handover 2>&1 | quiet | cut -c1-600
