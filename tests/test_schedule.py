@@ -545,6 +545,27 @@ def test_production_after_is_slower_beyond_the_profiles_bound_or_in_every_round(
     assert slower_levels({"8": 0.98}, {"8": [0.98, 0.95, 0.99]}, 0.1, True) == []  # above x0.97
 
 
+def test_production_put_back_unchanged_says_the_difference_is_the_instance():
+    """Production restarted without a head on the argv it had (a rollback, a head not deployed) measured
+    x0.70 / x0.84 / x0.78 of itself before on one H100 (2026-12-08): the line beside those figures says so,
+    with the span deploy-measure measured; a head deployed, or an argv that changed, gets no such line."""
+    from pipeline.report.notes import production_lines
+    from pipeline.stages.production import same_instance_line
+    argv = ["python", "-m", "vllm.entrypoints.openai.api_server", "--model", "/m", "--port", "8765"]
+    online = {"instances": {"span": 0.3231, "bound": 0.1}}
+    line = same_instance_line(False, argv, list(argv), online)
+    assert "two instances of one configuration" in line and "32 % apart" in line
+    assert "apart" not in same_instance_line(False, argv, list(argv), None)  # no matrix: no span to give
+    assert same_instance_line(True, argv, list(argv), online) is None
+    assert same_instance_line(False, argv, [*argv, "--speculative-config", "{}"], online) is None
+    assert same_instance_line(False, None, argv, online) is None  # an old record without its argv
+    row = {"levels": {"1": {"output_tok_s": 570.6}}}
+    res = {"before": {"row": row, "server": "s1", "prompt_ids": ["a"]}, "speedup": {"1": 0.7}, "same_argv": line,
+           "after": {"row": {"levels": {"1": {"output_tok_s": 402.0}}}, "server": "s2"}, "with_draft": False}
+    assert "The argv unchanged: two instances" in "\n".join(production_lines(res))
+    assert "argv unchanged" not in "\n".join(production_lines(res | {"same_argv": None}))
+
+
 def test_the_report_and_the_console_show_what_the_decision_weighed_on_two_servers(tmp_path, monkeypatch):
     """Where the head was measured on a second server, the report adds the pooled per-level figures and the
     span of every instance, and the console's per-level speedup is the pooled one, not the first server's."""

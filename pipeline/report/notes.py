@@ -338,7 +338,8 @@ def production_lines(res: dict) -> list[str]:
     before, after = res["before"]["row"], res["after"]["row"]
     head = "with the new head" if res.get("with_draft") else "without a head (the run did not deploy one)"
     lines = ["## Production before and after", "", f"Before: {res['before']['server']}; after: "
-             f"{res['after']['server']}, {head}. The same {len(res['before']['prompt_ids'])} held-out prompts, greedy.",
+             f"{res['after']['server']}, {head}. The same {len(res['before']['prompt_ids'])} held-out prompts, greedy."
+             + (f" {res['same_argv'][0].upper()}{res['same_argv'][1:]}." if res.get("same_argv") else ""),
              "", "| concurrency | tok/s before | tok/s after | speedup | TTFT ms before | TTFT ms after "
              "| TPOT ms before | TPOT ms after |", "|---|---|---|---|---|---|---|---|"]
     for c in sorted(res.get("speedup", {}), key=int):

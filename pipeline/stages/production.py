@@ -78,13 +78,15 @@ def after(ctx: StageContext, rec, with_draft: bool) -> dict:
                  for c in ratios}
     ev = ctx.profile.evaluate
     slower = slower_levels(ratios, intervals, ev.instance_spread, ev.rounds > 1)
+    same = same_instance_line(with_draft, before.get("argv"), rec.argv, atomicio.read_json(ctx.run.online_result))
     atomicio.atomic_write_json(ctx.run.production_result, {
         "before": before, "after": {"at": now_iso(), "server": rec.describe(), "argv": rec.argv, "row": row},
-        "with_draft": with_draft, "speedup": ratios, "speedup_interval": intervals, "slower_levels": slower})
+        "with_draft": with_draft, "speedup": ratios, "speedup_interval": intervals, "slower_levels": slower,
+        **({"same_argv": same} if same else {})})
     text = "production before → after" + (" (with the new head)" if with_draft else " (without a head)") + ": " + \
         ", ".join(f"c={c} {b[c]['output_tok_s']:.1f} → {a[c]['output_tok_s']:.1f} tok/s (x{ratios[c]:.3f}, "
                   f"x{intervals[c][1]:.3f}–x{intervals[c][2]:.3f})" for c in sorted(ratios, key=int))
-    ctx.note(text, ctx.log.info)
+    ctx.note(text + (f" — {same}" if same else ""), ctx.log.info)
     low = str(min(int(c) for c in ratios)) if ratios else None
     if not low:
         return {}
@@ -97,6 +99,20 @@ def after(ctx: StageContext, rec, with_draft: bool) -> dict:
     for line in disagreements:
         ctx.note(line, ctx.log.warning)
     return figures | ({"production_vs_matrix": disagreements} if disagreements else {})
+
+
+def same_instance_line(with_draft: bool, before_argv: list[str] | None, after_argv: list[str],
+                       online: dict | None) -> str | None:
+    """Production put back as it was (no head, the argv unchanged) and measured again: what differs is the
+    instance, not the run — on one H100 such a pair measured x0.70 / x0.84 / x0.78 (bench/results/h100/
+    gpu-demo/2026-12-08). Said beside the figures, with the span deploy-measure measured between instances of
+    the target alone, so that an operator does not read the spread as the run's doing."""
+    if with_draft or before_argv is None or list(before_argv) != list(after_argv):
+        return None
+    span = ((online or {}).get("instances") or {}).get("span")
+    measured = (f"; deploy-measure measured instances of the target alone {100 * span:.0f} % apart"
+                if span is not None else "")
+    return f"the argv unchanged: two instances of one configuration, the difference is theirs{measured}"
 
 
 def slower_levels(ratios: dict[str, float], intervals: dict[str, list[float]], bound: float,
