@@ -6,6 +6,7 @@ resume never reads them."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import sys
 import time
@@ -24,6 +25,24 @@ from pipeline.serving.server import explain_failure
 from pipeline.stages import heads
 from pipeline.stages.base import Stage, StageContext, StageError, argv_for
 from pipeline.training import launch, node_sync
+
+
+def trainer_env(ctx: StageContext, endpoint: str | None) -> dict:
+    """The trainer's environment: the run's children's (procs.child_env), its compile caches shared by the
+    runs of the cache_dir unless the operator's environment names them, and this profile's switches only."""
+    env = procs.child_env(ctx.run.cache_root)
+    env |= {k: v for k, v in vllm_modes.trainer_cache_env(ctx.profile).items() if k not in os.environ}
+    if ctx.profile.train.cuda_visible_devices:  # training on some GPUs, serving on the others
+        env["CUDA_VISIBLE_DEVICES"] = ctx.profile.train.cuda_visible_devices
+    if mooncake.runs_here(ctx.profile):  # the trainer's store client on loopback, beside the run's master
+        env["MOONCAKE_LOCAL_HOSTNAME"] = "127.0.0.1"
+    env.pop(speculators_compat.KEEP_ENV, None)  # only this profile's setting turns it on, not the shell's
+    if ctx.profile.evaluate.checkpoints == "each" and ctx.profile.train.checkpoint_freq < 1:
+        env[speculators_compat.KEEP_ENV] = "1"  # each sub-epoch checkpoint copied to kept/ as it is saved
+    env.pop(launch.REQUESTS_ENV, None)
+    if endpoint:  # online: each loader worker's batch fetched through several requests at once
+        env[launch.REQUESTS_ENV] = str(ctx.profile.train.requests_per_worker)
+    return env
 
 
 def build_command(ctx: StageContext, *, python: str = sys.executable, endpoint: str | None = None,
@@ -194,18 +213,8 @@ class Train(Stage):
 
         # Recorded so that a resume after this process was SIGKILLed can stop the orphaned trainer
         # (it runs in its own session and would keep writing checkpoints).
-        env = procs.child_env(ctx.run.cache_root)
-        if ctx.profile.train.cuda_visible_devices:  # training on some GPUs, serving on the others
-            env["CUDA_VISIBLE_DEVICES"] = ctx.profile.train.cuda_visible_devices
-        if mooncake.runs_here(ctx.profile):  # the trainer's store client on loopback, beside the run's master
-            env["MOONCAKE_LOCAL_HOSTNAME"] = "127.0.0.1"
+        env = trainer_env(ctx, endpoint)
         t0 = time.monotonic()
-        env.pop(speculators_compat.KEEP_ENV, None)  # only this profile's setting turns it on, not the shell's
-        if ctx.profile.evaluate.checkpoints == "each" and ctx.profile.train.checkpoint_freq < 1:
-            env[speculators_compat.KEEP_ENV] = "1"  # each sub-epoch checkpoint copied to kept/ as it is saved
-        env.pop(launch.REQUESTS_ENV, None)
-        if endpoint:  # online: each loader worker's batch fetched through several requests at once
-            env[launch.REQUESTS_ENV] = str(ctx.profile.train.requests_per_worker)
         log = ctx.run.log_path(self.name)
         this_attempt = log.stat().st_size if log.exists() else 0  # the log keeps every attempt's lines
         rc = ctx.run_child(cmd, env=env, on_line=on_line)
