@@ -75,6 +75,7 @@ def epochs(run_dir: Path) -> dict:
         if "epoch" in e and any(k.startswith("val/") for k in e):
             ends[int(e["epoch"])] = round(e["t"] - t0, 1)
     return {"taus": taus, "train_s": r.stage_state("train").get("seconds"), "epoch_end_s": ends,
+            "startup_s": (r.stage_state("train").get("figures") or {}).get("startup_s"),
             "chosen": (picked.get("chosen") or {}).get("label"),
             "chosen_path": next((e["path"] for e in picked.get("checkpoints", [])
                                  if e["label"] == (picked.get("chosen") or {}).get("label")), None)}
@@ -88,6 +89,14 @@ def reached(figures: dict, tau: float) -> tuple[float, int] | tuple[None, None]:
         if t >= tau:
             return (0.0, 0) if label == "start" else (figures["epoch_end_s"].get(int(label)), int(label) + 1)
     return None, None
+
+
+def after_startup(figures: dict, seconds: float | None) -> float | None:
+    """Seconds to the crossing less the trainer's start-up (the train stage's `startup_s`: to its first logged
+    step), 0 for the starting head; None where either is unknown."""
+    if seconds is None or figures.get("startup_s") is None:
+        return None
+    return max(0.0, seconds - figures["startup_s"]) if seconds else 0.0
 
 
 def main() -> int:
@@ -148,10 +157,14 @@ def main() -> int:
           f"{tw} s ({ew} epochs)" + (f" (×{tw / tc:.2f} of the cold's time, ×{ew / ec:.2f} of its epochs)"
                                      if tc and tw is not None and ec and ew is not None else "")
           + f"; train stages {cold['train_s']} s (cold) and {warm['train_s']} s (warm)")
+    steps_c, steps_w = after_startup(cold, tc), after_startup(warm, tw)
+    if steps_c and steps_w is not None:  # the fixed start-up (imports; on a GPU the compile) taken off both
+        print(f"after the trainer's start-up ({cold['startup_s']} s cold, {warm['startup_s']} s warm): cold "
+              f"{steps_c:.1f} s, warm {steps_w:.1f} s (×{steps_w / steps_c:.2f})")
     (work / f"result-{name}.json").write_text(json.dumps({
         "warm_run": name, "old": old, "cold": cold, "warm": warm, "old_head_tau_old": on_old,
         "old_head_tau_new": on_new, "cold_final_tau": final, "cold_time_s": tc, "warm_time_s": tw,
-        "cold_epochs": ec, "warm_epochs": ew}))
+        "cold_epochs": ec, "warm_epochs": ew, "cold_after_startup_s": steps_c, "warm_after_startup_s": steps_w}))
     print(f"figures: {work / f'result-{name}.json'}")
     return 0
 
