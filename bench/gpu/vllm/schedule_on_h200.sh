@@ -26,6 +26,9 @@ read -ra variants <<< "${VARIANTS:-base base2 k3}"
 [ -n "${OVERLAP:-}" ] && { read -ra servers <<< "$OVERLAP"
   timeout "${SC_TIMEOUT:-540}" python3 -u bench/gpu/overlap_cost.py --tokenizer /tmp/tok --size 0.8b \
     --servers "${servers[@]}" --rounds "${ROUNDS:-3}" --work /tmp/oc 2>&1 | grep -v '^\[' | tee -a "$OUT/overlap-cost.txt"; }
+# PLACEMENT=1: bench/gpu/placement_cost.py instead (one server's processes moved between CPU sets while measured)
+[ -n "${PLACEMENT:-}" ] && { timeout "${SC_TIMEOUT:-540}" python3 -u bench/gpu/placement_cost.py --tokenizer /tmp/tok \
+    --instances "${INSTANCES:-3}" --work /tmp/pc 2>&1 | grep -v '^\[' | tee -a "$OUT/placement-cost.txt"; exit 0; }
 [ -n "${OVERLAP:-}" ] || timeout "${SC_TIMEOUT:-540}" python3 -u bench/gpu/schedule_cost.py --tokenizer /tmp/tok --size "${SIZE:-0.8b}" \
   --variants "${variants[@]}" --rounds "${ROUNDS:-3}" --prompts "${PROMPTS:-32}" --work /tmp/sc 2>&1 | grep -v '^\[' | tee -a "$OUT/schedule-cost.txt"
 for f in /tmp/sc/server-*.log /tmp/oc/server-*.log; do [ -f "$f" ] || continue; echo "# start of $(basename "$f" .log):"
