@@ -144,31 +144,30 @@ def server_cache(profile: Profile) -> Path:
     return Path(profile.run.cache_dir).resolve() / "server-cache"
 
 
-def cache_env(profile: Profile) -> dict:
-    """vLLM's cache variables: server_cache's where this user can write it, else none, and vLLM keeps its own
-    default (~/.cache/vllm): a read-only cache_dir, or one another user created, must not stop a server."""
+def shared_dirs(profile: Profile, **names: str) -> dict:
+    """{VARIABLE: server_cache/sub} for each `VARIABLE=sub`, where this user can write every sub (created
+    here), else {}: a read-only cache_dir, or one another user created, must not stop a server or a trainer."""
     shared = server_cache(profile)
     with contextlib.suppress(OSError):
-        for sub in ("vllm", "inductor"):
+        for sub in names.values():
             (shared / sub).mkdir(parents=True, exist_ok=True)
-    if not all(os.access(shared / sub, os.W_OK | os.X_OK) for sub in ("vllm", "inductor")):
+    if not all(os.access(shared / sub, os.W_OK | os.X_OK) for sub in names.values()):
         return {}
-    return {"VLLM_CACHE_ROOT": str(shared / "vllm"), "TORCHINDUCTOR_CACHE_DIR": str(shared / "inductor")}
+    return {var: str(shared / sub) for var, sub in names.items()}
+
+
+def cache_env(profile: Profile) -> dict:
+    """vLLM's cache variables in server_cache, or none and vLLM keeps its own default (~/.cache/vllm)."""
+    return shared_dirs(profile, VLLM_CACHE_ROOT="vllm", TORCHINDUCTOR_CACHE_DIR="inductor")
 
 
 def trainer_cache_env(profile: Profile) -> dict:
-    """The trainer's torch.compile and Triton caches in the shared cache beside vLLM's, where this user can
-    write it (else {}: the run's own .cache, as before). Keyed by content like vLLM's, so a later run of the
-    box starts warm: on an H200 the train stage's first step came at 94–106 s with cold caches and 24–26 s
-    with warm ones (flex attention, NOTES.md "the train stage vs speculators train"), and each run kept its
-    own — every run of a box, a next release's cold and warm starts included, paid the compile again."""
-    shared = server_cache(profile)
-    with contextlib.suppress(OSError):
-        for sub in ("inductor", "triton"):
-            (shared / sub).mkdir(parents=True, exist_ok=True)
-    if not all(os.access(shared / sub, os.W_OK | os.X_OK) for sub in ("inductor", "triton")):
-        return {}
-    return {"TORCHINDUCTOR_CACHE_DIR": str(shared / "inductor"), "TRITON_CACHE_DIR": str(shared / "triton")}
+    """The trainer's torch.compile and Triton caches in the shared cache beside vLLM's (else {}: the run's own
+    .cache, as before). Keyed by content like vLLM's, so a later run of the box starts warm: on an H200 the
+    train stage's first step came at 94–106 s with cold caches and 24–26 s with warm ones (flex attention,
+    NOTES.md "On H200s", row (b)), and each run kept its own — every run of a box, a next release's cold and
+    warm starts included, paid the compile again."""
+    return shared_dirs(profile, TORCHINDUCTOR_CACHE_DIR="inductor", TRITON_CACHE_DIR="triton")
 
 
 def server_env(profile: Profile, mode: str = "production") -> dict:
