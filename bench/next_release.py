@@ -107,7 +107,8 @@ def main() -> int:
     ap.add_argument("--warm-epochs", type=int, default=None,
                     help="train.epochs of the warm start (default: the cold's)")
     ap.add_argument("--warm-lr", type=float, default=None, help="train.lr of the warm start (default: the cold's)")
-    ap.add_argument("--set", action="append", default=[], help="KEY=VALUE for every run (the demo profile's keys)")
+    ap.add_argument("--set", action="append", default=[],
+                    help="KEY=VALUE for every run (demo_target.next_release_*: the new target's runs only)")
     ap.add_argument("--warm-set", action="append", default=[],
                     help="KEY=VALUE for the warm start only, e.g. train.extra_args=[\"--scheduler-type\",\"none\"]")
     ap.add_argument("--warm-tag", default="", help="the warm run's name suffix for its --warm-set (default: a hash)")
@@ -116,9 +117,12 @@ def main() -> int:
     work.mkdir(parents=True, exist_ok=True)
     # τ per checkpoint: the offline evaluator where the profile runs it (the CPU demo), else one vLLM server a
     # checkpoint (gpu-demo: evaluate.offline = "off"); every run stops after pick-checkpoint, before the matrix
+    # the release's own keys (demo_target.next_release_*) go to the new target's runs only: the old release has
+    # none, and a rate without its steps is refused there
+    release = [s for s in args.set if s.startswith("demo_target.next_release_")]
     common = ['evaluate.checkpoints="each"', f'run.cache_dir="{work / "cache"}"',
-              f'run.runs_dir="{work}"', *args.set]
-    new = [*common, f"demo_target.next_release_steps={args.steps}"]
+              f'run.runs_dir="{work}"', *[s for s in args.set if s not in release]]
+    new = [*common, f"demo_target.next_release_steps={args.steps}", *release]
     old = epochs(run(work, "old", args.profile, common))
     cold = epochs(run(work, "cold", args.profile, new))
     warm_sets = [f'train.from_pretrained="{old["chosen_path"]}"']
