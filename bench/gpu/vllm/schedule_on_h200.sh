@@ -5,7 +5,7 @@
 #   VARIANTS="base base2 k3" bash bench/gpu/vllm/schedule_on_h200.sh
 #   VARIANTS="sched-v1 k3-v1 sched-pw" bash bench/gpu/vllm/schedule_on_h200.sh
 #   SIZE=mla VARIANTS="k3-sw k3 base" …   (the Kimi-class target: MLA + MoE, bench/gpu/step_cost.py SIZES)
-# .tok: a tokenizer directory (config.json + tokenizer.json), e.g. shared/gpu-vllm/build_tiny.py's.
+# .tok: a tokenizer directory (config.json + tokenizer.json), e.g. a demo run's target (run.cache_dir/demo-target-*).
 set -uo pipefail
 OUT=${OUT:-$PWD/out}; mkdir -p "$OUT"
 for d in .vl1 .vl2 .vl3; do [ -d "$d" ] && mkdir -p /tmp/vlparts && cp "$d"/* /tmp/vlparts/; done
