@@ -102,16 +102,17 @@ def main() -> int:
             for j, spec in enumerate(args.placements):
                 place(rec.pid, spec)
                 measure(rec.base_url, prompts[:8], 16, 8, ignore_eos=True)  # settle on the new CPUs
-                clocks = Clocks()
+                clocks = Clocks()  # over the c = 1 rounds alone: the GPU's busy share at one request
                 clocks.start()
                 one = [measure(rec.base_url, prompts, args.tokens, 1, ignore_eos=True)["tok_s"]
                        for _ in range(args.rounds)]
+                at_one = clocks.summary()
                 eight = [measure(rec.base_url, prompts, args.tokens, 8, ignore_eos=True)["tok_s"]
                          for _ in range(args.rounds)]
                 table[(i, f"{j}:{spec}")] = statistics.median(one)
                 print(f"instance {i} cpus {spec:>6}: c=1 {statistics.median(one):7.1f} ({min(one):.0f}–{max(one):.0f})"
                       f"  c=8 {statistics.median(eight):7.1f} ({min(eight):.0f}–{max(eight):.0f})  "
-                      f"{clocks.summary()}  ran on {where(rec.pid)}", flush=True)
+                      f"c=1: {at_one}  ran on {where(rec.pid)}", flush=True)
         finally:
             ctl.stop(grace=10)
     for i in sorted({i for i, _ in table}):

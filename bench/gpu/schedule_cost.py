@@ -89,11 +89,14 @@ def random_target(args, prefix: str) -> tuple[bool, Path, Path, int]:
 
 
 class Clocks(threading.Thread):
-    """The SM clock (MHz) every 0.2 s while measuring, through NVML."""
+    """The SM clock (MHz) and the GPU's busy share (NVML's utilization: the time a kernel ran) every 0.2 s
+    while measuring. A slow instance with the GPU as busy as a fast one's is slow on the GPU; with the GPU
+    idler, it waits on its CPU side."""
 
     def __init__(self):
         super().__init__(daemon=True)
         self.samples: list[int] = []
+        self.busy: list[int] = []
         self.done = threading.Event()
 
     def run(self):
@@ -103,14 +106,16 @@ class Clocks(threading.Thread):
             h = pynvml.nvmlDeviceGetHandleByIndex(0)
             while not self.done.wait(0.2):
                 self.samples.append(pynvml.nvmlDeviceGetClockInfo(h, pynvml.NVML_CLOCK_SM))
+                self.busy.append(pynvml.nvmlDeviceGetUtilizationRates(h).gpu)
         except Exception:  # noqa: BLE001 - no NVML: no clock column
             pass
 
     def summary(self) -> str:
         self.done.set()
         self.join(2)
-        s = self.samples
-        return f"sm {statistics.median(s):.0f} MHz ({min(s)}–{max(s)})" if s else "sm n/a"
+        s, b = self.samples, self.busy
+        return (f"sm {statistics.median(s):.0f} MHz ({min(s)}–{max(s)}), gpu busy {statistics.median(b):.0f} %"
+                if s else "sm n/a")
 
 
 def main() -> int:
