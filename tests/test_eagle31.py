@@ -106,6 +106,13 @@ def test_speculators_resolves_the_flags_to_the_values_the_profile_asked_for():
                                                     "train.norm_before_fc"),
     ({"train.extra_args": ["--loss-fn=ce"]}, "key 'train.extra_args': is set by the profile: train.loss_fn"),
     ({"train.extra_args": ["--fc-norm"]}, "key 'train.extra_args': is set by the profile: train.fc_norm"),
+    # flags the stage itself passes: given again the trainer takes extra_args', past preflight's warm-start
+    # checks (--from-pretrained, --num-layers) and the vocab stage's mapping (--d2t-path)
+    ({"train.extra_args": ["--from-pretrained", "/h"]}, "is set by the profile: train.from_pretrained"),
+    ({"train.extra_args": ["--num-layers", "2"]}, "is set by the profile: train.num_layers"),
+    ({"train.extra_args": ["--d2t-path=/x.npy"]}, "is set by the profile: vocab.draft_vocab_size"),
+    ({"train.extra_args": ["--epochs", "9"]}, "is set by the profile: train.epochs"),
+    ({"train.extra_args": ["--target-layer-ids", "1"]}, "is set by the profile: extract.layer_ids"),
 ])
 def test_the_profile_refuses_in_one_line_naming_the_key(sets, line):
     with pytest.raises(ProfileError) as err:

@@ -87,7 +87,51 @@ def test_a_head_that_is_not_one_and_a_research_head(built, tmp_path):  # noqa: F
     fits = warm_start_findings(profile_on(built, built.research, **{**FITS, "train.num_layers": 1,
                                                                     "extract.layer_ids": [0, 1, 2, 3],
                                                                     "train.fc_norm": False}))
-    assert [f.severity for f in fits] == ["ok"] and "speculators convert makes the run's copy" in fits[0].message
+    assert [f.severity for f in fits] == ["ok", "warn"] and "speculators convert makes the run's copy" in \
+        fits[0].message
+    # its config names no aux layers: the profile's, off the default, are said (its fc may read other states)
+    assert "names no aux layers" in fits[1].message and "[0, 1, 2]" in fits[1].message, fits[1].message
+
+
+def test_a_research_head_missing_a_weight_or_with_a_torn_mapping_is_blocked_before_extract(built, tmp_path):  # noqa: F811
+    """speculators' converter only warns about a missing weight (and leaves it random): preflight names the
+    keys from the weights' index; a d2t and t2d that disagree are caught before the vocab stage writes them."""
+    import torch
+
+    from tests.test_speculators_heads import _research_head
+
+    fits = {**FITS, "train.num_layers": 1, "extract.layer_ids": [0, 1, 2, 3], "train.fc_norm": False}
+    gap = _research_head(tmp_path / "gap", edit=lambda w: {k: v for k, v in w.items() if k != "norm.weight"})
+    (found,) = blocking(warm_start_findings(profile_on(built, gap, **fits)))
+    assert "not in the weights: norm.weight" in found.message and "train.from_pretrained" in found.message
+    torn = _research_head(tmp_path / "torn", edit=lambda w: {**w, "d2t": w["d2t"] + torch.ones_like(w["d2t"])})
+    (found,) = blocking(warm_start_findings(profile_on(built, torn, **fits)))
+    assert "disagree" in found.message, found.message
+    assert not blocking(warm_start_findings(profile_on(built, torn, **fits, **{"vocab.from_head": False})))
+
+
+def test_a_runs_copy_of_another_head_is_refused_not_trained(built, tmp_path):  # noqa: F811
+    """The run's profile.toml edited to name another head after start-head/ was made: preflight and the
+    stages refuse the old copy, naming the key and both heads, instead of training it as the new one."""
+    from pipeline.layout.rundir import record_head_copy
+    from pipeline.planning.preflight import warm_start_findings as findings
+    from pipeline.stages.base import StageError
+    from pipeline.stages.heads import held_copy
+
+    run = RunDir(tmp_path / "run")
+    copy = run.start_head_dir
+    copy.mkdir(parents=True)
+    (copy / "config.json").write_text((built.head / "config.json").read_text())
+    record_head_copy(copy, "/old/head")
+    p = profile_on(built, built.head, **FITS)
+    (found,) = blocking(findings(p, run.root))
+    assert "was made from '/old/head'" in found.message and "train.from_pretrained" in found.message
+    ctx = SimpleNamespace(profile=p, run=run)
+    with pytest.raises(StageError, match="this run's copy .* was made from '/old/head'") as err:
+        held_copy(ctx, copy, str(built.head), "train.from_pretrained")
+    assert not err.value.resumable
+    record_head_copy(copy, str(built.head))  # the copy of the head named: held as before
+    assert held_copy(ctx, copy, str(built.head), "train.from_pretrained") == copy
 
 
 def test_the_profile_keys(tmp_path):
@@ -100,7 +144,25 @@ def test_the_profile_keys(tmp_path):
     assert measures_checkpoints(p) and not measures_checkpoints(load_profile(TINY))
     text = warm_start_text(p)
     assert "1 epoch(s) on from" in text and "checkpoint 'start' beside the last epoch" in text
+    assert "not readable now" in text and "preflight blocks the run" in text  # an empty folder: said, not guessed
     assert warm_start_text(load_profile(TINY)) == ""
+
+
+def test_a_relative_head_on_the_command_line_is_the_working_directorys(tmp_path, monkeypatch):
+    """--set paths are typed where the operator stands: relative to the working directory, not to the profile's
+    folder — for `run --copy-of` that folder is another run's, which may hold a head of the same name."""
+    (tmp_path / "checkpoints" / "1").mkdir(parents=True)
+    monkeypatch.chdir(tmp_path)
+    p = load_profile(TINY, overrides={"train.from_pretrained": "checkpoints/1", "evaluate.existing_head": "h"})
+    assert p.train.from_pretrained == str(tmp_path / "checkpoints" / "1")
+    assert p.evaluate.existing_head == str(tmp_path / "h")
+    assert load_profile(TINY, overrides={"train.from_pretrained": "existing", "evaluate.existing_head": "h"}) \
+        .train.from_pretrained == "existing"
+    # written into a profile file, a path stays the profile's folder's (a profile works from any cwd)
+    written = tmp_path / "profiles" / "p.toml"
+    written.parent.mkdir()
+    written.write_text(f'extends = "{TINY}"\n[train]\nfrom_pretrained = "../checkpoints/1"\n')
+    assert load_profile(written).train.from_pretrained == str(tmp_path / "checkpoints" / "1")
 
 
 def test_the_command_loads_the_head_and_leaves_the_shaping_to_it(tmp_path):

@@ -269,6 +269,15 @@ def shape(path: Path) -> HeadShape:
         window=window, full_layers=not window or "full_attention" in types)
 
 
+# What every EAGLE-3 research head holds (SafeAILab/EAGLE's LlamaForCausalLMEagle3, one decoder layer):
+# speculators 0.9.0's converter loads the rest at its random initialization with a warning only
+# (convert/eagle/eagle3_converter.py `load_state_dict(strict=False)`), which `convert` refuses after the fact.
+RESEARCH_KEYS = ("fc.weight", "norm.weight", "lm_head.weight", "midlayer.hidden_norm.weight",
+                 "midlayer.input_layernorm.weight", "midlayer.post_attention_layernorm.weight",
+                 *(f"midlayer.self_attn.{p}_proj.weight" for p in "qkvo"),
+                 *(f"midlayer.mlp.{p}_proj.weight" for p in ("gate", "up", "down")))
+
+
 def _research_shape(src: HeadSource) -> HeadShape:
     """EAGLE's config.json and the weights' shapes, as the converter carries them over (convert/eagle3: the
     layer sizes and draft vocabulary from the config, the mapping from the weights, full attention, the four
@@ -276,6 +285,9 @@ def _research_shape(src: HeadSource) -> HeadShape:
     conversion, which happens only in vocab or measure-existing."""
     where = src.head / "config.json"
     config, keys = _json(where), _weights(src.weights)
+    if missing := [k for k in RESEARCH_KEYS if k not in keys]:  # before extract, not in the vocab stage
+        raise HeadError(f"{src.weights[0]}: not in the weights: {', '.join(missing)} (speculators convert would "
+                        f"leave them at random)")
     hidden = _size(where, config.get("hidden_size"), "hidden_size")
     fc, t2d = keys.get("fc.weight"), keys.get("t2d")
     target_hidden = _size(where, config.get("target_hidden_size") or (fc[1] // 3 if fc and len(fc) == 2 else hidden),
@@ -301,11 +313,9 @@ def vocab_mapping(path: Path) -> tuple[Any, Any] | None:
     return found["d2t"], found["t2d"]
 
 
-def write_vocab_files(path: Path, out_dir: Path) -> tuple[Path, Path]:
-    """The head's own mapping as the vocab stage writes it for speculators' trainer (RunDir.vocab_mappings:
-    d2t-N.npy int64 offsets, t2d-N.npy bool mask, N its draft vocab size), after the checks speculators'
-    `load_vocab_mappings` makes and EAGLE's convention (target id = draft index + d2t) holds."""
-    import numpy as np
+def checked_mapping(path: Path) -> tuple[Any, Any]:
+    """The head's (d2t int64, t2d bool) after the checks speculators' `load_vocab_mappings` makes and EAGLE's
+    convention (target id = draft index + d2t): preflight's as the vocab stage's."""
     import torch
 
     if (mapping := vocab_mapping(path)) is None:
@@ -314,6 +324,17 @@ def write_vocab_files(path: Path, out_dir: Path) -> tuple[Path, Path]:
     n = d2t.shape[0]
     if int(t2d.sum()) != n or not torch.equal(torch.arange(n) + d2t, torch.nonzero(t2d).squeeze(1)):
         raise HeadError(f"{classify(path).head}: d2t ({n} entries) and t2d ({int(t2d.sum())} set) disagree")
+    return d2t, t2d
+
+
+def write_vocab_files(path: Path, out_dir: Path) -> tuple[Path, Path]:
+    """The head's own mapping as the vocab stage writes it for speculators' trainer (RunDir.vocab_mappings:
+    d2t-N.npy int64 offsets, t2d-N.npy bool mask, N its draft vocab size), after the checks speculators'
+    `load_vocab_mappings` makes and EAGLE's convention (target id = draft index + d2t) holds."""
+    import numpy as np
+
+    d2t, t2d = checked_mapping(path)
+    n = d2t.shape[0]
     out = Path(out_dir) / f"d2t-{n}.npy", Path(out_dir) / f"t2d-{n}.npy"
     for file, array in zip(out, (d2t.numpy(), t2d.numpy()), strict=True):
         def save(p: Path, a=array) -> None:

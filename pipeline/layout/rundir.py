@@ -183,3 +183,15 @@ class RunDir:
 
     def events(self):
         return atomicio.read_jsonl(self.events_path)
+
+
+def head_copy_source(copy: Path) -> str | None:
+    """The head a run's copy (start-head/, eval/existing-head/) was made from, where the copy recorded it."""
+    said = atomicio.read_json(Path(copy).with_name(Path(copy).name + ".source.json"))
+    return said.get("named") if isinstance(said, dict) else None
+
+
+def record_head_copy(copy: Path, named: str) -> None:
+    """Beside a whole copy: the head the profile named when it was made. A run's profile.toml edited since
+    (another head) must not train or serve the old copy as if it were the new one (heads.held_copy)."""
+    atomicio.atomic_write_json(Path(copy).with_name(Path(copy).name + ".source.json"), {"named": named})

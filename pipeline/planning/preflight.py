@@ -23,12 +23,12 @@ from pipeline.compat.versions import (
     served_vllm,
 )
 from pipeline.compat.versions import parse as _version
-from pipeline.data.target import resolve_layer_ids
+from pipeline.data.target import default_layer_ids, resolve_layer_ids
 from pipeline.data.targetinfo import TargetInfoError, draft_plan, target_info
 from pipeline.evaluation.offline_policy import offline_evaluation, transformers_fit
 from pipeline.host import gpu
 from pipeline.layout import atomicio
-from pipeline.layout.rundir import RunDir
+from pipeline.layout.rundir import RunDir, head_copy_source
 from pipeline.planning import vllm_probe
 from pipeline.planning.calibration import CalibrationError
 from pipeline.planning.plan import disk_verdict, make_plan, time_summary
@@ -385,6 +385,13 @@ def start_mismatches(profile, head: Path, hidden_size: int, target_vocab: int, n
         window=None if t.sliding_window == default["sliding_window"] else t.sliding_window)
 
 
+def _stale_copy(held: str, named: str) -> str | None:
+    """Why the run's copy of a head is not the head the profile names (its profile.toml edited since)."""
+    if held == named or (made_from := head_copy_source(Path(held))) in (None, named):
+        return None
+    return f"the run's copy {held} was made from {made_from!r}: train from the new head in a new run (run --copy-of)"
+
+
 def _start_copy(profile: Profile) -> str:
     """Where a run keeps its copy of the head it trains from (RunDir's attribute)."""
     return "existing_head_dir" if profile.train.from_pretrained == "existing" else "start_head_dir"
@@ -410,6 +417,8 @@ def existing_head_findings(profile: Profile, run_dir: Path | None = None) -> lis
     if not profile.serves_existing():
         return []
     named = profile.evaluate.existing_head
+    if stale := _stale_copy(_held(named, run_dir, "existing_head_dir"), named):
+        return [Finding("block", "existing head", f"evaluate.existing_head {named!r}: {stale}")]
     try:
         source = speculators_heads.classify(Path(_held(named, run_dir, "existing_head_dir")))
         shape = speculators_heads.shape(source.head)  # a research head's as the converter will write it
@@ -435,6 +444,8 @@ def warm_start_findings(profile: Profile, run_dir: Path | None = None) -> list[F
         return []
     key, named = start
     held = _held(named, run_dir, _start_copy(profile))
+    if stale := _stale_copy(held, named):
+        return [Finding("block", "warm start", f"{key} {named!r}: {stale}")]
     try:
         source = speculators_heads.classify(Path(held))
     except speculators_heads.HeadError as exc:
@@ -449,10 +460,22 @@ def warm_start_findings(profile: Profile, run_dir: Path | None = None) -> list[F
         return [Finding("warn", "warm start", f"{key} {named!r}: not checked against the target: {exc}")]
     if found:
         return [Finding("block", "warm start", f"{key} {named!r}: {k}: {why}") for k, why in found]
+    if shape.has_t2d and profile.vocab.from_head:  # the mapping the vocab stage will write for the trainer
+        try:
+            speculators_heads.checked_mapping(source.head)
+        except speculators_heads.HeadError as exc:
+            return [Finding("block", "warm start", f"{key} {named!r}: {exc}")]
     what = f"the run's copy of {named}" if held != named else f"{source.head} ({source.kind})"
     out = [Finding("ok", "warm start", f"training goes on from {what}: {shape.layers} "
                                        f"layer(s), hidden {shape.hidden_size}, draft vocab {shape.draft_vocab_size} "
                                        f"of {shape.target_vocab}" + _converted(source))]
+    given, default = (resolve_layer_ids(profile.extract.layer_ids, info.layers)[:-1],
+                      default_layer_ids(info.layers)[:-1])
+    if shape.aux_layer_ids is None and given != default:  # a research head's config names none
+        out.append(Finding("warn", "warm start", f"the head names no aux layers (eagle_aux_hidden_state_layer_ids): "
+                                                 f"likely trained on the default {default}, where extract.layer_ids "
+                                                 f"gives it {given} — its fc would read other hidden states than it "
+                                                 f"learned on, unless those were its layers"))
     if not shape.has_t2d or not profile.vocab.from_head:
         why = "it has no d2t/t2d" if not shape.has_t2d else "vocab.from_head = false"
         out.append(Finding("warn", "warm start", f"the head's vocabulary mapping is dropped ({why}): the draft "

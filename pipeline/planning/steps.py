@@ -172,11 +172,19 @@ def warm_start_text(profile: Profile) -> str:
     t, v = profile.train, profile.vocab
     if (start := profile.warm_start()) is None:
         return ""
+    from pathlib import Path
+
+    from pipeline.compat import speculators_heads
     head = f"{start[0]} ({start[1]})" if t.from_pretrained == "existing" else start[1]
-    return (f"{t.epochs} epoch(s) on from {head} (speculators --from-pretrained; the planned training time is "
+    try:  # the plan's sizes fall back to the profile's where the head cannot be read: say so
+        speculators_heads.classify(Path(start[1]))
+        unread = ""
+    except speculators_heads.HeadError as exc:
+        unread = f" — not readable now ({exc}): the plan is the profile's shape and preflight blocks the run"
+    return (f"{t.epochs} epoch(s) on from {head}{unread} (speculators --from-pretrained; the planned training time is "
             f"those epochs'); its draft vocabulary {'kept' if v.from_head else 'rebuilt (vocab.from_head = false)'}; "
-            f"pick-checkpoint measures it as checkpoint 'start' beside the "
-            f"{'every checkpoint' if profile.evaluate.checkpoints == 'each' else 'last epoch'}")
+            f"pick-checkpoint measures it as checkpoint 'start' beside "
+            f"{'every checkpoint' if profile.evaluate.checkpoints == 'each' else 'the last epoch'}")
 
 
 def count_server_starts(profile: Profile) -> int:

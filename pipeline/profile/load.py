@@ -98,6 +98,21 @@ def _resolve_inputs(p: Profile, source: Path, check: bool = True, held: tuple[st
                          "evaluate": evaluate})
 
 
+# input paths an override may name: typed on a command line, a relative one is the operator's working
+# directory's — not the profile's folder, which for `run --copy-of` is another run's
+CWD_PATHS = ("target.model_path", "target.config", "evaluate.existing_head", "train.from_pretrained",
+             "hardware.calibration", "data.conversations")
+
+
+def _from_cwd(dotted: str, value):
+    """An override's relative input path made absolute against the working directory; any other value as is
+    ("existing", a speculators preset's name, a list of sources: their own rules)."""
+    if dotted not in CWD_PATHS or not isinstance(value, str) or not value or value == "existing" \
+            or Path(value).is_absolute() or (dotted == "data.conversations" and source_kind(value) != "file"):
+        return value
+    return str(Path.cwd() / value)
+
+
 def load_profile(path: str | Path, overrides: dict | None = None, check_inputs: bool = True,
                  held: tuple[str, ...] = ()) -> Profile:
     """Load a profile file (a bare name is looked up in profiles/), apply dotted overrides."""
@@ -107,6 +122,7 @@ def load_profile(path: str | Path, overrides: dict | None = None, check_inputs: 
     path = path.resolve()
     data = _read_toml(path)
     for dotted, value in (overrides or {}).items():
+        value = _from_cwd(dotted, value)
         node = data
         *parents, leaf = dotted.split(".")
         for depth, part in enumerate(parents):

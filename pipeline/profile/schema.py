@@ -343,11 +343,19 @@ def _gpu_list(key: str, devices: str) -> None:
 
 # speculators 0.9.0's loss names (speculators/losses/utils.py, fused and eager alike)
 LossName = Literal["kl_div", "rkl", "jsd", "ce", "tv", "nla", "lk_hybrid"]
-# speculators flags that TrainSection keys set: train.extra_args may not set them a second time
-PROFILE_TRAIN_FLAGS = {**{f"--{neg}{k.replace('_', '-')}": k for k in ("norm_before_residual", "norm_before_fc",
-                                                                       "norm_output") for neg in ("", "no-")},
-                       "--fc-norm": "fc_norm", "--loss-fn": "loss_fn", "--ttt-step-loss-decay": "ttt_step_loss_decay",
-                       "--per-position-loss-weight": "per_position_loss_weight", "--sliding-window": "sliding_window"}
+# speculators flags that profile keys (or the run) set: train.extra_args may not set them a second time —
+# given twice, the trainer takes the last, extra_args', and the plan, preflight's warm-start checks and the
+# vocab stage's d2t/t2d would describe another training than the one that runs
+_TRAIN_KEYS = ("norm_before_residual", "norm_before_fc", "norm_output")
+PROFILE_TRAIN_FLAGS = {**{f"--{neg}{k.replace('_', '-')}": f"train.{k}" for k in _TRAIN_KEYS for neg in ("", "no-")},
+                       **{f"--{k.replace('_', '-')}": f"train.{k}" for k in (
+                           "fc_norm", "loss_fn", "ttt_step_loss_decay", "per_position_loss_weight", "sliding_window",
+                           "from_pretrained", "num_layers", "epochs", "lr", "optimizer", "ttt_steps", "total_seq_len",
+                           "seed", "num_workers", "draft_attn_impl", "loss_implementation")},
+                       **{f: "vocab.draft_vocab_size" for f in ("--draft-vocab-size", "--d2t-path", "--t2d-path")},
+                       "--target-layer-ids": "extract.layer_ids", "--verifier-name-or-path": "the run's target",
+                       "--data-path": "the run's prepared data", "--save-path": "the run's checkpoints",
+                       "--speculator-type": "the run (eagle3)"}
 
 
 class TrainSection(Section):
@@ -458,7 +466,7 @@ class TrainSection(Section):
             if arg.split("=", 1)[0] in ("--logger", "--log-dir", "--run-name"):
                 raise rule("train.extra_args", arg, "is set by the profile: train.loggers")
             if (key := PROFILE_TRAIN_FLAGS.get(arg.split("=", 1)[0])):
-                raise rule("train.extra_args", arg, f"is set by the profile: train.{key}")
+                raise rule("train.extra_args", arg, f"is set by the profile: {key}")
         if self.nnodes > 1 and not self.rdzv_endpoint:
             raise rule("train.rdzv_endpoint", self.rdzv_endpoint, f"is required when train.nnodes = {self.nnodes}")
         if not 0 <= self.node_rank < self.nnodes:

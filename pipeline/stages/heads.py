@@ -9,6 +9,7 @@ from pathlib import Path
 from pipeline.compat import speculators_heads
 from pipeline.compat.speculators_heads import HeadError, HeadSource
 from pipeline.layout.results import MeasureExistingResult
+from pipeline.layout.rundir import head_copy_source, record_head_copy
 from pipeline.planning.preflight import start_mismatches
 from pipeline.serving.deploy import FILES, publish_draft
 from pipeline.stages.base import StageContext, StageError
@@ -31,8 +32,10 @@ def resolve_head(ctx: StageContext, named: str, key: str, dest: Path) -> tuple[H
                      f"{', '.join(p.name for p in source.weights)}, not one model.safetensors): its verifier path "
                      f"is kept as it was written", ctx.log.warning)
             return source, source.head
-        return source, publish_draft(source.head, dest, ctx.target_dir())
-    if (dest / "config.json").is_file():
+        published = publish_draft(source.head, dest, ctx.target_dir())
+        record_head_copy(dest, named)
+        return source, published
+    if held_copy(ctx, dest, named, key):
         ctx.log.info("the research-format head was converted by an earlier attempt: %s", dest)
         return source, dest
 
@@ -44,9 +47,23 @@ def resolve_head(ctx: StageContext, named: str, key: str, dest: Path) -> tuple[H
     ctx.note(f"converting the research-format head {source.head} ({key}) with speculators convert into {dest}",
              ctx.log.info)
     try:
-        return source, speculators_heads.convert(source.head, dest, verifier=ctx.target_dir(), run_child=child)
-    except HeadError as exc:
-        raise StageError(f"{key} = {named!r}: {exc}") from None
+        converted = speculators_heads.convert(source.head, dest, verifier=ctx.target_dir(), run_child=child)
+    except HeadError as exc:  # the same head converts the same way on a resume: a new head or a new run
+        raise StageError(f"{key} = {named!r}: {exc}", resumable=False) from None
+    record_head_copy(dest, named)
+    return source, converted
+
+
+def held_copy(ctx: StageContext, dest: Path, named: str, key: str) -> Path | None:
+    """`dest` where it holds a whole copy of the head `key` names (None: no copy yet). A copy of another head —
+    the run's profile.toml edited since it was made — is refused, not trained or served as the new one."""
+    if not (dest / "config.json").is_file():
+        return None
+    if (made_from := head_copy_source(dest)) not in (None, named):
+        raise StageError(f"{key} = {named!r}: this run's copy {dest} was made from {made_from!r} (its profile.toml "
+                         f"changed since): train from the new head in a new run (eagle3-console run --copy-of "
+                         f"{ctx.run.root} --from vocab --set {key}=...)", resumable=False)
+    return dest
 
 
 def existing_head(ctx: StageContext) -> tuple[HeadSource, Path]:
@@ -94,7 +111,7 @@ def start_head(ctx: StageContext) -> Path | None:
     dest = ctx.run.existing_head_dir if ctx.profile.train.from_pretrained == "existing" else ctx.run.start_head_dir
     # vocab, train and pick-checkpoint each ask: the head is copied (or converted) into the run once, by the
     # first; publish_draft renames a whole directory into place, so a config.json there is a finished copy
-    head = dest if (dest / "config.json").is_file() else resolve_head(ctx, named, key, dest)[1]
+    head = held_copy(ctx, dest, named, key) or resolve_head(ctx, named, key, dest)[1]
     check_start(ctx, head)
     return head
 

@@ -49,7 +49,11 @@ class Vocab(Stage):
         d2t_path, t2d_path = ctx.run.vocab_mappings(ctx.profile.vocab.draft_vocab_size)
         head = heads.start_head(ctx)
         if head is not None and ctx.profile.vocab.from_head and speculators_heads.shape(head).has_t2d:
-            speculators_heads.write_vocab_files(head, ctx.run.prepared_dir)  # its size is the profile's (checked)
+            try:  # its size is the profile's (checked); its own two halves may still disagree
+                speculators_heads.write_vocab_files(head, ctx.run.prepared_dir)
+            except speculators_heads.HeadError as exc:
+                key, named = ctx.profile.warm_start()
+                raise StageError(f"{key} = {named!r}: {exc}", resumable=False) from None
             t2d = torch.from_numpy(np.load(t2d_path))
             ctx.note(f"the draft vocabulary is the starting head's ({head}): its d2t/t2d kept", ctx.log.info)
         else:
