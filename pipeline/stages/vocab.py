@@ -52,7 +52,7 @@ class Vocab(Stage):
             try:  # its size is the profile's (checked); its own two halves may still disagree
                 speculators_heads.write_vocab_files(head, ctx.run.prepared_dir)
             except speculators_heads.HeadError as exc:
-                key, named = ctx.profile.warm_start()
+                key, named = ctx.profile.warm_start() or ("train.from_pretrained", str(head))
                 raise StageError(f"{key} = {named!r}: {exc}", resumable=False) from None
             t2d = torch.from_numpy(np.load(t2d_path))
             ctx.note(f"the draft vocabulary is the starting head's ({head}): its d2t/t2d kept", ctx.log.info)
