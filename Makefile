@@ -28,11 +28,11 @@ $(STAMP): requirements/base.txt requirements/test.txt requirements/constraints.t
 demo: venv
 	$(BIN)/eagle3-console run demo --no-tui
 
-# ruff alone (pyproject.toml [tool.ruff]): a second or two; `make test-fast` runs it first.
+# ruff alone (pyproject.toml [tool.ruff]): a second or two.
 ruff: venv
 	$(BIN)/ruff check pipeline console tests bench
 
-# ruff, then mypy on pipeline/ and console/ ([tool.mypy]), ~25 s; `make test` runs it first.
+# ruff, then mypy on pipeline/ and console/ ([tool.mypy]), ~25 s cold, seconds warm; `make test` and `make test-fast` run it first.
 lint: ruff
 	$(BIN)/mypy
 
@@ -48,7 +48,7 @@ test: lint
 
 # test-fast: on every change: ruff, then the tests that start nothing heavy (-m "not integration"), <= 3 min on 2 cores:
 # over the same two workers (one process: 3 m 38 s, two: 2 m 10 s, 2026-12-07 — it too waits on children).
-test-fast: ruff
+test-fast: lint
 	$(BIN)/python -m pytest -q -m "not integration" -n $(TEST_WORKERS) --dist loadscope --durations=10
 
 # test-integration: the integration lane alone (what test-fast leaves out); narrow it with ARGS, e.g.
