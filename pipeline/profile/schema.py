@@ -352,10 +352,13 @@ PROFILE_TRAIN_FLAGS = {**{f"--{neg}{k.replace('_', '-')}": f"train.{k}" for k in
                            "fc_norm", "loss_fn", "ttt_step_loss_decay", "per_position_loss_weight", "sliding_window",
                            "from_pretrained", "num_layers", "epochs", "lr", "optimizer", "ttt_steps", "total_seq_len",
                            "seed", "num_workers", "draft_attn_impl", "loss_implementation")},
-                       **{f: "vocab.draft_vocab_size" for f in ("--draft-vocab-size", "--d2t-path", "--t2d-path")},
+                       **dict.fromkeys(("--draft-vocab-size", "--d2t-path", "--t2d-path"), "vocab.draft_vocab_size"),
                        "--target-layer-ids": "extract.layer_ids", "--verifier-name-or-path": "the run's target",
                        "--data-path": "the run's prepared data", "--save-path": "the run's checkpoints",
-                       "--speculator-type": "the run (eagle3)"}
+                       "--speculator-type": "the run (eagle3)",
+                       **dict.fromkeys(("--save-best", "--checkpoint-freq"),
+                                       "train.checkpoint_freq, evaluate.checkpoints"),
+                       **dict.fromkeys(("--logger", "--log-dir", "--run-name"), "train.loggers")}
 
 
 class TrainSection(Section):
@@ -460,11 +463,6 @@ class TrainSection(Section):
             raise rule("train.checkpoint_freq", self.checkpoint_freq,
                        f"must divide train.epochs ({self.epochs}): speculators would not save the last epoch")
         for arg in self.extra_args:
-            if arg.split("=", 1)[0] in ("--save-best", "--checkpoint-freq"):
-                raise rule("train.extra_args", arg,
-                           "is set by the profile: train.checkpoint_freq, evaluate.checkpoints")
-            if arg.split("=", 1)[0] in ("--logger", "--log-dir", "--run-name"):
-                raise rule("train.extra_args", arg, "is set by the profile: train.loggers")
             if (key := PROFILE_TRAIN_FLAGS.get(arg.split("=", 1)[0])):
                 raise rule("train.extra_args", arg, f"is set by the profile: {key}")
         if self.nnodes > 1 and not self.rdzv_endpoint:
