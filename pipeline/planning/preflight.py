@@ -417,10 +417,11 @@ def existing_head_findings(profile: Profile, run_dir: Path | None = None) -> lis
     if not profile.serves_existing():
         return []
     named = profile.evaluate.existing_head
-    if stale := _stale_copy(_held(named, run_dir, "existing_head_dir"), named):
+    held = _held(named, run_dir, "existing_head_dir")
+    if stale := _stale_copy(held, named):
         return [Finding("block", "existing head", f"evaluate.existing_head {named!r}: {stale}")]
     try:
-        source = speculators_heads.classify(Path(_held(named, run_dir, "existing_head_dir")))
+        source = speculators_heads.classify(Path(held))
         shape = speculators_heads.shape(source.head)  # a research head's as the converter will write it
         info = target_info(profile)
     except speculators_heads.HeadError as exc:
